@@ -1,0 +1,232 @@
+"""Runners: a model behind the two calls the decoder needs, `forward(tokens, pos)` and `max_seq_len`.
+
+`forward(tokens, pos, keep=0)` feeds tokens (T,) at positions [pos, pos+T) and returns logits (T, V) in
+float32 (float64 for float64 models); `keep=n > 0` returns only the last n rows (a prefill needs one).
+The KV cache then holds positions [0, pos+T); calling forward again with a smaller `pos` rolls the
+cache back to that prefix: nothing before `pos` is recomputed.
+
+- `LeanLM`: a lean re-implementation of the Llama / Qwen2 / Mistral block (the architectures of the zoo's
+  SmolLM2 and Qwen2.5-Coder) that reads weights from the Hugging Face model: fused QKV and gate/up
+  matmuls, a preallocated KV cache, no per-step allocation of masks or cache objects. On a 2-core CPU
+  a small model's step is dominated by per-layer overhead, which is what this removes.
+- `HFRunner`: any Hugging Face causal LM (Gemma3 and the rest) with HF's own DynamicCache, cropped on rollback.
+
+`make_runner` picks the lean one where it applies. `quantize="int8"` gives a draft with dynamically
+quantised int8 Linear weights: cheaper steps, and exactness is untouched since the target verifies.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from decode.kv_cache import KVCache
+
+LEAN_ARCHITECTURES = ("llama", "qwen2", "mistral")
+
+
+class Runner(Protocol):
+    vocab_size: int
+    max_seq_len: int
+
+    def forward(self, tokens: Tensor, pos: int, keep: int = 0) -> Tensor: ...
+
+
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    # HF's LlamaRMSNorm op for op (float32 inside, whatever the dtype), so outputs agree with HF's
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def lean_supported(config) -> tuple[bool, str]:
+    """Whether LeanLM can run this HF config exactly, and if not, why."""
+    if config.model_type not in LEAN_ARCHITECTURES:
+        return False, f"architecture {config.model_type!r} is not one of {LEAN_ARCHITECTURES}"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return False, f"activation {config.hidden_act!r}"
+    if getattr(config, "use_sliding_window", False) or (
+        config.model_type == "mistral" and getattr(config, "sliding_window", None)
+    ):
+        return False, "sliding-window attention"
+    if getattr(config, "mlp_bias", False):
+        return False, "MLP bias"
+    return True, ""
+
+
+class LeanLayer(nn.Module):
+    def __init__(self, hf_layer, config, n_heads: int, n_kv: int, head_dim: int) -> None:
+        super().__init__()
+        attn, mlp = hf_layer.self_attn, hf_layer.mlp
+        has_bias = attn.q_proj.bias is not None
+        d = config.hidden_size
+        self.n_heads, self.n_kv, self.head_dim = n_heads, n_kv, head_dim
+        self.eps = config.rms_norm_eps
+        self.wqkv = nn.Linear(d, (n_heads + 2 * n_kv) * head_dim, bias=has_bias)
+        self.wo = nn.Linear(n_heads * head_dim, d, bias=attn.o_proj.bias is not None)
+        self.w_gate_up = nn.Linear(d, 2 * config.intermediate_size, bias=False)
+        self.w_down = nn.Linear(config.intermediate_size, d, bias=False)
+        with torch.no_grad():
+            self.wqkv.weight.copy_(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
+            if has_bias:
+                self.wqkv.bias.copy_(torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]))
+            self.wo.weight.copy_(attn.o_proj.weight)
+            if attn.o_proj.bias is not None:
+                self.wo.bias.copy_(attn.o_proj.bias)
+            self.w_gate_up.weight.copy_(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+            self.w_down.weight.copy_(mlp.down_proj.weight)
+        self.norm_in = nn.Parameter(hf_layer.input_layernorm.weight.detach().clone())
+        self.norm_post = nn.Parameter(hf_layer.post_attention_layernorm.weight.detach().clone())
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, layer: int, pos: int | Tensor,
+        mask: Tensor | None,
+    ) -> Tensor:
+        T = x.shape[0]
+        H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
+        qkv = self.wqkv(_rms_norm(x, self.norm_in, self.eps))  # (T, (H + 2Hkv) D)
+        q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+        q = q.view(T, H, D).transpose(0, 1)  # (H, T, D)
+        k = k.view(T, Hkv, D).transpose(0, 1)  # (Hkv, T, D)
+        v = v.view(T, Hkv, D).transpose(0, 1)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        if isinstance(pos, Tensor):  # static shapes: attend over the whole buffer under a mask
+            keys, values = cache.update_static(layer, pos, k, v)
+        else:
+            keys, values = cache.update(layer, pos, k, v)  # (Hkv, pos+T, D)
+        o = F.scaled_dot_product_attention(
+            q[None], keys[None], values[None], attn_mask=mask, enable_gqa=Hkv != H
+        )[0]  # (H, T, D)
+        x = x + self.wo(o.transpose(0, 1).reshape(T, H * D))
+        gate, up = self.w_gate_up(_rms_norm(x, self.norm_post, self.eps)).chunk(2, dim=-1)
+        return x + self.w_down(F.silu(gate) * up)
+
+
+class LeanLM(nn.Module):
+    """Llama-family causal LM with a preallocated KV cache; weights copied from a HF model."""
+
+    def __init__(self, hf_model, max_seq_len: int) -> None:
+        super().__init__()
+        config = hf_model.config
+        ok, why = lean_supported(config)
+        if not ok:
+            raise ValueError(f"LeanLM cannot run this model: {why}")
+        param = next(hf_model.parameters())
+        dtype, device = param.dtype, param.device
+        n_heads = config.num_attention_heads
+        n_kv = getattr(config, "num_key_value_heads", None) or n_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
+        base = hf_model.model
+        self.vocab_size = config.vocab_size
+        self.eps = config.rms_norm_eps
+        self.embed = nn.Embedding.from_pretrained(base.embed_tokens.weight.detach().clone(), freeze=True)
+        self.layers = nn.ModuleList(LeanLayer(l, config, n_heads, n_kv, head_dim) for l in base.layers)
+        self.norm = nn.Parameter(base.norm.weight.detach().clone())
+        head = hf_model.get_output_embeddings()
+        self.lm_head = nn.Linear(config.hidden_size, self.vocab_size, bias=False)
+        with torch.no_grad():
+            self.lm_head.weight.copy_(head.weight)
+        # RoPE tables from HF's own rotary module, so every rope_type (llama3, yarn, ...) matches exactly
+        pos_ids = torch.arange(max_seq_len, device=device)[None]
+        cos, sin = base.rotary_emb(torch.zeros(1, dtype=dtype, device=device), pos_ids)
+        self.register_buffer("cos", cos[0].to(dtype), persistent=False)  # (S, D)
+        self.register_buffer("sin", sin[0].to(dtype), persistent=False)
+        self.cache = KVCache(len(self.layers), n_kv, max_seq_len, head_dim, dtype, device)
+        self.to(device=device, dtype=dtype)
+        self.eval()
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.cache.max_seq_len
+
+    @torch.inference_mode()
+    def forward(self, tokens: Tensor, pos: int, keep: int = 0) -> Tensor:
+        """tokens (T,) at positions [pos, pos+T) -> logits (T, V), or the last `keep` rows."""
+        T = tokens.shape[0]
+        if pos + T > self.max_seq_len:
+            raise ValueError(f"sequence of {pos + T} tokens exceeds the cache ({self.max_seq_len})")
+        mask = None
+        if T > 1:  # new token i sees everything before it: keys j <= pos + i
+            mask = torch.ones(T, pos + T, dtype=torch.bool, device=tokens.device).tril(pos)
+        cos, sin = self.cos[pos : pos + T], self.sin[pos : pos + T]
+        return self._run(tokens, cos, sin, pos, mask, keep)
+
+    @torch.inference_mode()
+    def forward_static(self, tokens: Tensor, positions: Tensor) -> Tensor:
+        """Fixed-shape variant (tokens (T,), positions (T,) on device) for CUDA graphs / torch.compile."""
+        S = self.max_seq_len
+        mask = torch.arange(S, device=tokens.device)[None, :] <= positions[:, None]  # (T, S)
+        return self._run(tokens, self.cos[positions], self.sin[positions], positions, mask)
+
+    def _run(
+        self, tokens: Tensor, cos: Tensor, sin: Tensor, pos: int | Tensor, mask: Tensor | None, keep: int = 0
+    ) -> Tensor:
+        x = self.embed(tokens)  # (T, d)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, self.cache, i, pos, mask)
+        if keep:
+            x = x[-keep:]
+        logits = self.lm_head(_rms_norm(x, self.norm, self.eps))
+        return logits if logits.dtype == torch.float64 else logits.float()
+
+
+class HFRunner:
+    """Any Hugging Face causal LM, with HF's DynamicCache cropped back to `pos` on rollback."""
+
+    def __init__(self, hf_model, max_seq_len: int) -> None:
+        from transformers import DynamicCache
+
+        self.model = hf_model.eval()
+        self.vocab_size = hf_model.get_output_embeddings().weight.shape[0]
+        self.max_seq_len = max_seq_len
+        self._new_cache = lambda: DynamicCache(config=hf_model.config)
+        self.cache = self._new_cache()
+
+    @torch.inference_mode()
+    def forward(self, tokens: Tensor, pos: int, keep: int = 0) -> Tensor:
+        cached = self.cache.get_seq_length()
+        if pos == 0:
+            self.cache = self._new_cache()
+        elif cached > pos:
+            self.cache.crop(-(cached - pos))
+        elif cached < pos:
+            raise ValueError(f"cache holds {cached} positions, cannot continue at {pos}")
+        T = tokens.shape[0]
+        positions = torch.arange(pos, pos + T, device=tokens.device)
+        out = self.model(
+            input_ids=tokens[None], cache=self.cache, use_cache=True,
+            cache_position=positions, position_ids=positions[None], logits_to_keep=keep,
+        )
+        logits = out.logits[0]
+        return logits if logits.dtype == torch.float64 else logits.float()
+
+
+def quantize_int8(runner: Runner) -> Runner:
+    """Dynamic int8 weights for every Linear (fbgemm on x86 CPUs): for drafts, whose errors the target corrects."""
+    if not isinstance(runner, nn.Module):
+        raise ValueError("int8 quantisation needs the lean runner")
+    return torch.ao.quantization.quantize_dynamic(runner, {nn.Linear}, dtype=torch.qint8)
+
+
+def make_runner(hf_model, max_seq_len: int, *, lean: bool | None = None, quantize: str | None = None) -> Runner:
+    """The fastest exact runner for `hf_model` (lean when the architecture allows, else HF's own)."""
+    supported, why = lean_supported(hf_model.config)
+    if lean is None:
+        lean = supported
+    elif lean and not supported:
+        raise ValueError(f"lean runner unavailable: {why}")
+    runner: Runner = LeanLM(hf_model, max_seq_len) if lean else HFRunner(hf_model, max_seq_len)
+    if quantize == "int8":
+        runner = quantize_int8(runner)
+    elif quantize not in (None, "none"):
+        raise ValueError(f"unknown quantisation {quantize!r} (choose int8 or none)")
+    return runner

@@ -1,0 +1,225 @@
+"""The speculative decoder (and, with no draft, the honest target-only baseline: same loop, K = 0).
+
+One round: the draft proposes K tokens one by one; the target scores [current token, d_1..d_K] in one
+forward (K+1 rows); `verify` keeps the longest accepted prefix and adds one token (corrected or bonus),
+so each target forward emits tau = n_accepted + 1 tokens, 1 <= tau <= K+1. Both KV caches then roll
+back to the accepted prefix, which for our runners is just a position.
+
+Cache bookkeeping. `seq` is every token so far. The target cache always holds seq[:-1] (the last token
+is fed next round). The draft cache holds seq[:d_len]; it may lag by one token after a fully accepted
+round (d_K was sampled, never fed), so the next round feeds it seq[d_len:] (one or two tokens).
+
+Temperature 0 never draws a random number: output equals the target's own greedy decode.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from decode.model import Runner
+from decode.sampling import SamplingParams, greedy_token, sample, to_probs, verify, verify_greedy
+
+
+@dataclass(frozen=True)
+class KPolicy:
+    """How many tokens the draft proposes per round.
+
+    Fixed `k`, or `dynamic`: grow by 2 after a fully accepted round, shrink by 1 after a rejection
+    (within [k_min, k_max]). `confidence` (0..1) also stops a round early when the draft's top
+    probability falls below it.
+    """
+
+    k: int = 4
+    dynamic: bool = False
+    k_min: int = 1
+    k_max: int = 16
+    confidence: float | None = None
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.k_min <= self.k <= self.k_max:
+            raise ValueError(f"need 1 <= k_min <= k <= k_max, got {self.k_min}, {self.k}, {self.k_max}")
+        if self.confidence is not None and not 0.0 <= self.confidence < 1.0:
+            raise ValueError(f"confidence must be in [0, 1), got {self.confidence}")
+
+    def next_k(self, k: int, n_accepted: int, proposed: int) -> int:
+        if not self.dynamic:
+            return k
+        return min(k + 2, self.k_max) if n_accepted == proposed else max(k - 1, self.k_min)
+
+
+@dataclass
+class Stats:
+    """Everything derives from the histogram of accepted lengths (tau counts the bonus token)."""
+
+    tau_hist: dict[int, int] = field(default_factory=dict)  # tau -> number of target forwards
+    drafted: int = 0  # draft tokens proposed
+    accepted: int = 0  # draft tokens accepted
+    new_tokens: int = 0  # tokens returned (after EOS / budget truncation)
+    prefill_seconds: float = 0.0
+    seconds: float = 0.0  # wall time of the whole call, prefill included
+
+    @property
+    def target_forwards(self) -> int:
+        return sum(self.tau_hist.values())
+
+    @property
+    def mean_tau(self) -> float:
+        n = self.target_forwards
+        return sum(t * c for t, c in self.tau_hist.items()) / n if n else 0.0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted / drafted tokens (the rate engines report); None without a draft."""
+        return self.accepted / self.drafted if self.drafted else None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def merge(self, other: "Stats") -> "Stats":
+        hist = dict(self.tau_hist)
+        for t, c in other.tau_hist.items():
+            hist[t] = hist.get(t, 0) + c
+        return Stats(
+            dict(sorted(hist.items())), self.drafted + other.drafted, self.accepted + other.accepted,
+            self.new_tokens + other.new_tokens, self.prefill_seconds + other.prefill_seconds,
+            self.seconds + other.seconds,
+        )
+
+    def to_dict(self) -> dict:
+        return {
+            "new_tokens": self.new_tokens,
+            "seconds": self.seconds,
+            "prefill_seconds": self.prefill_seconds,
+            "tokens_per_s": self.tokens_per_s,
+            "target_forwards": self.target_forwards,
+            "mean_tau": self.mean_tau,
+            "tau_hist": {str(k): v for k, v in sorted(self.tau_hist.items())},
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": self.acceptance_rate,
+            "tau_definition": "tokens emitted per target forward, including the bonus/corrected token",
+        }
+
+
+@dataclass
+class Result:
+    tokens: list[int]  # the new tokens only
+    stats: Stats
+
+
+def _fit_vocab(logits: Tensor, V: int) -> Tensor:
+    """Draft logits (..., Vd) -> (..., V) of the target: extra rows dropped, missing rows impossible (-inf).
+
+    Any proposal distribution keeps the output exact, as long as sampling and the ratio use the same q.
+    """
+    Vd = logits.shape[-1]
+    if Vd > V:
+        return logits[..., :V]
+    if Vd < V:
+        pad = logits.new_full((*logits.shape[:-1], V - Vd), float("-inf"))
+        return torch.cat([logits, pad], dim=-1)
+    return logits
+
+
+def _ids(tokens: list[int], device: torch.device) -> Tensor:
+    return torch.tensor(tokens, dtype=torch.long, device=device)
+
+
+@torch.inference_mode()
+def generate(
+    target: Runner,
+    prompt_ids: list[int],
+    *,
+    draft: Runner | None = None,
+    max_new_tokens: int = 64,
+    sampling: SamplingParams = SamplingParams(),
+    policy: KPolicy = KPolicy(),
+    eos_ids: tuple[int, ...] | list[int] = (),
+    generator: torch.Generator | None = None,
+    device: torch.device | str = "cpu",
+) -> Result:
+    """Decode up to `max_new_tokens` after `prompt_ids`; speculative when `draft` is given."""
+    if not prompt_ids:
+        raise ValueError("the prompt must hold at least one token")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    device = torch.device(device)
+    need = len(prompt_ids) + max_new_tokens  # the last position ever fed is below this
+    for name, m in (("target", target), ("draft", draft)):
+        if m is not None and m.max_seq_len < need:
+            raise ValueError(f"{name} cache holds {m.max_seq_len} positions, this call needs {need}")
+    if not sampling.greedy and generator is None:
+        raise ValueError("sampling at temperature > 0 needs an explicit torch.Generator")
+    V = target.vocab_size
+    eos = set(eos_ids)
+    stats = Stats()
+    t0 = time.perf_counter()
+
+    seq = list(prompt_ids)
+    if len(seq) > 1:  # prefill: both caches take seq[:-1]
+        target.forward(_ids(seq[:-1], device), 0, keep=1)
+        if draft is not None:
+            draft.forward(_ids(seq[:-1], device), 0, keep=1)
+    d_len = len(seq) - 1
+    stats.prefill_seconds = time.perf_counter() - t0
+
+    k = policy.k if draft is not None else 0
+    n_new = 0
+    while n_new < max_new_tokens:
+        K = min(k, max_new_tokens - n_new - 1)  # never draft past the budget
+        # -- draft phase: propose up to K tokens --
+        drafts: list[int] = []
+        qs: list[Tensor] = []
+        if K > 0:
+            feed = seq[d_len:]
+            for _ in range(K):
+                logits = _fit_vocab(draft.forward(_ids(feed, device), d_len, keep=1)[-1], V)
+                d_len += len(feed)
+                if sampling.greedy:
+                    tok = int(greedy_token(logits))
+                    top = None if policy.confidence is None else float(torch.softmax(logits.float(), -1).max())
+                else:
+                    q = to_probs(logits, sampling)
+                    qs.append(q)
+                    tok = int(sample(q, generator))
+                    top = float(q.max())
+                drafts.append(tok)
+                feed = [tok]
+                if policy.confidence is not None and top < policy.confidence:
+                    break
+        # -- verify phase: one target forward over [current token, drafts] --
+        pos = len(seq) - 1
+        p_logits = target.forward(_ids([seq[-1], *drafts], device), pos)  # (len(drafts)+1, V)
+        d_tokens = _ids(drafts, p_logits.device)
+        if sampling.greedy:
+            n_acc, nxt = verify_greedy(p_logits, d_tokens)
+        else:
+            q_stack = torch.stack(qs) if qs else p_logits.new_zeros((0, V))
+            n_acc, nxt = verify(to_probs(p_logits, sampling), q_stack, d_tokens, generator)
+        stats.tau_hist[n_acc + 1] = stats.tau_hist.get(n_acc + 1, 0) + 1
+        stats.drafted += len(drafts)
+        stats.accepted += n_acc
+        emitted = drafts[:n_acc] + [nxt]
+        emitted = emitted[: max_new_tokens - n_new]
+        stop = False
+        for i, t in enumerate(emitted):
+            if t in eos:
+                emitted, stop = emitted[: i + 1], True
+                break
+        seq.extend(emitted)
+        n_new += len(emitted)
+        d_len = min(d_len, len(seq) - 1)  # draft cache: roll back to the accepted prefix
+        if drafts:
+            k = policy.next_k(k, n_acc, len(drafts))
+        if stop:
+            break
+
+    stats.tau_hist = dict(sorted(stats.tau_hist.items()))
+    stats.new_tokens = n_new
+    stats.seconds = time.perf_counter() - t0
+    return Result(seq[len(prompt_ids) :], stats)
