@@ -133,8 +133,11 @@ class LeanLM(nn.Module):
         self.norm = nn.Parameter(base.norm.weight.detach().clone())
         head = hf_model.get_output_embeddings()
         self.lm_head = nn.Linear(config.hidden_size, self.vocab_size, bias=False)
-        with torch.no_grad():
-            self.lm_head.weight.copy_(head.weight)
+        if head.weight is base.embed_tokens.weight:  # tied: share, don't copy (151936 x 1536 on Qwen)
+            self.lm_head.weight = self.embed.weight
+        else:
+            with torch.no_grad():
+                self.lm_head.weight.copy_(head.weight)
         # RoPE tables from HF's own rotary module, so every rope_type (llama3, yarn, ...) matches exactly
         pos_ids = torch.arange(max_seq_len, device=device)[None]
         cos, sin = base.rotary_emb(torch.zeros(1, dtype=dtype, device=device), pos_ids)

@@ -1,0 +1,161 @@
+"""Benchmark: four decoders, same prompts, same run, side by side.
+
+    .venv/bin/draftsmith bench --target qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct --out bench.json
+
+Modes, all greedy, all timed the same way (wall time of the whole call, prefill included, after a warm-up):
+- `target_only`: our decoder without a draft (the honest baseline: same loop, same kernels);
+- `speculative`: our decoder with the draft (int8 weights on CPU by default), one entry per K asked for;
+- `hf_generate`: transformers `generate` on the target alone;
+- `hf_assisted`: transformers assisted generation (`assistant_model=` the draft as loaded, float32).
+Prompts are interleaved (each prompt runs every mode before the next prompt) so that drift on a noisy
+machine hits all modes alike. `greedy_equal` checks, per prompt, speculative == target-only == HF greedy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from decode.prompts import Prompt, load_prompts
+from decode.speculative import KPolicy, Stats, generate
+from decode.textgen import Pair, eos_ids, load_pair, machine_info, prompt_ids, versions
+
+DEFAULT_PROMPTS = "code"
+DEFAULT_N_PROMPTS = 4
+
+
+def _hf_generate(pair: Pair, ids: list[int], max_new_tokens: int, eos: list[int], assisted: bool) -> tuple[list[int], float]:
+    model = pair.target.model
+    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
+                  pad_token_id=pair.target.tokenizer.pad_token_id or eos[0])
+    if assisted:
+        kwargs["assistant_model"] = pair.draft.model
+    x = torch.tensor([ids], device=model.device)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(x, attention_mask=torch.ones_like(x), **kwargs)
+    return out[0, len(ids):].tolist(), time.perf_counter() - t0
+
+
+def _summary(tokens: int, seconds: float, per_prompt: list[dict]) -> dict:
+    return {"tokens": tokens, "seconds": seconds, "tok_per_s": tokens / seconds if seconds else 0.0,
+            "per_prompt": per_prompt}
+
+
+def atomic_write_json(path: Path, data: dict) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def run_bench(
+    target: str, draft: str, *, prompts: str = DEFAULT_PROMPTS, n_prompts: int | None = DEFAULT_N_PROMPTS,
+    max_new_tokens: int = 64, ks: tuple[int, ...] = (4,), draft_quant: str | None = "int8",
+    hf_modes: bool = True, out: Path | None = None, progress: bool = True,
+) -> dict:
+    """Time every mode on the same prompts; returns (and writes to `out`) the JSON report."""
+    items: list[Prompt] = load_prompts(prompts)
+    if n_prompts:
+        items = items[:n_prompts]
+    pair = load_pair(target, draft, draft_quant=draft_quant)
+    tok = pair.target.tokenizer
+    eos = eos_ids(pair.target)
+    encoded = [prompt_ids(tok, p.prompt) for p in items]
+
+    modes = ["target_only", *[f"speculative_k{k}" for k in ks]] + (["hf_generate", "hf_assisted"] if hf_modes else [])
+
+    def run(mode: str, ids: list[int], n_new: int) -> tuple[list[int], float, Stats | None]:
+        if mode.startswith("hf_"):
+            toks, secs = _hf_generate(pair, ids, n_new, eos, assisted=mode == "hf_assisted")
+            return toks, secs, None
+        speculative = mode.startswith("speculative")
+        k = int(mode.removeprefix("speculative_k")) if speculative else 1
+        res = generate(pair.target_runner, ids, draft=pair.draft_runner if speculative else None,
+                       max_new_tokens=n_new, policy=KPolicy(k=k, k_max=max(16, k)), eos_ids=eos)
+        return res.tokens, res.stats.seconds, res.stats
+
+    for mode in modes:  # warm-up: first calls pay one-off costs (allocator, kernel selection)
+        run(mode, encoded[0][:16], 4)
+
+    results: dict[str, list[dict]] = {m: [] for m in modes}
+    stats: dict[str, Stats] = {}
+    bar = tqdm(total=len(items) * len(modes), desc="bench", unit="run", disable=not progress)
+    for p, ids in zip(items, encoded):
+        for mode in modes:
+            bar.set_postfix_str(f"{p.id} {mode}")
+            toks, secs, st = run(mode, ids, max_new_tokens)
+            results[mode].append({"id": p.id, "tokens": len(toks), "seconds": secs, "ids": toks})
+            if st is not None:
+                stats[mode] = stats[mode].merge(st) if mode in stats else st
+            bar.update(1)
+    bar.close()
+
+    report_modes: dict[str, dict] = {}
+    for mode in modes:
+        rows = results[mode]
+        entry = _summary(sum(r["tokens"] for r in rows), sum(r["seconds"] for r in rows),
+                         [{k: v for k, v in r.items() if k != "ids"} for r in rows])
+        if mode.startswith("speculative"):
+            st = stats[mode]
+            entry.update(k=int(mode.removeprefix("speculative_k")), mean_tau=st.mean_tau, alpha=st.acceptance_rate,
+                         tau_hist={str(t): c for t, c in st.tau_hist.items()}, drafted=st.drafted, accepted=st.accepted)
+        report_modes[mode] = entry
+
+    spec_modes = [m for m in modes if m.startswith("speculative")]
+    best = max(spec_modes, key=lambda m: report_modes[m]["tok_per_s"])
+    ref = results["hf_generate"] if hf_modes else results["target_only"]
+    per_prompt = []
+    for i, p in enumerate(items):
+        row = {"id": p.id, "prompt_tokens": len(encoded[i]),
+               "target_only_eq_hf": results["target_only"][i]["ids"] == ref[i]["ids"]}
+        for m in spec_modes:
+            row[f"{m}_eq_target_only"] = results[m][i]["ids"] == results["target_only"][i]["ids"]
+        if hf_modes:
+            row["hf_assisted_eq_hf"] = results["hf_assisted"][i]["ids"] == ref[i]["ids"]
+        row["greedy_equal"] = row["target_only_eq_hf"] and all(row[f"{m}_eq_target_only"] for m in spec_modes)
+        per_prompt.append(row)
+
+    tps = {m: report_modes[m]["tok_per_s"] for m in modes}
+    ratio = lambda a, b: tps[a] / tps[b] if tps.get(b) else None  # noqa: E731
+    report = {
+        "target": pair.target.name,
+        "draft": pair.draft.name,
+        "draft_quantization": draft_quant or "none",
+        "dtype": str(next(pair.target.model.parameters()).dtype).removeprefix("torch."),
+        "device": "cpu",
+        "max_new_tokens": max_new_tokens,
+        "prompts": [{"id": p.id, "domain": p.domain} for p in items],
+        "k": report_modes[best]["k"],
+        "ks": list(ks),
+        "mean_tau": report_modes[best]["mean_tau"],
+        "alpha": report_modes[best]["alpha"],
+        "tau_definition": "tokens emitted per target forward, including the bonus/corrected token",
+        "alpha_definition": "accepted draft tokens / drafted tokens, in the decoder",
+        "greedy_equal": all(r["greedy_equal"] for r in per_prompt),
+        "greedy_equal_per_prompt": per_prompt,
+        "modes": {**{m: report_modes[m] for m in modes}, "speculative": report_modes[best]},
+        "speedup_vs_target_only": ratio(best, "target_only"),
+        "speedup_vs_hf_generate": ratio(best, "hf_generate") if hf_modes else None,
+        "speedup_vs_hf_assisted": ratio(best, "hf_assisted") if hf_modes else None,
+        "target_only_vs_hf_generate": ratio("target_only", "hf_generate") if hf_modes else None,
+        "hf_assisted_vs_hf_generate": ratio("hf_assisted", "hf_generate") if hf_modes else None,
+        "machine": machine_info(),
+        "versions": versions(),
+    }
+    if out is not None:
+        atomic_write_json(Path(out), report)
+    return report

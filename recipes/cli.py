@@ -1,0 +1,182 @@
+"""The `draftsmith` command: each verb maps to one plain function of the package that owns it.
+
+    .venv/bin/draftsmith models list
+    .venv/bin/draftsmith models pull smollm2-135m-instruct
+    .venv/bin/draftsmith decode --target T --draft D --prompt "..." [--k 4 | --dynamic-k] [--json]
+    .venv/bin/draftsmith bench --target T --draft D [--prompts code] [--k 3,5] --out bench.json
+
+Every problem the user can fix (unknown model, corrupt file, no space...) prints one line and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from decode.errors import DraftsmithError
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+# --- verbs ------------------------------------------------------------------------------------
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from decode import zoo
+
+    if args.action == "list":
+        for name in zoo.known_models():
+            info = zoo.describe(name)
+            state = "pulled" if zoo.is_pulled(name) else "not pulled"
+            print(f"{name:30s} {state:11s} {info['summary']}")
+        return 0
+    if not args.name:
+        raise DraftsmithError(f"`draftsmith models {args.action}` needs a model name")
+    if args.action == "pull":
+        print(zoo.pull(args.name))
+    else:
+        print(zoo.model_path(args.name))
+    return 0
+
+
+def _sampling(args: argparse.Namespace):
+    from decode.sampling import SamplingParams
+
+    try:
+        return SamplingParams(args.temperature, args.top_k, args.top_p)
+    except ValueError as e:
+        raise DraftsmithError(str(e)) from None
+
+
+def _policy(args: argparse.Namespace):
+    from decode.speculative import KPolicy
+
+    try:
+        return KPolicy(k=args.k, dynamic=args.dynamic_k, k_max=max(16, args.k), confidence=args.confidence)
+    except ValueError as e:
+        raise DraftsmithError(str(e)) from None
+
+
+def cmd_decode(args: argparse.Namespace) -> int:
+    from decode.textgen import decode_text, load_pair
+
+    sampling, policy = _sampling(args), _policy(args)
+    quant = None if args.draft_quant == "none" else args.draft_quant
+    pair = load_pair(args.target, args.draft, draft_quant=quant, max_seq_len=args.max_seq_len)
+    out = decode_text(pair, args.prompt, max_new_tokens=args.max_new_tokens, sampling=sampling, policy=policy,
+                      seed=args.seed, chat=not args.no_chat)
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    st = out["stats"]
+    print(out["text"])
+    alpha = "-" if st["acceptance_rate"] is None else f"{st['acceptance_rate']:.3f}"
+    print(f"\n[{st['new_tokens']} tokens in {st['seconds']:.2f} s = {st['tokens_per_s']:.2f} tok/s; "
+          f"mean tau {st['mean_tau']:.2f} (tokens per target forward, bonus included); "
+          f"acceptance {alpha}; tau histogram {st['tau_hist']}]", file=sys.stderr)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from decode.bench import run_bench
+
+    quant = None if args.draft_quant == "none" else args.draft_quant
+    report = run_bench(
+        args.target, args.draft, prompts=args.prompts, n_prompts=args.n_prompts or None,
+        max_new_tokens=args.max_new_tokens, ks=args.k, draft_quant=quant, hf_modes=not args.no_hf, out=args.out,
+    )
+    fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+    for mode in report["modes"]:
+        m = report["modes"][mode]
+        print(f"{mode:18s} {m['tokens']:5d} tokens {m['seconds']:8.2f} s {m['tok_per_s']:7.2f} tok/s")
+    print(f"greedy_equal {report['greedy_equal']}  K {report['k']}  mean tau {fmt(report['mean_tau'])}  "
+          f"alpha {fmt(report['alpha'])}")
+    print(f"speedup vs target-only {fmt(report['speedup_vs_target_only'])}  vs HF generate "
+          f"{fmt(report['speedup_vs_hf_generate'])}  vs HF assisted {fmt(report['speedup_vs_hf_assisted'])}")
+    if args.out:
+        print(f"wrote {args.out}")
+    return 0
+
+
+# --- parser -----------------------------------------------------------------------------------
+
+
+def _add_pair_args(p: argparse.ArgumentParser, draft_required: bool) -> None:
+    p.add_argument("--target", required=True, help="zoo name, Hugging Face folder or .gguf file")
+    p.add_argument("--draft", required=draft_required, default=None, help="zoo name, HF folder or .gguf (same tokenizer)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--draft-quant", choices=["int8", "none"], default="int8",
+                   help="draft weights on CPU (the target always runs as loaded; exactness is unaffected)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="draftsmith", description="Make speculative decoding pay off.")
+    sub = parser.add_subparsers(dest="verb", required=True)
+
+    p = sub.add_parser("models", help="the offline model zoo: list | pull NAME | path NAME")
+    p.add_argument("action", choices=["list", "pull", "path"])
+    p.add_argument("name", nargs="?")
+    p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser("decode", help="decode one prompt, speculative when --draft is given")
+    _add_pair_args(p, draft_required=False)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--k", type=int, default=4, help="draft tokens per step")
+    p.add_argument("--dynamic-k", action="store_true", help="grow K on full acceptance, shrink on rejection")
+    p.add_argument("--confidence", type=float, default=None, help="stop drafting below this draft probability")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-chat", action="store_true", help="feed the prompt raw, without the chat template")
+    p.add_argument("--max-seq-len", type=int, default=4096)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_decode)
+
+    p = sub.add_parser("bench", help="time target-only, speculative, HF generate and HF assisted side by side")
+    _add_pair_args(p, draft_required=True)
+    p.add_argument("--prompts", default="code", help="suite names (code,json,...) or a JSONL/CSV/Parquet file")
+    p.add_argument("--n-prompts", type=int, default=4, help="first N prompts (0 = all)")
+    p.add_argument("--k", type=_int_list, default=(4,), help="K values to time, e.g. 3,5")
+    p.add_argument("--no-hf", action="store_true", help="skip the two transformers modes")
+    p.add_argument("--out", type=Path, default=None)
+    p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def _one_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except DraftsmithError as e:
+        print(f"draftsmith: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            print(f"draftsmith: error: no space left on device ({_one_line(e)})", file=sys.stderr)
+            return 2
+        raise
+    except KeyboardInterrupt:
+        print("draftsmith: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
