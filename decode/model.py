@@ -42,6 +42,16 @@ def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * h.to(x.dtype)
 
 
+class FastLinear(nn.Linear):
+    """nn.Linear computed as (W @ x^T)^T: on MKL CPUs this streams the weight once for a few rows
+    (the K+1 rows of a verify step cost little more than one row), where x @ W^T costs ~T times one row."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.bias is None:
+            return torch.mm(self.weight, x.t()).t()
+        return torch.addmm(self.bias[:, None], self.weight, x.t()).t()
+
+
 def _rotate_half(x: Tensor) -> Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -70,10 +80,10 @@ class LeanLayer(nn.Module):
         d = config.hidden_size
         self.n_heads, self.n_kv, self.head_dim = n_heads, n_kv, head_dim
         self.eps = config.rms_norm_eps
-        self.wqkv = nn.Linear(d, (n_heads + 2 * n_kv) * head_dim, bias=has_bias)
-        self.wo = nn.Linear(n_heads * head_dim, d, bias=attn.o_proj.bias is not None)
-        self.w_gate_up = nn.Linear(d, 2 * config.intermediate_size, bias=False)
-        self.w_down = nn.Linear(config.intermediate_size, d, bias=False)
+        self.wqkv = FastLinear(d, (n_heads + 2 * n_kv) * head_dim, bias=has_bias)
+        self.wo = FastLinear(n_heads * head_dim, d, bias=attn.o_proj.bias is not None)
+        self.w_gate_up = FastLinear(d, 2 * config.intermediate_size, bias=False)
+        self.w_down = FastLinear(config.intermediate_size, d, bias=False)
         with torch.no_grad():
             self.wqkv.weight.copy_(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
             if has_bias:
@@ -94,9 +104,9 @@ class LeanLayer(nn.Module):
         H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
         qkv = self.wqkv(_rms_norm(x, self.norm_in, self.eps))  # (T, (H + 2Hkv) D)
         q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
-        q = q.view(T, H, D).transpose(0, 1)  # (H, T, D)
-        k = k.view(T, Hkv, D).transpose(0, 1)  # (Hkv, T, D)
-        v = v.view(T, Hkv, D).transpose(0, 1)
+        q = q.reshape(T, H, D).transpose(0, 1)  # (H, T, D)
+        k = k.reshape(T, Hkv, D).transpose(0, 1)  # (Hkv, T, D)
+        v = v.reshape(T, Hkv, D).transpose(0, 1)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         if isinstance(pos, Tensor):  # static shapes: attend over the whole buffer under a mask
@@ -132,7 +142,7 @@ class LeanLM(nn.Module):
         self.layers = nn.ModuleList(LeanLayer(l, config, n_heads, n_kv, head_dim) for l in base.layers)
         self.norm = nn.Parameter(base.norm.weight.detach().clone())
         head = hf_model.get_output_embeddings()
-        self.lm_head = nn.Linear(config.hidden_size, self.vocab_size, bias=False)
+        self.lm_head = FastLinear(config.hidden_size, self.vocab_size, bias=False)
         if head.weight is base.embed_tokens.weight:  # tied: share, don't copy (151936 x 1536 on Qwen)
             self.lm_head.weight = self.embed.weight
         else:
@@ -217,7 +227,16 @@ def quantize_int8(runner: Runner) -> Runner:
     """Dynamic int8 weights for every Linear (fbgemm on x86 CPUs): for drafts, whose errors the target corrects."""
     if not isinstance(runner, nn.Module):
         raise ValueError("int8 quantisation needs the lean runner")
-    return torch.ao.quantization.quantize_dynamic(runner, {nn.Linear}, dtype=torch.qint8)
+    import copy
+    import warnings
+
+    runner = copy.deepcopy(runner)
+    for m in runner.modules():
+        if isinstance(m, FastLinear):
+            m.__class__ = nn.Linear  # the int8 kernel has its own layout; the plain type is what torch.ao swaps
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao's deprecation notices
+        return torch.ao.quantization.quantize_dynamic(runner, {nn.Linear}, dtype=torch.qint8, inplace=True)
 
 
 def make_runner(hf_model, max_seq_len: int, *, lean: bool | None = None, quantize: str | None = None) -> Runner:

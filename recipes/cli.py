@@ -74,7 +74,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
 
     sampling, policy = _sampling(args), _policy(args)
     quant = None if args.draft_quant == "none" else args.draft_quant
-    pair = load_pair(args.target, args.draft, draft_quant=quant, max_seq_len=args.max_seq_len)
+    pair = load_pair(args.target, None if args.no_draft else args.draft, draft_quant=quant, max_seq_len=args.max_seq_len)
     out = decode_text(pair, args.prompt, max_new_tokens=args.max_new_tokens, sampling=sampling, policy=policy,
                       seed=args.seed, chat=not args.no_chat)
     if args.json:
@@ -113,9 +113,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
 # --- parser -----------------------------------------------------------------------------------
 
 
-def _add_pair_args(p: argparse.ArgumentParser, draft_required: bool) -> None:
-    p.add_argument("--target", required=True, help="zoo name, Hugging Face folder or .gguf file")
-    p.add_argument("--draft", required=draft_required, default=None, help="zoo name, HF folder or .gguf (same tokenizer)")
+DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"  # the built-in default pair: a real same-family pair
+DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
+
+
+def _add_pair_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=DEFAULT_TARGET, help=f"zoo name, HF folder or .gguf file (default {DEFAULT_TARGET})")
+    p.add_argument("--draft", default=DEFAULT_DRAFT, help=f"zoo name, HF folder or .gguf, same tokenizer (default {DEFAULT_DRAFT})")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--draft-quant", choices=["int8", "none"], default="int8",
                    help="draft weights on CPU (the target always runs as loaded; exactness is unaffected)")
@@ -131,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_models)
 
     p = sub.add_parser("decode", help="decode one prompt, speculative when --draft is given")
-    _add_pair_args(p, draft_required=False)
+    _add_pair_args(p)
+    p.add_argument("--no-draft", action="store_true", help="target only (the baseline)")
     p.add_argument("--prompt", required=True)
     p.add_argument("--k", type=int, default=4, help="draft tokens per step")
     p.add_argument("--dynamic-k", action="store_true", help="grow K on full acceptance, shrink on rejection")
@@ -146,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_decode)
 
     p = sub.add_parser("bench", help="time target-only, speculative, HF generate and HF assisted side by side")
-    _add_pair_args(p, draft_required=True)
+    _add_pair_args(p)
     p.add_argument("--prompts", default="code", help="suite names (code,json,...) or a JSONL/CSV/Parquet file")
     p.add_argument("--n-prompts", type=int, default=4, help="first N prompts (0 = all)")
     p.add_argument("--k", type=_int_list, default=(4,), help="K values to time, e.g. 3,5")
