@@ -4,6 +4,8 @@
     .venv/bin/draftsmith models pull smollm2-135m-instruct
     .venv/bin/draftsmith decode --target T --draft D --prompt "..." [--k 4 | --dynamic-k] [--json]
     .venv/bin/draftsmith bench --target T --draft D [--prompts code] [--k 3,5] --out bench.json
+    .venv/bin/draftsmith pair --target T --candidates D1,D2,derive:T:keep=8 --suite code,chat --validate 1 --out DIR
+    .venv/bin/draftsmith derive --from T --keep 8 --out DIR
 
 Every problem the user can fix (unknown model, corrupt file, no space...) prints one line and exits 2.
 """
@@ -110,6 +112,36 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_pair(args: argparse.Namespace) -> int:
+    from pairing.leaderboard import PairSettings, run_pair, split_candidates
+
+    settings = PairSettings(
+        suite=None if args.prompts else args.suite, prompts_file=args.prompts,
+        limit_per_domain=args.limit_per_domain or None, max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, validate=args.validate, validate_prompts=args.validate_prompts,
+        draft_quant=None if args.draft_quant == "none" else args.draft_quant, batch_size=args.batch_size,
+    )
+    board = run_pair(args.target, split_candidates(args.candidates), args.out, settings)
+    from pairing.leaderboard import markdown
+
+    print(markdown(board))
+    print(f"wrote {args.out}/leaderboard.{{json,md,csv,html}} in {board['seconds']:.0f} s")
+    return 0
+
+
+def cmd_derive(args: argparse.Namespace) -> int:
+    from pairing.derive import derive
+
+    layers = None
+    if args.layers:
+        from pairing.derive import parse_derive_spec
+
+        parsed = parse_derive_spec(f"derive:{args.source}:layers={args.layers}")
+        layers = parsed[1] if parsed else None
+    print(derive(args.source, args.out, layers=layers, keep=args.keep))
+    return 0
+
+
 # --- parser -----------------------------------------------------------------------------------
 
 
@@ -158,6 +190,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-hf", action="store_true", help="skip the two transformers modes")
     p.add_argument("--out", type=Path, default=None)
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("pair", help="rank candidate drafts for a target: alpha, cost, predicted/measured speedup")
+    p.add_argument("--target", default=DEFAULT_TARGET)
+    p.add_argument("--candidates", required=True,
+                   help="comma-separated: zoo names, HF folders, .gguf files, derive:MODEL:keep=N or derive:MODEL:layers=0,1,2")
+    p.add_argument("--suite", default="code,chat", help="built-in suites (code,json,summarize,chat)")
+    p.add_argument("--prompts", default=None, help="a JSONL/CSV/Parquet file or datasets folder instead of --suite")
+    p.add_argument("--limit-per-domain", type=int, default=8, help="prompts per domain (0 = all)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="reference continuation length")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--validate", type=int, default=0, help="measure the real speedup of the top N candidates")
+    p.add_argument("--validate-prompts", type=int, default=4, help="prompts per domain for --validate")
+    p.add_argument("--draft-quant", choices=["int8", "none"], default="int8")
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--out", type=Path, required=True)
+    p.set_defaults(func=cmd_pair)
+
+    p = sub.add_parser("derive", help="make a draft from a subset of a model's layers (HF folder)")
+    p.add_argument("--from", dest="source", required=True, help="zoo name or HF folder")
+    p.add_argument("--layers", default=None, help="layer indices, e.g. 0,1,2,3 or 0-3")
+    p.add_argument("--keep", type=int, default=None, help="keep the first N layers")
+    p.add_argument("--out", type=Path, default=None, help="output folder (default: in the cache)")
+    p.set_defaults(func=cmd_derive)
     return parser
 
 

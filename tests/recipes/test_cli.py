@@ -1,0 +1,61 @@
+"""The real `draftsmith` command, as users run it (.venv/bin/draftsmith)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+DRAFTSMITH = Path(sys.executable).parent / "draftsmith"
+
+
+def run(*args: str, env_cache: Path | None = None) -> subprocess.CompletedProcess:
+    import os
+
+    env = dict(os.environ)
+    if env_cache is not None:
+        env["DRAFTSMITH_CACHE"] = str(env_cache)
+    return subprocess.run([str(DRAFTSMITH), *args], capture_output=True, text=True, timeout=600, env=env)
+
+
+def test_models_list_names_every_zoo_model() -> None:
+    r = run("models", "list")
+    assert r.returncode == 0, r.stderr
+    for name in ("smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"):
+        assert name in r.stdout
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (("models", "path", "no-such-model"), "known models"),
+        (("decode", "--target", "no-such-model", "--no-draft", "--prompt", "hi"), "expected a zoo model name"),
+        (("decode", "--target", "README.md", "--no-draft", "--prompt", "hi"), "not a .gguf file"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(args, needle, tmp_path: Path) -> None:
+    r = run(*args, env_cache=tmp_path / "cache")
+    assert r.returncode == 2
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("draftsmith: error:") and needle in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_corrupt_and_truncated_gguf_are_one_line_errors(tmp_path: Path) -> None:
+    bad = tmp_path / "garbage.gguf"
+    bad.write_bytes(b"not a gguf at all" * 100)
+    r = run("decode", "--target", str(bad), "--no-draft", "--prompt", "hi", env_cache=tmp_path / "cache")
+    assert r.returncode == 2 and "not a valid GGUF" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.integration
+def test_decode_json_on_real_smollm2() -> None:
+    r = run("decode", "--target", "smollm2-135m-instruct", "--draft", "smollm2-135m-instruct", "--prompt",
+            "Write a Python function that adds two numbers.", "--max-new-tokens", "12", "--k", "3", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["stats"]["new_tokens"] == len(out["tokens"]) <= 12
+    assert out["text"] and out["stats"]["tau_definition"].startswith("tokens emitted per target forward")
