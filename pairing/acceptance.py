@@ -1,0 +1,287 @@
+"""Teacher-forced acceptance: how much of each draft the target would accept, without decoding.
+
+    refs = reference_continuations(target, prompts)
+    for a in measure_acceptance(target, [load(d) for d in names], refs):
+        print(a.draft, a.alpha, a.expected_tau[4])
+
+Each reference row (prompt + the target's own continuation) is fed once through the target and once
+through every draft, right-padded in batches. At every position that predicts a continuation token,
+`beta = sum_x min(p(x), q(x))` (1 - total variation; at temperature 0, 1[argmax p == argmax q]) is the
+probability that speculative decoding accepts the draft's token there. alpha is its mean. One target
+pass per batch serves every draft; logits live one batch at a time.
+
+Drafts with a different tokenizer are measured through text, at temperature 0: the draft reads the same
+prompt (through its own chat template) and the same continuation text, re-tokenized; at each target token
+whose start is also a boundary between draft tokens, the draft's greedy next token is decoded and
+re-tokenized with the target's tokenizer, and accepted iff the first resulting token is the target's
+token. Target tokens that start inside a draft token count as rejected, and a draft token that covers more
+text than the target's token is judged by its first target token only, so this is a conservative
+estimate of what a text-level speculative decoder would accept.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import datasets
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from decode.errors import DraftsmithError
+from decode.loading import Loaded
+from decode.sampling import SamplingParams, greedy_token, to_probs
+from decode.textgen import eos_ids, prompt_ids
+from pairing.cost import expected_tau
+
+K_RANGE = range(1, 17)
+TOKEN_LEVEL = "teacher-forced"
+THROUGH_TEXT = "teacher-forced, through text (cross-tokenizer)"
+TAU_DEFINITION = "tokens emitted per target forward, including the bonus/corrected token"
+
+
+# -- the math ------------------------------------------------------------------------------------------
+
+
+def _align_vocab(q_logits: Tensor, V: int) -> Tensor:
+    """Draft logits (..., Vd) -> (..., V) as the decoder aligns them: extra rows dropped, missing rows -inf."""
+    Vd = q_logits.shape[-1]
+    if Vd > V:
+        return q_logits[..., :V]
+    if Vd < V:
+        return torch.cat([q_logits, q_logits.new_full((*q_logits.shape[:-1], V - Vd), float("-inf"))], dim=-1)
+    return q_logits
+
+
+def _beta_given_p(p: Tensor, q_logits: Tensor, params: SamplingParams) -> Tensor:
+    q = to_probs(_align_vocab(q_logits, p.shape[-1]).to(p.device), params)
+    return torch.minimum(p, q).sum(dim=-1)
+
+
+def beta(p_logits: Tensor, q_logits: Tensor, params: SamplingParams) -> Tensor:
+    """Per-position acceptance sum_x min(p(x), q(x)): target logits (N, V), draft logits (N, Vd) -> (N,).
+
+    Both go through the same `to_probs` transform; at temperature 0 this is exactly 1[argmax p == argmax q].
+    """
+    return _beta_given_p(to_probs(p_logits, params), q_logits, params)
+
+
+# -- results ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Acceptance:
+    draft: str
+    alpha: float
+    alpha_by_domain: dict[str, float]
+    positions: int
+    positions_by_domain: dict[str, int]
+    by_position: list[float]  # mean beta at continuation index t = 0, 1, ...
+    expected_tau: dict[int, float]  # K -> E[tau], K = 1..16
+    method: str  # TOKEN_LEVEL or THROUGH_TEXT
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["expected_tau"] = {str(k): v for k, v in self.expected_tau.items()}
+        d["tau_definition"] = TAU_DEFINITION
+        return d
+
+
+class _Tally:
+    """Running sums of beta: per domain and per continuation index."""
+
+    def __init__(self) -> None:
+        self.sum: dict[str, float] = defaultdict(float)
+        self.n: dict[str, int] = defaultdict(int)
+        self.pos_sum: list[float] = []
+        self.pos_n: list[int] = []
+
+    def add(self, domain: str, t: int, b: float) -> None:
+        self.sum[domain] += b
+        self.n[domain] += 1
+        while len(self.pos_sum) <= t:
+            self.pos_sum.append(0.0)
+            self.pos_n.append(0)
+        self.pos_sum[t] += b
+        self.pos_n[t] += 1
+
+    def result(self, draft: str, method: str) -> Acceptance:
+        n = sum(self.n.values())
+        alpha = sum(self.sum.values()) / n
+        domains = sorted(self.n)
+        return Acceptance(
+            draft=draft, alpha=alpha,
+            alpha_by_domain={d: self.sum[d] / self.n[d] for d in domains},
+            positions=n, positions_by_domain={d: self.n[d] for d in domains},
+            by_position=[s / c if c else float("nan") for s, c in zip(self.pos_sum, self.pos_n)],
+            expected_tau={K: expected_tau(min(max(alpha, 0.0), 1.0), K) for K in K_RANGE},
+            method=method,
+        )
+
+
+# -- teacher forcing -----------------------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def _forward(model: Any, seqs: list[list[int]], first: int) -> Tensor:
+    """Right-padded batch forward of a HF causal LM; logits (B, T - first, V) for columns first..T-1.
+
+    Right padding keeps every real token at its true position and, the model being causal, out of reach
+    of the padding; the attention mask says so as well.
+    """
+    T = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), T, dtype=torch.long)
+    mask = torch.zeros(len(seqs), T, dtype=torch.long)
+    for b, s in enumerate(seqs):
+        ids[b, : len(s)] = torch.tensor(s, dtype=torch.long)
+        mask[b, : len(s)] = 1
+    device = next(model.parameters()).device
+    out = model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False, logits_to_keep=T - first)
+    return out.logits
+
+
+def _continuation_rows(rows: list[dict], logits: Tensor, first: int) -> Tensor:
+    """The logit rows that predict continuation tokens, row after row: (sum of continuation lengths, V)."""
+    b_idx, cols = [], []
+    for b, r in enumerate(rows):
+        P, C = len(r["prompt_ids"]), len(r["continuation_ids"])
+        b_idx += [b] * C
+        cols += range(P - 1 - first, P + C - 1 - first)
+    return logits[torch.tensor(b_idx, device=logits.device), torch.tensor(cols, device=logits.device)]
+
+
+def _decode(tokenizer: Any, ids: list[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def _prefix_ends(tokenizer: Any, ids: list[int]) -> tuple[str, list[int | None]]:
+    """The text of `ids` and, for i = 0..len(ids), where the text of ids[:i] ends in it (None when that
+    prefix does not decode to a prefix of the whole: a split character or a decoder clean-up)."""
+    text = _decode(tokenizer, ids)
+    ends: list[int | None] = []
+    for i in range(len(ids) + 1):
+        s = _decode(tokenizer, ids[:i]) if i < len(ids) else text
+        ends.append(len(s) if text.startswith(s) else None)
+    return text, ends
+
+
+class _TextRow:
+    """One reference row seen through a draft with another tokenizer."""
+
+    def __init__(self, row: dict, target: Loaded, draft: Loaded, chat: bool) -> None:
+        cont = list(row["continuation_ids"])
+        self.cont = cont
+        self.text, t_ends = _prefix_ends(target.tokenizer, cont)
+        self.prompt = prompt_ids(draft.tokenizer, row["prompt"], chat=chat)
+        if not self.prompt:
+            raise DraftsmithError(f"draft {draft.name!r} turns prompt {row.get('id', '')!r} into no tokens")
+        self.dc = draft.tokenizer(self.text, add_special_tokens=False)["input_ids"]
+        d_text, d_ends = _prefix_ends(draft.tokenizer, self.dc)
+        agree = next((i for i, (a, b) in enumerate(zip(d_text, self.text)) if a != b), min(len(d_text), len(self.text)))
+        boundary: dict[int, int] = {}  # character offset -> first draft prefix length ending there
+        for j, e in enumerate(d_ends):
+            if e is not None and e <= agree:
+                boundary.setdefault(e, j)
+        # target token t starts where the text of cont[:t] ends
+        self.draft_at = [boundary.get(t_ends[t]) if t_ends[t] is not None else None for t in range(len(cont))]
+        self.seq = self.prompt + self.dc
+
+    def judge(self, target: Loaded, draft: Loaded, greedy: list[int], t_eos: set[int], d_eos: set[int]) -> list[float]:
+        """0/1 acceptance at each continuation token; greedy[j] = the draft's argmax after prompt + dc[:j]."""
+        out = []
+        for t, j in enumerate(self.draft_at):
+            if j is None:
+                out.append(0.0)
+                continue
+            g, want = greedy[j], self.cont[t]
+            if want in t_eos:
+                out.append(float(g in d_eos))
+                continue
+            before = _decode(draft.tokenizer, self.dc[:j])
+            ext = _decode(draft.tokenizer, self.dc[:j] + [g])
+            proposal = ext[len(before):] if ext.startswith(before) else _decode(draft.tokenizer, [g])
+            first = target.tokenizer(proposal, add_special_tokens=False)["input_ids"][:1] if proposal else []
+            out.append(float(first == [want]))
+        return out
+
+
+def _chat_setting(refs: datasets.Dataset) -> bool | None:
+    """The `chat` the references were generated with, when `reference_continuations` recorded it."""
+    try:
+        return bool(json.loads(refs.info.description)["draftsmith_reference"]["chat"])
+    except (TypeError, ValueError, KeyError, AttributeError):
+        return None
+
+
+def _row_chat(target: Loaded, row: dict) -> bool:
+    """Whether a row's prompt went through the chat template (for references from elsewhere)."""
+    return prompt_ids(target.tokenizer, row["prompt"], chat=True) == list(row["prompt_ids"])
+
+
+def measure_acceptance(
+    target: Loaded,
+    drafts: list[Loaded],
+    refs: datasets.Dataset,
+    *,
+    params: SamplingParams = SamplingParams(),
+    batch_size: int = 4,
+    progress: bool = True,
+) -> list[Acceptance]:
+    """alpha (overall, per domain, per continuation index) and E[tau] for K = 1..16, for each draft in order.
+
+    `refs` has the columns of `pairing.reference.reference_continuations`. Drafts whose tokenizer differs
+    from the target's are measured through text at temperature 0 (see the module docstring).
+    """
+    if batch_size < 1:
+        raise DraftsmithError(f"batch_size must be >= 1, got {batch_size}")
+    missing = {"domain", "prompt", "prompt_ids", "continuation_ids"} - set(refs.column_names)
+    if missing:
+        raise DraftsmithError(f"reference dataset lacks column(s) {', '.join(sorted(missing))}")
+    rows = [r for r in refs if len(r["continuation_ids"]) and len(r["prompt_ids"])]
+    if not rows:
+        raise DraftsmithError("the reference dataset has no continuation tokens to measure acceptance on")
+    if not drafts:
+        return []
+    rows.sort(key=lambda r: len(r["prompt_ids"]) + len(r["continuation_ids"]))  # less padding per batch
+
+    t_vocab = target.tokenizer.get_vocab()
+    through_text = [d.tokenizer.get_vocab() != t_vocab for d in drafts]
+    chat = _chat_setting(refs)
+    t_eos = set(eos_ids(target))
+    d_eos = [set(eos_ids(d)) for d in drafts]
+    tallies = [_Tally() for _ in drafts]
+    batches = [rows[i : i + batch_size] for i in range(0, len(rows), batch_size)]
+
+    for batch in tqdm(batches, desc="acceptance", unit="batch", disable=not progress):
+        seqs = [list(r["prompt_ids"]) + list(r["continuation_ids"]) for r in batch]
+        first = min(len(r["prompt_ids"]) for r in batch) - 1
+        domains = [r["domain"] for r in batch for _ in r["continuation_ids"]]
+        t_index = [t for r in batch for t in range(len(r["continuation_ids"]))]
+        p = None
+        if not all(through_text):
+            p = to_probs(_continuation_rows(batch, _forward(target.model, seqs, first), first), params)
+        for k, draft in enumerate(drafts):
+            if not through_text[k]:
+                q_logits = _continuation_rows(batch, _forward(draft.model, seqs, first), first)
+                for d, t, b in zip(domains, t_index, _beta_given_p(p, q_logits, params).tolist()):
+                    tallies[k].add(d, t, b)
+                continue
+            text_rows = [_TextRow(r, target, draft, _row_chat(target, r) if chat is None else chat) for r in batch]
+            d_first = min(len(x.prompt) for x in text_rows) - 1
+            logits = _forward(draft.model, [x.seq for x in text_rows], d_first)
+            greedy = greedy_token(logits[..., : len(draft.tokenizer)]).tolist()  # (B, W); no padding rows
+            for r, x, g in zip(batch, text_rows, greedy):
+                start = len(x.prompt) - 1 - d_first
+                for t, b in enumerate(x.judge(target, draft, g[start : start + len(x.dc) + 1], t_eos, d_eos[k])):
+                    tallies[k].add(r["domain"], t, b)
+
+    return [
+        tally.result(d.name, THROUGH_TEXT if text else TOKEN_LEVEL)
+        for d, tally, text in zip(drafts, tallies, through_text)
+    ]
+
+
+__all__ = ["Acceptance", "THROUGH_TEXT", "TOKEN_LEVEL", "beta", "expected_tau", "measure_acceptance"]

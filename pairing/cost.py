@@ -1,0 +1,191 @@
+"""The cost model: what a draft step and a verify step cost on this machine, and the speedup they predict.
+
+    from pairing.cost import measure_cost, best_k
+    cost = measure_cost(target_runner, draft_runner)        # runners from decode.model.make_runner
+    k, speedup = best_k(alpha, cost.c, cost.v)
+
+Definitions (../shared/design.md): `c` = one cached one-token draft forward / one cached one-token target
+forward; `v(K)` = one cached target forward over K+1 tokens / one cached one-token target forward;
+predicted speedup = E[tau] / (K*c + v(K)) with E[tau] = (1 - alpha^(K+1)) / (1 - alpha), tau counting the
+bonus/corrected token; best K = its argmax over K in 1..16.
+
+Why v(K) is measured per K and not assumed to be 1: on CPU the cost of a forward over T tokens depends
+strongly on matrix shapes. Measured on this machine for a 1.5B float32 target, T=2 and T=4 cost ~1.45x a
+one-token step, T=3 ~2.15x, T=8 ~2.5x, so the best K can sit on a dip of v rather than where a flat curve
+would put it. Leviathan et al. 2023 (Thm 3.8) is the special case v = 1, which a GPU roughly gives for
+small K.
+
+Timing follows the decoder: both caches are filled with `context` tokens, then every timed call runs at
+position `context` (the runners roll their caches back by position, so repeating a call there is valid).
+The draft step keeps one row (keep=1) as the decoder does; the verify forward keeps all K+1 rows. Rounds
+are interleaved (each round times every shape once) so that drift on a shared machine hits all shapes
+alike; warm-up rounds are excluded; each timing is the median over `repeats` rounds (on a shared machine
+a preempted call costs a whole time slice, a few ms: raise `repeats` when steps are that short). Timings
+use the torch thread settings in force, so call this as the decoder will run.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from decode.model import Runner
+
+K_RANGE = range(1, 17)
+
+
+@dataclass
+class CostModel:
+    target_step_s: float  # median time of one cached one-token target forward
+    draft_step_s: float  # same for the draft runner, as it will run (e.g. int8)
+    verify_s: dict[int, float]  # K -> median time of one cached target forward over K+1 tokens
+    context: int  # tokens already in the caches when timing
+    repeats: int
+
+    @property
+    def c(self) -> float:
+        return self.draft_step_s / self.target_step_s
+
+    @property
+    def v(self) -> dict[int, float]:
+        return {K: t / self.target_step_s for K, t in sorted(self.verify_s.items())}
+
+    def to_dict(self) -> dict:
+        return {
+            "target_step_s": self.target_step_s,
+            "draft_step_s": self.draft_step_s,
+            "verify_s": {str(K): t for K, t in sorted(self.verify_s.items())},
+            "context": self.context,
+            "repeats": self.repeats,
+            "c": self.c,
+            "v": {str(K): x for K, x in self.v.items()},
+            "definitions": {
+                "c": "draft one-token forward / target one-token forward (cached, median)",
+                "v": "target forward over K+1 tokens / target one-token forward (cached, median)",
+            },
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CostModel":
+        """Inverse of `to_dict` (the derived c and v are recomputed from the raw timings)."""
+        return cls(
+            target_step_s=float(d["target_step_s"]), draft_step_s=float(d["draft_step_s"]),
+            verify_s={int(K): float(t) for K, t in d["verify_s"].items()},
+            context=int(d["context"]), repeats=int(d["repeats"]),
+        )
+
+
+# -- the math: small pure functions --
+
+
+def _check_alpha_k(alpha: float, K: int) -> None:
+    if not 0.0 <= alpha <= 1.0:  # also rejects NaN
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    if K < 1:
+        raise ValueError(f"K must be >= 1, got {K}")
+
+
+def expected_tau(alpha: float, K: int) -> float:
+    """E[tau] = (1 - alpha^(K+1)) / (1 - alpha), i.i.d. acceptance; K+1 at alpha = 1. Counts the bonus token."""
+    _check_alpha_k(alpha, K)
+    return sum(alpha**i for i in range(K + 1))  # the same sum, without 0/0 at alpha = 1
+
+
+def predicted_speedup(alpha: float, K: int, c: float, v_K: float) -> float:
+    """E[tau] / (K*c + v(K)): tokens per unit of target-step time, relative to the target alone."""
+    _check_alpha_k(alpha, K)
+    if not c >= 0.0:
+        raise ValueError(f"cost ratio c must be >= 0, got {c}")
+    if not v_K > 0.0:
+        raise ValueError(f"verify cost v(K) must be > 0, got {v_K} at K={K}")
+    return expected_tau(alpha, K) / (K * c + v_K)
+
+
+def speedup_curve(alpha: float, c: float, v: dict[int, float]) -> dict[int, float]:
+    """K -> predicted speedup, for every K in v."""
+    return {K: predicted_speedup(alpha, K, c, v_K) for K, v_K in sorted(v.items())}
+
+
+def best_k(alpha: float, c: float, v: dict[int, float]) -> tuple[int, float]:
+    """(K, predicted speedup) maximising the speedup over the K in v; ties go to the smaller K."""
+    if not v:
+        raise ValueError("v is empty: need v(K) for at least one K")
+    curve = speedup_curve(alpha, c, v)
+    K = max(curve, key=lambda k: (curve[k], -k))
+    return K, curve[K]
+
+
+# -- measurement --
+
+
+def _timer(device: torch.device):
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def timed(runner: Runner, tokens: torch.Tensor, pos: int, keep: int) -> float:
+        sync()
+        t0 = time.perf_counter()
+        runner.forward(tokens, pos, keep)
+        sync()
+        return time.perf_counter() - t0
+
+    return timed
+
+
+@torch.inference_mode()
+def measure_cost(
+    target_runner: Runner,
+    draft_runner: Runner,
+    *,
+    ks: Iterable[int] = K_RANGE,
+    context: int = 64,
+    repeats: int = 5,
+    warmup: int = 2,
+    progress: bool = False,
+    device: torch.device | str = "cpu",
+) -> CostModel:
+    """Median cached-forward times of both runners at `context` tokens of context; see the module docstring.
+
+    `device` is where the token ids go (the runners' device), as in `decode.speculative.generate`.
+    """
+    ks = sorted(set(ks))
+    if not ks or ks[0] < 1:
+        raise ValueError(f"ks must be a non-empty set of K >= 1, got {ks}")
+    if context < 1:
+        raise ValueError(f"context must be >= 1, got {context}")
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats}, {warmup}")
+    for name, runner, T in (("target", target_runner, ks[-1] + 1), ("draft", draft_runner, 1)):
+        if context + T > runner.max_seq_len:
+            raise ValueError(f"{name} cache holds {runner.max_seq_len} positions, timing needs {context + T}")
+    device = torch.device(device)
+    timed = _timer(device)
+
+    def ids(runner: Runner, start: int, n: int) -> torch.Tensor:
+        return torch.arange(start, start + n, device=device) % runner.vocab_size
+
+    target_runner.forward(ids(target_runner, 0, context), 0, keep=1)
+    draft_runner.forward(ids(draft_runner, 0, context), 0, keep=1)
+    # every shape timed: name -> (runner, tokens, keep)
+    shapes = {
+        "target": (target_runner, ids(target_runner, context, 1), 0),
+        "draft": (draft_runner, ids(draft_runner, context, 1), 1),
+        **{K: (target_runner, ids(target_runner, context, K + 1), 0) for K in ks},
+    }
+    times: dict = {name: [] for name in shapes}
+    for r in tqdm(range(warmup + repeats), desc="cost", disable=not progress):
+        for name, (runner, tokens, keep) in shapes.items():
+            t = timed(runner, tokens, context, keep)
+            if r >= warmup:
+                times[name].append(t)
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    return CostModel(
+        target_step_s=med["target"], draft_step_s=med["draft"], verify_s={K: med[K] for K in ks},
+        context=context, repeats=repeats,
+    )

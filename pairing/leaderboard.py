@@ -1,0 +1,342 @@
+"""Rank candidate drafts for a target: acceptance per domain, measured cost, predicted (and measured) speedup.
+
+    .venv/bin/draftsmith pair --target qwen2.5-coder-1.5b-instruct \
+        --candidates qwen2.5-coder-0.5b-instruct,smollm2-135m-instruct,derive:qwen2.5-coder-1.5b-instruct:keep=8 \
+        --suite code,chat --validate 1 --out runs/pair-qwen
+
+Steps: compatibility check per candidate -> the target's reference continuations (generated once, cached)
+-> teacher-forced acceptance of every candidate in one pass over the target -> measured cost c and v(K)
+-> predicted speedup E[tau] / (K c + v(K)) and best K (overall and per domain) -> optionally, the built-in
+decoder on the top N candidates at their best K for the measured speedup. Writes leaderboard.json, .md,
+.csv and .html (with PNG plots) into --out.
+"""
+
+from __future__ import annotations
+
+import base64
+import csv
+import html
+import io
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from decode.bench import atomic_write_json
+from decode.errors import DraftsmithError
+from decode.loading import Loaded, load
+from decode.model import make_runner
+from decode.prompts import Prompt, load_prompts
+from decode.sampling import SamplingParams
+from decode.speculative import KPolicy, generate
+from decode.textgen import eos_ids, machine_info, versions
+from pairing.acceptance import measure_acceptance
+from pairing.compat import check_pair
+from pairing.cost import best_k, measure_cost, speedup_curve
+from pairing.derive import resolve_candidate
+from pairing.reference import reference_continuations
+
+MAX_K = 16
+
+
+@dataclass
+class PairSettings:
+    """Everything `pair` takes besides the models; saved into leaderboard.json."""
+
+    suite: str | None = "code,chat"
+    prompts_file: str | None = None
+    limit_per_domain: int | None = 8
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    validate: int = 0
+    validate_prompts: int = 4  # prompts per domain used for the measured speedup
+    draft_quant: str | None = "int8"
+    batch_size: int = 4
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.suite and not self.prompts_file:
+            raise DraftsmithError("pair needs prompts: --suite NAMES or --prompts FILE")
+        if self.max_new_tokens < 1:
+            raise DraftsmithError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.validate < 0:
+            raise DraftsmithError(f"--validate must be >= 0, got {self.validate}")
+
+
+@dataclass
+class Candidate:
+    spec: str
+    loaded: Loaded
+    compat: object
+    row: dict = field(default_factory=dict)
+
+
+def _params_million(model) -> float:
+    return round(sum(p.numel() for p in model.parameters()) / 1e6, 1)
+
+
+def _validate(target: Loaded, cand: Candidate, prompts: list[Prompt], refs, k: int, settings: PairSettings) -> dict:
+    """Measured speedup: our decoder with and without this draft, same prompts, same run, interleaved."""
+    by_id = {r["id"]: r for r in refs}
+    max_len = max(len(by_id[p.id]["prompt_ids"]) for p in prompts) + settings.max_new_tokens + MAX_K + 2
+    t_run = make_runner(target.model, max_len)
+    d_run = make_runner(cand.loaded.model, max_len, quantize=settings.draft_quant)
+    eos = eos_ids(target)
+    base_s = spec_s = 0.0
+    base_n = spec_n = 0
+    equal = True
+    taus = []
+    first = by_id[prompts[0].id]["prompt_ids"]
+    generate(t_run, first[:16], draft=d_run, max_new_tokens=4, policy=KPolicy(k=k))  # warm-up
+    for p in tqdm(prompts, desc=f"validate {cand.spec}", unit="prompt"):
+        ids = list(by_id[p.id]["prompt_ids"])
+        a = generate(t_run, ids, max_new_tokens=settings.max_new_tokens, eos_ids=eos)
+        b = generate(t_run, ids, draft=d_run, max_new_tokens=settings.max_new_tokens, eos_ids=eos,
+                     policy=KPolicy(k=k, k_max=max(MAX_K, k)))
+        base_s += a.stats.seconds
+        base_n += a.stats.new_tokens
+        spec_s += b.stats.seconds
+        spec_n += b.stats.new_tokens
+        equal &= a.tokens == b.tokens or settings.temperature > 0
+        taus.append(b.stats.mean_tau)
+    base_tps, spec_tps = base_n / base_s, spec_n / spec_s
+    return {
+        "k": k, "prompts": len(prompts), "target_only_tok_per_s": base_tps, "speculative_tok_per_s": spec_tps,
+        "target_only_seconds": base_s, "speculative_seconds": spec_s, "tokens": spec_n,
+        "measured_speedup": spec_tps / base_tps, "greedy_equal": equal,
+        "mean_tau": sum(taus) / len(taus),
+    }
+
+
+def run_pair(target_spec: str, candidate_specs: list[str], out: Path, settings: PairSettings, progress: bool = True) -> dict:
+    """The whole leaderboard run; returns the leaderboard dict (also written to `out`)."""
+    if not candidate_specs:
+        raise DraftsmithError("pair needs at least one candidate (--candidates A,B,...)")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    source = settings.prompts_file or settings.suite
+    prompts = load_prompts(source, limit_per_domain=settings.limit_per_domain)
+    params = SamplingParams(settings.temperature)
+
+    target = load(target_spec)
+    cands: list[Candidate] = []
+    for spec in candidate_specs:
+        loaded = load(resolve_candidate(spec))
+        loaded.name = spec
+        cands.append(Candidate(spec, loaded, check_pair(target, loaded)))
+
+    helper = next((c.loaded for c in cands if c.compat.compatible), None)  # speeds up the references, exactly
+    refs = reference_continuations(target, prompts, max_new_tokens=settings.max_new_tokens,
+                                   temperature=settings.temperature, seed=settings.seed, draft=helper,
+                                   progress=progress)
+    accs = measure_acceptance(target, [c.loaded for c in cands], refs, params=params,
+                              batch_size=settings.batch_size, progress=progress)
+
+    t_runner = make_runner(target.model, 256)
+    for cand, acc in zip(cands, accs):
+        d_runner = make_runner(cand.loaded.model, 256, quantize=settings.draft_quant)
+        cost = measure_cost(t_runner, d_runner, ks=range(1, MAX_K + 1))
+        del d_runner
+        k, pred = best_k(acc.alpha, cost.c, cost.v)
+        cand.row = {
+            "draft": cand.spec,
+            "params": _params_million(cand.loaded.model),
+            "params_unit": "million",
+            "compatible": cand.compat.compatible,
+            "kind": cand.compat.kind,
+            "compat_notes": cand.compat.notes,
+            "llama_cpp_compatible": cand.compat.llama_cpp,
+            "llama_cpp_notes": cand.compat.llama_cpp_notes,
+            "alpha": acc.alpha,
+            "alpha_by_domain": acc.alpha_by_domain,
+            "positions": acc.positions,
+            "positions_by_domain": acc.positions_by_domain,
+            "acceptance_method": acc.method,
+            "alpha_by_position": acc.by_position,
+            "expected_tau": {str(K): t for K, t in acc.expected_tau.items()},
+            "cost_ratio": cost.c,
+            "verify_cost": {str(K): v for K, v in cost.v.items()},
+            "timings": cost.to_dict(),
+            "best_k": k,
+            "predicted_speedup": pred,
+            "predicted_speedup_by_k": {str(K): s for K, s in speedup_curve(acc.alpha, cost.c, cost.v).items()},
+            "best_k_by_domain": {d: best_k(a, cost.c, cost.v)[0] for d, a in acc.alpha_by_domain.items()},
+            "predicted_speedup_by_domain": {d: best_k(a, cost.c, cost.v)[1] for d, a in acc.alpha_by_domain.items()},
+            "measured_speedup": None,
+            "validation": None,
+        }
+    cands.sort(key=lambda c: c.row["predicted_speedup"], reverse=True)
+
+    if settings.validate:
+        chosen = [c for c in cands if c.compat.compatible][: settings.validate]
+        val_prompts = load_prompts(source, limit_per_domain=settings.validate_prompts)
+        val_prompts = [p for p in val_prompts if p.id in set(refs["id"])]
+        for cand in chosen:
+            v = _validate(target, cand, val_prompts, refs, cand.row["best_k"], settings)
+            cand.row["validation"] = v
+            cand.row["measured_speedup"] = v["measured_speedup"]
+            gap = abs(v["measured_speedup"] - cand.row["predicted_speedup"]) / v["measured_speedup"]
+            cand.row["prediction_error"] = gap
+        for cand in cands:
+            if not cand.compat.compatible and cand.row["measured_speedup"] is None:
+                cand.row["validation_note"] = "cross-tokenizer: the token-level decoder cannot run it; not validated"
+
+    board = {
+        "target": target_spec,
+        "machine": machine_info(),
+        "versions": versions(),
+        "settings": {**settings.__dict__, "prompts": source, "n_prompts": len(prompts),
+                     "domains": sorted({p.domain for p in prompts})},
+        "definitions": {
+            "alpha": "mean over positions of beta_t = sum_x min(p_t(x), q_t(x)), teacher-forced on the target's continuations",
+            "tau": "tokens emitted per target forward, including the bonus/corrected token",
+            "cost_ratio": "one-token draft forward / one-token target forward (cached), measured here",
+            "verify_cost": "target forward over K+1 tokens / over 1 token, measured here",
+            "predicted_speedup": "E[tau] / (K * cost_ratio + verify_cost(K))",
+        },
+        "seconds": time.perf_counter() - t0,
+        "candidates": [c.row for c in cands],
+    }
+    write_leaderboard(board, out)
+    return board
+
+
+# --- outputs ----------------------------------------------------------------------------------
+
+
+def _fmt(v, nd: int = 2) -> str:
+    return "-" if v is None else (f"{v:.{nd}f}" if isinstance(v, float) else str(v))
+
+
+def table_rows(board: dict) -> tuple[list[str], list[list[str]]]:
+    domains = board["settings"]["domains"]
+    head = ["draft", "kind", "params (M)", "alpha", *[f"alpha {d}" for d in domains], "c", "v(best K)",
+            "best K", "predicted", "measured", "llama.cpp"]
+    rows = []
+    for c in board["candidates"]:
+        rows.append([
+            c["draft"], c["kind"], _fmt(c["params"], 1), _fmt(c["alpha"], 3),
+            *[_fmt(c["alpha_by_domain"].get(d), 3) for d in domains],
+            _fmt(c["cost_ratio"], 3), _fmt(c["verify_cost"][str(c["best_k"])]), str(c["best_k"]),
+            _fmt(c["predicted_speedup"]) + "x", (_fmt(c["measured_speedup"]) + "x") if c["measured_speedup"] else "-",
+            {True: "pass", False: "fail", None: "-"}[c["llama_cpp_compatible"]],
+        ])
+    return head, rows
+
+
+def markdown(board: dict) -> str:
+    head, rows = table_rows(board)
+    lines = [f"# Draft leaderboard for `{board['target']}`", "",
+             f"{board['settings']['n_prompts']} prompts ({board['settings']['prompts']}), "
+             f"{board['settings']['max_new_tokens']} reference tokens each, temperature {board['settings']['temperature']}; "
+             f"machine: {board['machine']['cpu']} ({board['machine']['cpu_count']} cores).", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    lines += ["", "alpha: teacher-forced mean of sum min(p, q); c: draft step / target step; v(K): target over K+1 "
+              "tokens / over 1; predicted speedup = E[tau] / (K c + v(K)); tau counts the bonus token."]
+    for c in board["candidates"]:
+        v = c.get("validation")
+        if v:
+            lines.append(f"\nValidated `{c['draft']}` at K={v['k']} on {v['prompts']} prompts: target-only "
+                         f"{v['target_only_tok_per_s']:.2f} tok/s, speculative {v['speculative_tok_per_s']:.2f} tok/s, "
+                         f"measured {v['measured_speedup']:.2f}x vs predicted {c['predicted_speedup']:.2f}x "
+                         f"(error {100 * c['prediction_error']:.0f}%), greedy equal: {v['greedy_equal']}.")
+        if c.get("validation_note"):
+            lines.append(f"\n`{c['draft']}`: {c['validation_note']}.")
+        for note in c["compat_notes"]:
+            lines.append(f"- `{c['draft']}`: {note}")
+    return "\n".join(lines) + "\n"
+
+
+def _plots(board: dict) -> dict[str, bytes]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pngs = {}
+    cands, domains = board["candidates"], board["settings"]["domains"]
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    width = 0.8 / max(1, len(cands))
+    for i, c in enumerate(cands):
+        xs = [j + i * width for j in range(len(domains))]
+        ax.bar(xs, [c["alpha_by_domain"].get(d, 0) for d in domains], width, label=c["draft"])
+    ax.set_xticks([j + width * (len(cands) - 1) / 2 for j in range(len(domains))], domains)
+    ax.set_ylabel("alpha"), ax.set_ylim(0, 1), ax.set_title("acceptance by domain"), ax.legend(fontsize=7)
+    pngs["alpha_by_domain.png"] = _png(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for c in cands:
+        ks = sorted(int(k) for k in c["predicted_speedup_by_k"])
+        ax.plot(ks, [c["predicted_speedup_by_k"][str(k)] for k in ks], marker="o", ms=3, label=c["draft"])
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xlabel("K (draft tokens per step)"), ax.set_ylabel("predicted speedup"), ax.legend(fontsize=7)
+    ax.set_title("predicted speedup vs K (measured c and v(K))")
+    pngs["speedup_vs_k.png"] = _png(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for c in cands:
+        ax.plot(range(len(c["alpha_by_position"])), c["alpha_by_position"], label=c["draft"])
+    ax.set_xlabel("position in continuation"), ax.set_ylabel("mean beta"), ax.set_ylim(0, 1.02)
+    ax.set_title("acceptance by position"), ax.legend(fontsize=7)
+    pngs["alpha_by_position.png"] = _png(fig)
+    plt.close("all")
+    return pngs
+
+
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png", dpi=110)
+    return buf.getvalue()
+
+
+def html_page(board: dict, pngs: dict[str, bytes]) -> str:
+    head, rows = table_rows(board)
+    cells = "".join(f"<th>{html.escape(h)}</th>" for h in head)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(v)}</td>" for v in r) + "</tr>" for r in rows)
+    imgs = "".join(f'<figure><img alt="{html.escape(n)}" src="data:image/png;base64,{base64.b64encode(b).decode()}">'
+                   f"</figure>" for n, b in pngs.items())
+    return (f"<!doctype html><meta charset=utf-8><title>draftsmith leaderboard: {html.escape(board['target'])}</title>"
+            "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}td,th{border:1px solid #ccc;"
+            "padding:4px 8px;text-align:right}td:first-child{text-align:left}</style>"
+            f"<h1>Draft leaderboard for {html.escape(board['target'])}</h1><table><tr>{cells}</tr>{body}</table>"
+            f"<pre>{html.escape(markdown(board).split(chr(10) + chr(10), 3)[-1])}</pre>{imgs}")
+
+
+def write_leaderboard(board: dict, out: Path) -> None:
+    """leaderboard.json, .md, .csv, .html and the plots (PNG) into `out`, each written atomically."""
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "leaderboard.json", board)
+    pngs = _plots(board)
+    texts = {"leaderboard.md": markdown(board), "leaderboard.html": html_page(board, pngs)}
+    head, rows = table_rows(board)
+    buf = io.StringIO()
+    csv.writer(buf).writerows([head, *rows])
+    texts["leaderboard.csv"] = buf.getvalue()
+    for name, text in texts.items():
+        tmp = out / f".{name}.tmp"
+        tmp.write_text(text)
+        tmp.replace(out / name)
+    for name, data in pngs.items():
+        tmp = out / f".{name}.tmp"
+        tmp.write_bytes(data)
+        tmp.replace(out / name)
+
+
+def split_candidates(text: str) -> list[str]:
+    """Split 'a,b,derive:m:layers=0,1,2,c' on commas, keeping the layer list of a derive spec together."""
+    out: list[str] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if out and out[-1].startswith("derive:") and "layers=" in out[-1] and part.replace("-", "").isdigit():
+            out[-1] += "," + part
+        else:
+            out.append(part)
+    return out
+

@@ -1,0 +1,214 @@
+"""Teacher-forced acceptance: beta against brute force, the batched path against one sequence at a time,
+the cross-tokenizer path against the token-level one on a draft that only renumbers the vocabulary."""
+
+import math
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+
+from decode.loading import Loaded
+from decode.sampling import SamplingParams, to_probs
+from pairing.acceptance import THROUGH_TEXT, TOKEN_LEVEL, _TextRow, beta, expected_tau, measure_acceptance
+
+WORDS = [f"w{i}" for i in range(48)]
+EOS = len(WORDS)  # "<eos>" = 48; "[UNK]" = 49 lies outside the models' 49 rows, so no model emits it
+
+
+def word_tokenizer(order: list[str] = WORDS) -> PreTrainedTokenizerFast:
+    """Words split on whitespace, one id each (in `order`), then <eos> and [UNK]; no chat template."""
+    vocab = {w: i for i, w in enumerate(order)}
+    vocab.update({"<eos>": len(order), "[UNK]": len(order) + 1})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="[UNK]")
+
+
+def tiny(seed: int, vocab: int = EOS + 1, layers: int = 2, dtype=torch.float64):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=EOS, pad_token_id=None,
+    )
+    model = AutoModelForCausalLM.from_config(cfg).to(dtype).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)  # sharper distributions, so drafts visibly disagree
+    model.generation_config.eos_token_id = EOS
+    return model
+
+
+def loaded(model, name: str, tokenizer=None) -> Loaded:
+    return Loaded(model=model, tokenizer=tokenizer or word_tokenizer(), path=Path("/nonexistent") / name, name=name)
+
+
+def make_refs(lengths: list[tuple[int, int]], seed: int = 0) -> datasets.Dataset:
+    """Rows of random ids with the given (prompt, continuation) lengths, two domains."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i, (P, C) in enumerate(lengths):
+        ids = torch.randint(0, EOS, (P + C,), generator=g).tolist()
+        rows.append({"id": str(i), "domain": "code" if i % 2 else "chat", "prompt": "",
+                     "prompt_ids": ids[:P], "continuation_ids": ids[P:], "text": ""})
+    return datasets.Dataset.from_list(rows)
+
+
+PARAMS = [
+    SamplingParams(1.0), SamplingParams(0.7), SamplingParams(1.3, top_k=5),
+    SamplingParams(1.0, top_p=0.8), SamplingParams(0.5, top_k=7, top_p=0.9),
+]
+
+
+def brute_beta(p_logits, q_logits, params) -> list[float]:
+    p, q = to_probs(p_logits, params), to_probs(q_logits, params)
+    return [sum(min(float(p[n, x]), float(q[n, x])) for x in range(p.shape[1])) for n in range(p.shape[0])]
+
+
+@pytest.mark.parametrize("params", PARAMS)
+def test_beta_matches_brute_force(params) -> None:
+    g = torch.Generator().manual_seed(1)
+    p_logits = torch.randn(6, 13, generator=g, dtype=torch.float64) * 2
+    q_logits = torch.randn(6, 13, generator=g, dtype=torch.float64) * 2
+    got = beta(p_logits, q_logits, params)
+    assert got.dtype == torch.float64
+    assert got.tolist() == pytest.approx(brute_beta(p_logits, q_logits, params), abs=1e-12)
+    assert ((got >= 0) & (got < 1)).all() and (got > 0).any()  # top-k/top-p may leave disjoint supports
+    assert beta(p_logits, p_logits, params).tolist() == pytest.approx([1.0] * 6, abs=1e-12)
+
+
+def test_beta_at_temperature_zero_is_argmax_match_with_lowest_id_ties() -> None:
+    p = torch.tensor([[1.0, 3.0, 3.0, 0.0]] * 3)
+    q = torch.tensor([[0.0, 3.0, 3.0, 1.0], [0.0, 2.0, 3.0, 3.0], [5.0, 5.0, 5.0, 5.0]])
+    assert beta(p, q, SamplingParams()).tolist() == [1.0, 0.0, 0.0]
+    assert beta(q, q, SamplingParams()).tolist() == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), *PARAMS])
+def test_beta_aligns_vocab_sizes_like_the_decoder(params) -> None:
+    g = torch.Generator().manual_seed(2)
+    p_logits = torch.randn(5, 11, generator=g, dtype=torch.float64) * 2
+    q_logits = torch.randn(5, 11, generator=g, dtype=torch.float64) * 2
+    # a larger draft vocab: its extra rows are dropped, however likely they are
+    big = torch.cat([q_logits, torch.full((5, 3), 50.0, dtype=torch.float64)], dim=1)
+    assert beta(p_logits, big, params).tolist() == pytest.approx(beta(p_logits, q_logits, params).tolist(), abs=1e-15)
+    # a smaller draft vocab: the missing ids have probability 0 under q
+    small = q_logits[:, :8]
+    padded = torch.cat([small, torch.full((5, 3), -math.inf, dtype=torch.float64)], dim=1)
+    assert beta(p_logits, small, params).tolist() == pytest.approx(brute_beta(p_logits, padded, params), abs=1e-12)
+
+
+def test_expected_tau_hand_values() -> None:
+    assert expected_tau(0.5, 1) == pytest.approx(1.5)
+    assert expected_tau(0.8, 4) == pytest.approx(3.3616)
+    assert expected_tau(0.0, 7) == 1.0
+    for K in (1, 4, 16):
+        assert expected_tau(1.0, K) == K + 1
+        assert expected_tau(0.999999, K) == pytest.approx(K + 1, rel=1e-4)
+
+
+def brute_acceptance(target, draft, refs, params) -> tuple[float, dict[str, float], list[float]]:
+    """One sequence at a time, plain loops: the reference for the batched path."""
+    total, per_domain, per_pos = [], {}, {}
+    for r in refs:
+        seq = torch.tensor([r["prompt_ids"] + r["continuation_ids"]])
+        with torch.no_grad():
+            p_all, q_all = target(seq).logits[0], draft(seq).logits[0]
+        P = len(r["prompt_ids"])
+        for t in range(len(r["continuation_ids"])):
+            q_logits = q_all[P - 1 + t]
+            V = p_all.shape[-1]
+            if q_logits.shape[0] > V:
+                q_logits = q_logits[:V]
+            b = brute_beta(p_all[P - 1 + t][None], q_logits[None], params)[0]
+            total.append(b)
+            per_domain.setdefault(r["domain"], []).append(b)
+            per_pos.setdefault(t, []).append(b)
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    return mean(total), {d: mean(v) for d, v in per_domain.items()}, [mean(per_pos[t]) for t in sorted(per_pos)]
+
+
+LENGTHS = [(3, 9), (1, 4), (7, 12), (5, 1), (2, 7), (4, 10), (6, 3)]
+
+
+def test_self_draft_has_alpha_one() -> None:
+    target = tiny(0)
+    refs = make_refs(LENGTHS)
+    for params in (SamplingParams(), SamplingParams(1.0, top_k=5)):
+        [a] = measure_acceptance(loaded(target, "t"), [loaded(target, "self")], refs, params=params, progress=False)
+        assert a.method == TOKEN_LEVEL
+        assert a.positions == sum(C for _, C in LENGTHS)
+        assert a.alpha == pytest.approx(1.0, abs=1e-12)
+        assert a.by_position == pytest.approx([1.0] * 12, abs=1e-12)
+        assert a.expected_tau[4] == pytest.approx(5.0, abs=1e-9)
+    [a] = measure_acceptance(loaded(target, "t"), [loaded(target, "self")], refs, progress=False)
+    assert a.alpha == 1.0 and set(a.by_position) == {1.0}  # exactly, at temperature 0
+
+
+@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.8, top_k=6, top_p=0.95), SamplingParams()])
+def test_batched_equals_one_sequence_at_a_time(params) -> None:
+    target = tiny(0)
+    others = [tiny(1, layers=1), tiny(2, vocab=EOS + 4)]  # the second has 3 padding rows, as Qwen drafts do
+    refs = make_refs(LENGTHS, seed=3)
+    results = measure_acceptance(
+        loaded(target, "t"), [loaded(m, f"d{i}") for i, m in enumerate(others)], refs,
+        params=params, batch_size=3, progress=False,
+    )
+    for model, a in zip(others, results):
+        alpha, by_domain, by_pos = brute_acceptance(target, model, refs, params)
+        assert a.alpha < 1.0
+        assert a.alpha == pytest.approx(alpha, abs=1e-9)
+        assert a.alpha_by_domain == pytest.approx(by_domain, abs=1e-9)
+        assert a.by_position == pytest.approx(by_pos, abs=1e-9)
+        assert a.positions_by_domain == {"chat": 9 + 12 + 7 + 3, "code": 4 + 1 + 10}
+        assert a.expected_tau == pytest.approx({K: expected_tau(a.alpha, K) for K in range(1, 17)})
+        d = a.to_dict()
+        assert d["expected_tau"]["1"] == a.expected_tau[1] and "tau_definition" in d
+
+
+def renumbered(model, tokenizer_perm: list[int]):
+    """The same network over a renumbered vocabulary: new id perm[i] plays old id i."""
+    import copy
+
+    new = copy.deepcopy(model)
+    perm = torch.tensor(tokenizer_perm)
+    with torch.no_grad():
+        new.model.embed_tokens.weight[perm] = model.model.embed_tokens.weight
+        new.lm_head.weight[perm] = model.lm_head.weight
+    return new
+
+
+def test_through_text_matches_token_level_for_a_renumbered_vocabulary(tmp_path) -> None:
+    from decode.prompts import Prompt
+    from pairing.reference import reference_continuations
+
+    target = loaded(tiny(0), "t")
+    prompts = [Prompt(str(i), "chat" if i % 2 else "code", " ".join(WORDS[3 * i : 3 * i + 2 + i])) for i in range(6)]
+    refs = reference_continuations(target, prompts, max_new_tokens=10, cache_root=tmp_path, progress=False)
+    draft = tiny(1, layers=1)
+    order = WORDS[::-1]  # word w gets id 47 - i; <eos> and [UNK] keep theirs
+    perm = [order.index(w) for w in WORDS] + [EOS]
+    text_draft = loaded(renumbered(draft, perm), "renumbered", word_tokenizer(order))
+    twin = loaded(renumbered(target.model, perm), "twin", word_tokenizer(order))
+    token, text, same = measure_acceptance(
+        target, [loaded(draft, "d"), text_draft, twin], refs, batch_size=4, progress=False
+    )
+    assert (token.method, text.method) == (TOKEN_LEVEL, THROUGH_TEXT)
+    assert text.positions == token.positions == sum(len(r["continuation_ids"]) for r in refs)
+    assert 0.0 < token.alpha < 1.0
+    assert text.alpha == token.alpha
+    assert text.by_position == token.by_position and text.alpha_by_domain == token.alpha_by_domain
+    assert same.alpha == 1.0
+
+
+def test_through_text_rejects_positions_without_a_draft_boundary() -> None:
+    target = loaded(tiny(0), "t")
+    draft = loaded(tiny(1), "d", word_tokenizer([w for w in WORDS if w != "w5"]))  # w5 becomes [UNK]
+    row = {"prompt": "w1 w2", "continuation_ids": [3, 4, 5, 6, 7]}
+    x = _TextRow(row, target, draft, chat=True)
+    assert x.text == "w3 w4 w5 w6 w7"
+    # the draft's text loses w5, so only the prefixes before it line up with the target's tokens
+    assert x.draft_at == [0, 1, 2, None, None]
+    assert x.judge(target, draft, [3, 4, 7, 0, 0, 0], {EOS}, {EOS - 1}) == [1.0, 1.0, 0.0, 0.0, 0.0]

@@ -1,0 +1,206 @@
+"""The cost model: the speedup math against hand-computed values and the paper, best K on constructed
+cost curves, and measurement on tiny random runners (orderings, not exact times)."""
+
+import json
+import math
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from decode.model import make_runner
+from pairing.cost import CostModel, best_k, expected_tau, measure_cost, predicted_speedup, speedup_curve
+
+KS = range(1, 17)
+
+
+# -- the math --
+
+
+def test_expected_tau_and_speedup_by_hand() -> None:
+    assert expected_tau(0.8, 4) == pytest.approx(1 + 0.8 + 0.64 + 0.512 + 0.4096)  # 3.3616
+    assert expected_tau(0.8, 4) == pytest.approx(3.3616)
+    assert predicted_speedup(0.8, 4, 0.1, 1.2) == pytest.approx(3.3616 / 1.6)  # 2.101
+    assert predicted_speedup(0.8, 4, 0.1, 1.2) == pytest.approx(2.101)
+    assert expected_tau(1.0, 5) == 6.0  # every draft accepted plus the bonus
+    assert expected_tau(0.0, 7) == 1.0  # only the corrected token
+    assert expected_tau(0.5, 1) == pytest.approx(1.5)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.3, 0.6, 0.9, 0.99])
+@pytest.mark.parametrize("K", [1, 2, 5, 16])
+@pytest.mark.parametrize("c", [0.0, 0.05, 0.5])
+def test_leviathan_special_case(alpha: float, K: int, c: float) -> None:
+    paper = (1 - alpha ** (K + 1)) / ((1 - alpha) * (K * c + 1))  # Leviathan et al. 2023, Thm 3.8
+    assert predicted_speedup(alpha, K, c, 1.0) == pytest.approx(paper, rel=1e-12)
+
+
+def test_expected_tau_continuous_at_alpha_one() -> None:
+    assert expected_tau(1 - 1e-9, 8) == pytest.approx(9.0, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [(-0.1, 4, 0.1, 1.0), (1.1, 4, 0.1, 1.0), (math.nan, 4, 0.1, 1.0), (0.5, 0, 0.1, 1.0),
+     (0.5, 4, -0.1, 1.0), (0.5, 4, 0.1, 0.0), (0.5, 4, 0.1, -1.0), (0.5, 4, math.nan, 1.0)],
+)
+def test_invalid_inputs_raise(args) -> None:
+    with pytest.raises(ValueError):
+        predicted_speedup(*args)
+
+
+def test_invalid_inputs_name_the_problem() -> None:
+    with pytest.raises(ValueError, match="alpha"):
+        expected_tau(1.5, 3)
+    with pytest.raises(ValueError, match="K must be >= 1"):
+        expected_tau(0.5, 0)
+    with pytest.raises(ValueError, match="c must be >= 0"):
+        predicted_speedup(0.5, 3, -1, 1.0)
+    with pytest.raises(ValueError, match=r"v\(K\) must be > 0"):
+        best_k(0.5, 0.1, {1: 1.0, 2: 0.0})
+    with pytest.raises(ValueError, match="empty"):
+        best_k(0.5, 0.1, {})
+
+
+# -- best K on constructed curves --
+
+
+def test_flat_verify_cost_and_cheap_draft_pick_a_large_k() -> None:
+    K, s = best_k(0.95, 0.01, {k: 1.0 for k in KS})
+    assert K >= 12
+    brute = max(((1 - 0.95 ** (k + 1)) / (0.05 * (0.01 * k + 1)), k) for k in KS)
+    assert (s, K) == (pytest.approx(brute[0]), brute[1])
+
+
+def test_steep_verify_cost_picks_a_small_k() -> None:
+    flat, _ = best_k(0.8, 0.05, {k: 1.0 for k in KS})
+    steep, _ = best_k(0.8, 0.05, {k: 1.0 + 0.5 * k for k in KS})
+    assert steep <= 2 < flat
+
+
+def test_a_dip_in_verify_cost_is_picked() -> None:
+    # shaped like the CPU measurement: T=3 (K=2) expensive, T=4 (K=3) cheap again, then rising
+    v = {1: 1.45, 2: 2.15, 3: 1.45, 4: 2.3, 5: 2.4, 6: 2.45, 7: 2.5, 8: 2.6}
+    K, s = best_k(0.8, 0.05, v)
+    assert K == 3
+    assert s == speedup_curve(0.8, 0.05, v)[3] == max(speedup_curve(0.8, 0.05, v).values())
+
+
+def test_alpha_zero_picks_k_one() -> None:
+    assert best_k(0.0, 0.1, {k: 1.0 for k in KS})[0] == 1
+    assert best_k(0.0, 0.0, {k: 1.0 for k in KS}) == (1, 1.0)  # all tied: the smaller K
+
+
+def test_ties_go_to_the_smaller_k() -> None:
+    # alpha = 1, c = 0: speedup = (K+1) / v(K); make K = 3 and K = 7 tie exactly at 2.0
+    v = {1: 4.0, 3: 2.0, 5: 6.0, 7: 4.0}
+    assert speedup_curve(1.0, 0.0, v)[3] == speedup_curve(1.0, 0.0, v)[7] == 2.0
+    assert best_k(1.0, 0.0, v) == (3, 2.0)
+
+
+def test_speedup_curve_covers_exactly_the_ks_given() -> None:
+    v = {4: 1.3, 1: 1.1, 9: 2.0}
+    curve = speedup_curve(0.7, 0.2, v)
+    assert list(curve) == [1, 4, 9]
+    assert curve[4] == predicted_speedup(0.7, 4, 0.2, 1.3)
+
+
+def test_cost_model_ratios_and_dict() -> None:
+    cost = CostModel(target_step_s=0.02, draft_step_s=0.004, verify_s={1: 0.03, 2: 0.05}, context=64, repeats=5)
+    assert cost.c == pytest.approx(0.2)
+    assert cost.v == pytest.approx({1: 1.5, 2: 2.5})
+    d = json.loads(json.dumps(cost.to_dict()))
+    assert d["c"] == pytest.approx(0.2) and d["v"] == pytest.approx({"1": 1.5, "2": 2.5})
+    assert d["target_step_s"] == 0.02 and d["verify_s"]["2"] == 0.05 and d["context"] == 64
+    assert CostModel.from_dict(d) == cost
+
+
+# -- measurement on tiny runners --
+
+
+def tiny_hf(seed: int, layers: int = 2, hidden: int = 32):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=61, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+    )
+    return AutoModelForCausalLM.from_config(cfg).float().eval()
+
+
+class Slow:
+    """A runner that sleeps 5 ms on every call: slower than a tiny model's step by a wide margin."""
+
+    def __init__(self, runner) -> None:
+        self.runner, self.vocab_size, self.max_seq_len = runner, runner.vocab_size, runner.max_seq_len
+        self.calls = 0
+
+    def forward(self, tokens, pos, keep=0):
+        self.calls += 1
+        time.sleep(0.005)
+        return self.runner.forward(tokens, pos, keep)
+
+
+def test_measure_cost_same_architecture() -> None:
+    target = make_runner(tiny_hf(0), 128)
+    draft = make_runner(tiny_hf(1), 128)
+    # 9 rounds: on 2 shared cores a preempted call costs a ~5 ms time slice; the median must outvote those
+    cost = measure_cost(target, draft, context=32, repeats=9, warmup=1)
+    assert sorted(cost.verify_s) == list(KS)
+    assert cost.target_step_s > 0 and cost.draft_step_s > 0
+    assert all(t > 0 for t in cost.verify_s.values())
+    assert 0.2 < cost.c < 5  # same shapes; a loose band for a noisy shared machine
+    assert (cost.context, cost.repeats) == (32, 9)
+    json.dumps(cost.to_dict())
+
+
+def test_measure_cost_int8_draft_and_hf_runner() -> None:
+    # the runners as pairing will use them: an int8 lean draft, and HF's own runner (cache cropped on rollback)
+    target = make_runner(tiny_hf(0), 64, lean=False)
+    draft = make_runner(tiny_hf(1), 64, quantize="int8")
+    cost = measure_cost(target, draft, ks=[1, 4], context=16, repeats=2, warmup=1)
+    assert sorted(cost.verify_s) == [1, 4] and cost.c > 0 and all(x > 0 for x in cost.v.values())
+
+
+def test_slow_draft_costs_more_than_fast_target() -> None:
+    target = make_runner(tiny_hf(0), 64)
+    draft = Slow(make_runner(tiny_hf(1), 64))
+    cost = measure_cost(target, draft, ks=[1, 2, 3], context=16, repeats=5, warmup=1)
+    assert cost.draft_step_s >= 0.005
+    assert cost.c > 1
+    assert draft.calls == 1 + (1 + 5)  # cache fill, then one draft step per round (warm-up included)
+    slow_target = measure_cost(Slow(make_runner(tiny_hf(0), 64)), make_runner(tiny_hf(1), 64),
+                               ks=[1, 2], context=16, repeats=5, warmup=1)
+    assert slow_target.c < 1
+
+
+def test_timing_reuses_one_position_after_filling_the_cache() -> None:
+    calls = []
+
+    class Recorder:
+        vocab_size, max_seq_len = 61, 40
+
+        def forward(self, tokens, pos, keep=0):
+            calls.append((tokens.tolist(), pos, keep))
+            return torch.zeros(keep or len(tokens), 61)
+
+    measure_cost(Recorder(), Recorder(), ks=[1, 3], context=8, repeats=2, warmup=1)
+    assert calls[0] == (list(range(8)), 0, 1) and calls[1] == (list(range(8)), 0, 1)  # fill both caches
+    timed = calls[2:]
+    assert len(timed) == 3 * 4  # (warm-up + repeats) rounds x (target, draft, K=1, K=3)
+    assert {pos for _, pos, _ in timed} == {8}
+    assert timed[:4] == [([8], 8, 0), ([8], 8, 1), ([8, 9], 8, 0), ([8, 9, 10, 11], 8, 0)]
+
+
+def test_measure_cost_rejects_what_does_not_fit() -> None:
+    target, draft = make_runner(tiny_hf(0, layers=1), 32), make_runner(tiny_hf(1, layers=1), 32)
+    with pytest.raises(ValueError, match="target cache holds 32"):
+        measure_cost(target, draft, ks=range(1, 17), context=16)
+    with pytest.raises(ValueError, match="ks"):
+        measure_cost(target, draft, ks=[], context=8)
+    with pytest.raises(ValueError, match="ks"):
+        measure_cost(target, draft, ks=[0, 1], context=8)
+    with pytest.raises(ValueError, match="repeats"):
+        measure_cost(target, draft, ks=[1], context=8, repeats=0)
+    with pytest.raises(ValueError, match="context"):
+        measure_cost(target, draft, ks=[1], context=0)

@@ -1,0 +1,86 @@
+"""A whole `pair` run on tiny models: every output file, the schema, the sort order, validation."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+
+from pairing.leaderboard import PairSettings, run_pair, split_candidates
+
+WORDS = "the a of to and in is it that for on with as was be by this are or at from code data list sort print".split()
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, "<s>": 1, "</s>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", bos_token="<s>", eos_token="</s>")
+
+
+def save_tiny(path: Path, seed: int, layers: int, vocab: int) -> Path:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)
+    model.save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def setup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
+    vocab = len(WORDS) + 3
+    target = save_tiny(tmp_path / "target", 0, 3, vocab)
+    other = save_tiny(tmp_path / "other", 1, 1, vocab)
+    prompts = tmp_path / "prompts.jsonl"
+    rows = [("code", "sort the list of data"), ("code", "print the code"), ("chat", "this is it"), ("chat", "the data was on")]
+    prompts.write_text("".join(json.dumps({"prompt": p, "domain": d}) + "\n" for d, p in rows))
+    return target, other, prompts
+
+
+def test_pair_end_to_end_writes_all_files_with_the_schema(setup, tmp_path: Path) -> None:
+    target, other, prompts = setup
+    out = tmp_path / "board"
+    settings = PairSettings(suite=None, prompts_file=str(prompts), limit_per_domain=2, max_new_tokens=8,
+                            validate=2, validate_prompts=1, draft_quant=None)
+    board = run_pair(str(target), [str(target), str(other), f"derive:{target}:keep=1"], out, settings, progress=False)
+    for name in ("leaderboard.json", "leaderboard.md", "leaderboard.csv", "leaderboard.html",
+                 "alpha_by_domain.png", "speedup_vs_k.png", "alpha_by_position.png"):
+        assert (out / name).is_file() and (out / name).stat().st_size > 0, name
+    on_disk = json.loads((out / "leaderboard.json").read_text())
+    assert on_disk["target"] == str(target) and "machine" in on_disk and "settings" in on_disk
+    keys = {"draft", "params", "compatible", "compat_notes", "alpha", "alpha_by_domain", "positions", "cost_ratio",
+            "verify_cost", "best_k", "predicted_speedup", "measured_speedup"}
+    cands = on_disk["candidates"]
+    assert len(cands) == 3
+    for c in cands:
+        assert keys <= set(c), keys - set(c)
+        assert set(c["alpha_by_domain"]) == {"code", "chat"}
+        assert 1 <= c["best_k"] <= 16 and c["positions"] > 0
+    speeds = [c["predicted_speedup"] for c in cands]
+    assert speeds == sorted(speeds, reverse=True)
+    by_name = {c["draft"]: c for c in cands}
+    assert by_name[str(target)]["alpha"] == pytest.approx(1.0)  # the target drafting for itself
+    validated = [c for c in cands if c["measured_speedup"] is not None]
+    assert len(validated) == 2 and all(c["validation"]["greedy_equal"] for c in validated)
+    with open(out / "leaderboard.csv") as f:
+        assert len(list(csv.reader(f))) == 4
+    assert "<img" in (out / "leaderboard.html").read_text()
+    assert board["candidates"] == cands
+
+
+def test_split_candidates_keeps_derive_layer_lists() -> None:
+    assert split_candidates("a,b") == ["a", "b"]
+    assert split_candidates("a,derive:m:layers=0,1,2,b") == ["a", "derive:m:layers=0,1,2", "b"]
+    assert split_candidates("derive:m:keep=8, c") == ["derive:m:keep=8", "c"]
