@@ -33,7 +33,7 @@ from decode.speculative import KPolicy, generate
 from decode.textgen import eos_ids, machine_info, versions
 from pairing.acceptance import measure_acceptance
 from pairing.compat import check_pair
-from pairing.cost import best_k, measure_cost, speedup_curve
+from pairing.cost import CostModel, best_k, measure_cost, speedup_curve
 from pairing.derive import resolve_candidate
 from pairing.reference import reference_continuations
 
@@ -76,12 +76,10 @@ def _params_million(model) -> float:
     return round(sum(p.numel() for p in model.parameters()) / 1e6, 1)
 
 
-def _validate(target: Loaded, cand: Candidate, prompts: list[Prompt], refs, k: int, settings: PairSettings) -> dict:
+def _validate(target: Loaded, t_run, cand: Candidate, prompts: list[Prompt], refs, k: int, settings: PairSettings) -> dict:
     """Measured speedup: our decoder with and without this draft, same prompts, same run, interleaved."""
     by_id = {r["id"]: r for r in refs}
-    max_len = max(len(by_id[p.id]["prompt_ids"]) for p in prompts) + settings.max_new_tokens + MAX_K + 2
-    t_run = make_runner(target.model, max_len)
-    d_run = make_runner(cand.loaded.model, max_len, quantize=settings.draft_quant)
+    d_run = make_runner(cand.loaded.model, t_run.max_seq_len, quantize=settings.draft_quant)
     eos = eos_ids(target)
     base_s = spec_s = 0.0
     base_n = spec_n = 0
@@ -134,10 +132,18 @@ def run_pair(target_spec: str, candidate_specs: list[str], out: Path, settings: 
     accs = measure_acceptance(target, [c.loaded for c in cands], refs, params=params,
                               batch_size=settings.batch_size, progress=progress)
 
-    t_runner = make_runner(target.model, 256)
+    max_len = max(len(r) for r in refs["prompt_ids"]) + settings.max_new_tokens + MAX_K + 2
+    t_runner = make_runner(target.model, max(max_len, 64 + MAX_K + 2))
+    v_ratios: dict[int, float] | None = None
     for cand, acc in zip(cands, accs):
-        d_runner = make_runner(cand.loaded.model, 256, quantize=settings.draft_quant)
-        cost = measure_cost(t_runner, d_runner, ks=range(1, MAX_K + 1))
+        d_runner = make_runner(cand.loaded.model, t_runner.max_seq_len, quantize=settings.draft_quant)
+        if v_ratios is None:  # v(K) is the target's alone: measure the whole curve once
+            cost = measure_cost(t_runner, d_runner, ks=range(1, MAX_K + 1), repeats=3, warmup=1)
+            v_ratios = cost.v
+        else:  # c side by side with the target step; v(K) reused as ratios to that step
+            quick = measure_cost(t_runner, d_runner, ks=[1], repeats=5, warmup=1)
+            cost = CostModel(quick.target_step_s, quick.draft_step_s,
+                             {K: v * quick.target_step_s for K, v in v_ratios.items()}, quick.context, quick.repeats)
         del d_runner
         k, pred = best_k(acc.alpha, cost.c, cost.v)
         cand.row = {
@@ -174,7 +180,7 @@ def run_pair(target_spec: str, candidate_specs: list[str], out: Path, settings: 
         val_prompts = load_prompts(source, limit_per_domain=settings.validate_prompts)
         val_prompts = [p for p in val_prompts if p.id in set(refs["id"])]
         for cand in chosen:
-            v = _validate(target, cand, val_prompts, refs, cand.row["best_k"], settings)
+            v = _validate(target, t_runner, cand, val_prompts, refs, cand.row["best_k"], settings)
             cand.row["validation"] = v
             cand.row["measured_speedup"] = v["measured_speedup"]
             gap = abs(v["measured_speedup"] - cand.row["predicted_speedup"]) / v["measured_speedup"]
