@@ -6,8 +6,9 @@ The KV cache then holds positions [0, pos+T); calling forward again with a small
 cache back to that prefix: nothing before `pos` is recomputed.
 
 - `LeanLM`: a lean re-implementation of the Llama / Qwen2 / Mistral block (the architectures of the zoo's
-  SmolLM2 and Qwen2.5-Coder) that reads weights from the Hugging Face model: fused QKV and gate/up
-  matmuls, a preallocated KV cache, no per-step allocation of masks or cache objects. On a 2-core CPU
+  SmolLM2 and Qwen2.5-Coder) over the Hugging Face model's own weights (shared, not copied): a
+  preallocated KV cache, no per-step allocation of masks or cache objects, a matmul layout that suits
+  the few-row verify step. On a 2-core CPU
   a small model's step is dominated by per-layer overhead, which is what this removes.
 - `HFRunner`: any Hugging Face causal LM (Gemma3 and the rest) with HF's own DynamicCache, cropped on rollback.
 
@@ -42,14 +43,15 @@ def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * h.to(x.dtype)
 
 
-class FastLinear(nn.Linear):
-    """nn.Linear computed as (W @ x^T)^T: on MKL CPUs this streams the weight once for a few rows
-    (the K+1 rows of a verify step cost little more than one row), where x @ W^T costs ~T times one row."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        if self.bias is None:
-            return torch.mm(self.weight, x.t()).t()
-        return torch.addmm(self.bias[:, None], self.weight, x.t()).t()
+def _linear(x: Tensor, layer: nn.Module) -> Tensor:
+    """A Linear layer computed as (W @ x^T)^T: on MKL CPUs this streams the weight once for a few rows
+    (the K+1 rows of a verify step cost little more than one row), where x @ W^T costs ~T times one row.
+    Other layer types (the int8 draft's quantised Linear) run as they are."""
+    if type(layer) is not nn.Linear:
+        return layer(x)
+    if layer.bias is None:
+        return torch.mm(layer.weight, x.t()).t()
+    return torch.addmm(layer.bias[:, None], layer.weight, x.t()).t()
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -73,28 +75,17 @@ def lean_supported(config) -> tuple[bool, str]:
 
 
 class LeanLayer(nn.Module):
+    """One decoder block over the HF layer's own weights (shared, not copied: no extra memory)."""
+
     def __init__(self, hf_layer, config, n_heads: int, n_kv: int, head_dim: int) -> None:
         super().__init__()
         attn, mlp = hf_layer.self_attn, hf_layer.mlp
-        has_bias = attn.q_proj.bias is not None
-        d = config.hidden_size
         self.n_heads, self.n_kv, self.head_dim = n_heads, n_kv, head_dim
         self.eps = config.rms_norm_eps
-        self.wqkv = FastLinear(d, (n_heads + 2 * n_kv) * head_dim, bias=has_bias)
-        self.wo = FastLinear(n_heads * head_dim, d, bias=attn.o_proj.bias is not None)
-        self.w_gate_up = FastLinear(d, 2 * config.intermediate_size, bias=False)
-        self.w_down = FastLinear(config.intermediate_size, d, bias=False)
-        with torch.no_grad():
-            self.wqkv.weight.copy_(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
-            if has_bias:
-                self.wqkv.bias.copy_(torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]))
-            self.wo.weight.copy_(attn.o_proj.weight)
-            if attn.o_proj.bias is not None:
-                self.wo.bias.copy_(attn.o_proj.bias)
-            self.w_gate_up.weight.copy_(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
-            self.w_down.weight.copy_(mlp.down_proj.weight)
-        self.norm_in = nn.Parameter(hf_layer.input_layernorm.weight.detach().clone())
-        self.norm_post = nn.Parameter(hf_layer.post_attention_layernorm.weight.detach().clone())
+        self.q, self.k, self.v, self.o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+        self.gate, self.up, self.down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        self.norm_in = hf_layer.input_layernorm.weight
+        self.norm_post = hf_layer.post_attention_layernorm.weight
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, layer: int, pos: int | Tensor,
@@ -102,8 +93,8 @@ class LeanLayer(nn.Module):
     ) -> Tensor:
         T = x.shape[0]
         H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
-        qkv = self.wqkv(_rms_norm(x, self.norm_in, self.eps))  # (T, (H + 2Hkv) D)
-        q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+        h = _rms_norm(x, self.norm_in, self.eps)
+        q, k, v = _linear(h, self.q), _linear(h, self.k), _linear(h, self.v)  # (T, H D), (T, Hkv D) x 2
         q = q.reshape(T, H, D).transpose(0, 1)  # (H, T, D)
         k = k.reshape(T, Hkv, D).transpose(0, 1)  # (Hkv, T, D)
         v = v.reshape(T, Hkv, D).transpose(0, 1)
@@ -116,13 +107,13 @@ class LeanLayer(nn.Module):
         o = F.scaled_dot_product_attention(
             q[None], keys[None], values[None], attn_mask=mask, enable_gqa=Hkv != H
         )[0]  # (H, T, D)
-        x = x + self.wo(o.transpose(0, 1).reshape(T, H * D))
-        gate, up = self.w_gate_up(_rms_norm(x, self.norm_post, self.eps)).chunk(2, dim=-1)
-        return x + self.w_down(F.silu(gate) * up)
+        x = x + _linear(o.transpose(0, 1).reshape(T, H * D), self.o)
+        h = _rms_norm(x, self.norm_post, self.eps)
+        return x + _linear(F.silu(_linear(h, self.gate)) * _linear(h, self.up), self.down)
 
 
 class LeanLM(nn.Module):
-    """Llama-family causal LM with a preallocated KV cache; weights copied from a HF model."""
+    """Llama-family causal LM with a preallocated KV cache, running on the HF model's own weights."""
 
     def __init__(self, hf_model, max_seq_len: int) -> None:
         super().__init__()
@@ -138,24 +129,16 @@ class LeanLM(nn.Module):
         base = hf_model.model
         self.vocab_size = config.vocab_size
         self.eps = config.rms_norm_eps
-        self.embed = nn.Embedding.from_pretrained(base.embed_tokens.weight.detach().clone(), freeze=True)
+        self.embed = base.embed_tokens  # shared with the HF model, as are all weights below
         self.layers = nn.ModuleList(LeanLayer(l, config, n_heads, n_kv, head_dim) for l in base.layers)
-        self.norm = nn.Parameter(base.norm.weight.detach().clone())
-        head = hf_model.get_output_embeddings()
-        self.lm_head = FastLinear(config.hidden_size, self.vocab_size, bias=False)
-        if head.weight is base.embed_tokens.weight:  # tied: share, don't copy (151936 x 1536 on Qwen)
-            self.lm_head.weight = self.embed.weight
-        else:
-            with torch.no_grad():
-                self.lm_head.weight.copy_(head.weight)
+        self.norm = base.norm.weight
+        self.lm_head = hf_model.get_output_embeddings()
         # RoPE tables from HF's own rotary module, so every rope_type (llama3, yarn, ...) matches exactly
         pos_ids = torch.arange(max_seq_len, device=device)[None]
         cos, sin = base.rotary_emb(torch.zeros(1, dtype=dtype, device=device), pos_ids)
         self.register_buffer("cos", cos[0].to(dtype), persistent=False)  # (S, D)
         self.register_buffer("sin", sin[0].to(dtype), persistent=False)
         self.cache = KVCache(len(self.layers), n_kv, max_seq_len, head_dim, dtype, device)
-        self.to(device=device, dtype=dtype)
-        self.eval()
 
     @property
     def max_seq_len(self) -> int:
@@ -188,7 +171,7 @@ class LeanLM(nn.Module):
             x = layer(x, cos, sin, self.cache, i, pos, mask)
         if keep:
             x = x[-keep:]
-        logits = self.lm_head(_rms_norm(x, self.norm, self.eps))
+        logits = _linear(_rms_norm(x, self.norm, self.eps), self.lm_head)
         return logits if logits.dtype == torch.float64 else logits.float()
 
 
@@ -230,10 +213,7 @@ def quantize_int8(runner: Runner) -> Runner:
     import copy
     import warnings
 
-    runner = copy.deepcopy(runner)
-    for m in runner.modules():
-        if isinstance(m, FastLinear):
-            m.__class__ = nn.Linear  # the int8 kernel has its own layout; the plain type is what torch.ao swaps
+    runner = copy.deepcopy(runner)  # the weights are shared with the HF model: quantise a copy
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.ao's deprecation notices
         return torch.ao.quantization.quantize_dynamic(runner, {nn.Linear}, dtype=torch.qint8, inplace=True)
