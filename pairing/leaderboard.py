@@ -82,7 +82,7 @@ def _validate(target: Loaded, t_run, cand: Candidate, prompts: list[Prompt], ref
     d_run = make_runner(cand.loaded.model, t_run.max_seq_len, quantize=settings.draft_quant)
     eos = eos_ids(target)
     base_s = spec_s = 0.0
-    base_n = spec_n = 0
+    base_n = spec_n = rounds = 0
     equal = True
     taus = []
     first = by_id[prompts[0].id]["prompt_ids"]
@@ -96,6 +96,7 @@ def _validate(target: Loaded, t_run, cand: Candidate, prompts: list[Prompt], ref
         base_n += a.stats.new_tokens
         spec_s += b.stats.seconds
         spec_n += b.stats.new_tokens
+        rounds += b.stats.target_forwards
         equal &= a.tokens == b.tokens or settings.temperature > 0
         taus.append(b.stats.mean_tau)
     base_tps, spec_tps = base_n / base_s, spec_n / spec_s
@@ -104,6 +105,21 @@ def _validate(target: Loaded, t_run, cand: Candidate, prompts: list[Prompt], ref
         "target_only_seconds": base_s, "speculative_seconds": spec_s, "tokens": spec_n,
         "measured_speedup": spec_tps / base_tps, "greedy_equal": equal,
         "mean_tau": sum(taus) / len(taus),
+        "rounds": rounds,
+        "spec_tokens_per_round": spec_n / rounds,
+        "measured_round_s": spec_s / rounds,
+        "measured_target_step_s": base_s / base_n,
+    }
+
+
+def _breakdown(row: dict, v: dict) -> dict:
+    """Where predicted and measured speedup part ways: tokens per round (acceptance) or time per round (cost)."""
+    K, t = v["k"], row["timings"]
+    modeled_round = K * t["draft_step_s"] + t["verify_s"][str(K)]
+    return {
+        "expected_tau": row["expected_tau"][str(K)], "measured_tau": v["spec_tokens_per_round"],
+        "modeled_round_s": modeled_round, "measured_round_s": v["measured_round_s"],
+        "modeled_target_step_s": t["target_step_s"], "measured_target_step_s": v["measured_target_step_s"],
     }
 
 
@@ -185,6 +201,7 @@ def run_pair(target_spec: str, candidate_specs: list[str], out: Path, settings: 
             cand.row["measured_speedup"] = v["measured_speedup"]
             gap = abs(v["measured_speedup"] - cand.row["predicted_speedup"]) / v["measured_speedup"]
             cand.row["prediction_error"] = gap
+            cand.row["prediction_breakdown"] = _breakdown(cand.row, v)
         for cand in cands:
             if not cand.compat.compatible and cand.row["measured_speedup"] is None:
                 cand.row["validation_note"] = "cross-tokenizer: the token-level decoder cannot run it; not validated"
@@ -249,6 +266,14 @@ def markdown(board: dict) -> str:
                          f"{v['target_only_tok_per_s']:.2f} tok/s, speculative {v['speculative_tok_per_s']:.2f} tok/s, "
                          f"measured {v['measured_speedup']:.2f}x vs predicted {c['predicted_speedup']:.2f}x "
                          f"(error {100 * c['prediction_error']:.0f}%), greedy equal: {v['greedy_equal']}.")
+            b = c.get("prediction_breakdown")
+            if b and c["prediction_error"] > 0.15:
+                lines.append(
+                    f"Why they differ: tokens per round {b['measured_tau']:.2f} measured vs {b['expected_tau']:.2f} "
+                    f"expected from alpha (i.i.d. assumption); seconds per round {b['measured_round_s']:.3f} measured "
+                    f"vs {b['modeled_round_s']:.3f} modeled (K draft steps + one verify, timed in isolation); target "
+                    f"step {b['measured_target_step_s']:.3f} s in the decoder vs {b['modeled_target_step_s']:.3f} s "
+                    "timed in isolation.")
         if c.get("validation_note"):
             lines.append(f"\n`{c['draft']}`: {c['validation_note']}.")
         for note in c["compat_notes"]:
