@@ -1,0 +1,266 @@
+"""Training sequences for distillation: prompts plus continuations, generated once into a folder, resumable.
+
+    from distill.data import generate_data
+    data = generate_data(load(target), load(draft), load_suite("code"), Path("runs/x/distill/data"),
+                         source="mixed", mix=0.5, max_new_tokens=64, temperature=1.0)
+
+Where the continuations come from (`source`):
+- "target": the target's own text, sampled at `temperature` (greedy at 0) by the speculative decoder with the
+  draft as int8 proposer: exact (the output law is the target's), only faster. At temperature > 0 which
+  sample a seed yields depends on the draft too, so the draft's identity is part of the folder's settings.
+- "draft": on-policy text sampled from the current draft alone (full precision); the target scores it at
+  training time.
+- "mixed": round(mix * n) prompts, chosen by a permutation seeded from `seed`, from the draft, the rest
+  from the target.
+
+Columns: id, domain, source ("target" | "draft"), prompt_ids, continuation_ids. Training feeds
+`prompt_ids + continuation_ids` and puts the loss on the continuation positions only.
+
+Folder `out`: `settings.json` (what the rows depend on; a rerun with other settings is refused),
+`rows.partial.jsonl` (finished prompts, appended as they finish), and at the end `dataset/` (a
+`datasets.save_to_disk` folder, renamed into place so that it is always complete). Prompt i samples from
+its own generator seeded from (seed, i), so an interrupted run resumes after the last saved prompt and
+yields the same rows as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import datasets
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from decode.errors import DraftsmithError
+from decode.loading import Loaded
+from decode.model import Runner, lean_supported, make_runner
+from decode.prompts import Prompt
+from decode.sampling import SamplingParams
+from decode.speculative import generate
+from decode.textgen import check_vocab, eos_ids, prompt_ids
+from pairing.reference import _folder_identity, _read_partial, prompt_seed
+
+FORMAT_VERSION = 1  # bump when rows or generation change meaning: old folders are then refused, not mixed in
+SOURCES = ("target", "draft", "mixed")
+DATASET_DIR = "dataset"
+PARTIAL = "rows.partial.jsonl"
+SETTINGS = "settings.json"
+
+FEATURES = datasets.Features(
+    {
+        "id": datasets.Value("string"),
+        "domain": datasets.Value("string"),
+        "source": datasets.Value("string"),
+        "prompt_ids": datasets.List(datasets.Value("int64")),
+        "continuation_ids": datasets.List(datasets.Value("int64")),
+    }
+)
+
+
+def draft_prompts(n: int, source: str, mix: float, seed: int) -> set[int]:
+    """Indices of the prompts whose continuation comes from the draft: none, all, or round(mix * n) of them
+    picked by a permutation seeded from `seed` (the same seed always picks the same prompts)."""
+    if source == "target":
+        return set()
+    if source == "draft":
+        return set(range(n))
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    return set(perm[: round(mix * n)].tolist())
+
+
+class _TargetVocab:
+    """A runner whose logits are cut or padded (-inf) to the target's vocabulary, so that every token the
+    draft samples on its own is one the target can score (drafts may carry a few padding rows more or less)."""
+
+    def __init__(self, runner: Runner, vocab_size: int) -> None:
+        self.runner, self.vocab_size, self.max_seq_len = runner, vocab_size, runner.max_seq_len
+
+    def forward(self, tokens: Tensor, pos: int, keep: int = 0) -> Tensor:
+        logits = self.runner.forward(tokens, pos, keep)
+        V, Vd = self.vocab_size, logits.shape[-1]
+        if Vd > V:
+            return logits[..., :V]
+        pad = logits.new_full((*logits.shape[:-1], V - Vd), float("-inf"))
+        return torch.cat([logits, pad], dim=-1)
+
+
+def _settings(target: Loaded, draft: Loaded, prompts: list[Prompt], source: str, mix: float,
+              max_new_tokens: int, temperature: float, seed: int, chat: bool) -> dict:
+    """Everything the rows depend on (and nothing else, so that a rerun is not refused for nothing)."""
+    draft_matters = source != "target" or temperature > 0  # greedy target text is the same with any draft
+    prompts_blob = json.dumps([[p.id, p.domain, p.prompt] for p in prompts]).encode()
+    return {
+        "format": FORMAT_VERSION,
+        "source": source,
+        "mix": float(mix) if source == "mixed" else None,
+        "max_new_tokens": int(max_new_tokens),
+        "temperature": float(temperature),
+        "seed": int(seed) if temperature > 0 or source == "mixed" else None,
+        "chat": bool(chat),
+        "prompts": len(prompts),
+        "prompts_sha256": hashlib.sha256(prompts_blob).hexdigest(),
+        "target": _folder_identity(target.path),
+        "draft": _folder_identity(draft.path) if draft_matters else None,
+    }
+
+
+def _check_settings(out: Path, settings: dict) -> None:
+    """Write settings.json on the first run; refuse a folder made with other settings."""
+    path = out / SETTINGS
+    if path.is_file():
+        try:
+            old = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            old = None
+        if old != settings:
+            changed = sorted(k for k in settings if not isinstance(old, dict) or old.get(k) != settings[k])
+            raise DraftsmithError(
+                f"{out} holds data generated with other settings ({', '.join(changed) or 'unreadable settings'}); "
+                "remove it or choose another folder"
+            )
+        return
+    tmp = out / f".{SETTINGS}.tmp"
+    tmp.write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _validate(source: str, mix: float, max_new_tokens: int, temperature: float, prompts: list[Prompt]) -> None:
+    if source not in SOURCES:
+        raise DraftsmithError(f"source must be one of {', '.join(SOURCES)}, got {source!r}")
+    if not 0.0 <= mix <= 1.0:
+        raise DraftsmithError(f"mix must be in [0, 1], got {mix}")
+    if max_new_tokens < 1:
+        raise DraftsmithError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if temperature < 0:
+        raise DraftsmithError(f"temperature must be >= 0, got {temperature}")
+    if not prompts:
+        raise DraftsmithError("no prompts to generate training data for")
+
+
+def generate_data(
+    target: Loaded,
+    draft: Loaded,
+    prompts: list[Prompt],
+    out: Path,
+    *,
+    source: str = "target",
+    mix: float = 0.5,
+    max_new_tokens: int = 64,
+    temperature: float = 1.0,
+    seed: int = 0,
+    chat: bool = True,
+    progress: bool = True,
+) -> datasets.Dataset:
+    """Prompt + continuation rows for distillation (see the module docstring); resumes or loads `out`."""
+    _validate(source, mix, max_new_tokens, temperature, prompts)
+    check_vocab(target, draft)
+    out = Path(out)
+    settings = _settings(target, draft, prompts, source, mix, max_new_tokens, temperature, seed, chat)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        _check_settings(out, settings)
+    except OSError as e:
+        raise DraftsmithError(f"cannot write training data under {out}: {e.strerror}") from None
+    final = out / DATASET_DIR
+    if final.is_dir():
+        return datasets.load_from_disk(str(final))
+
+    part = out / PARTIAL
+    rows = _read_partial(part, prompts)
+    from_draft = draft_prompts(len(prompts), source, mix, seed)
+    if len(rows) < len(prompts):
+        _generate_rows(target, draft, prompts, rows, part, from_draft, max_new_tokens, temperature, seed, chat,
+                       progress)
+
+    ds = datasets.Dataset.from_list(
+        [{name: r[name] for name in FEATURES} for r in rows], features=FEATURES,
+        info=datasets.DatasetInfo(description=json.dumps({"draftsmith_distill_data": settings}), features=FEATURES),
+    )
+    tmp = out / f".{DATASET_DIR}.tmp-{uuid.uuid4().hex[:8]}"
+    bars_were_on = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # "Saving the dataset" is noise after the generation bar
+    try:
+        ds.save_to_disk(str(tmp))
+    finally:
+        if bars_were_on:
+            datasets.enable_progress_bars()
+    try:
+        os.rename(tmp, final)
+    except OSError:  # another run finished the same folder first: its rows are the same
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not final.is_dir():
+            raise
+    part.unlink(missing_ok=True)
+    return datasets.load_from_disk(str(final))
+
+
+def _generate_rows(
+    target: Loaded, draft: Loaded, prompts: list[Prompt], rows: list[dict], part: Path, from_draft: set[int],
+    max_new_tokens: int, temperature: float, seed: int, chat: bool, progress: bool,
+) -> None:
+    """Generate the rows after `rows` (appending each to `part` as it finishes, and to `rows`)."""
+    ids = [prompt_ids(target.tokenizer, p.prompt, chat=chat) for p in prompts]
+    for p, x in zip(prompts, ids):
+        if not x:
+            raise DraftsmithError(f"prompt {p.id!r} has no tokens")
+    todo = range(len(rows), len(prompts))
+    max_seq_len = max(len(ids[i]) for i in todo) + max_new_tokens
+    for who in (target, draft):
+        limit = getattr(who.model.config, "max_position_embeddings", None)
+        if limit and max_seq_len > limit:
+            raise DraftsmithError(
+                f"a prompt plus {max_new_tokens} new tokens needs {max_seq_len} positions; "
+                f"{who.name} supports {limit} (use shorter prompts or fewer new tokens)"
+            )
+
+    # runners are built only for the sources still to come
+    need_target = any(i not in from_draft for i in todo)
+    need_draft = any(i in from_draft for i in todo)
+    t_runner = make_runner(target.model, max_seq_len) if need_target else None
+    proposer = None
+    if need_target:  # int8 where the lean runner applies: cheaper proposals, the target keeps the text exact
+        param = next(draft.model.parameters())
+        int8 = lean_supported(draft.model.config)[0] and param.device.type == "cpu" and param.dtype == torch.float32
+        proposer = make_runner(draft.model, max_seq_len, quantize="int8" if int8 else None)
+    alone = None
+    if need_draft:  # on-policy text comes from the draft itself, not from its int8 copy
+        alone = make_runner(draft.model, max_seq_len)
+        if alone.vocab_size != _target_vocab(target):
+            alone = _TargetVocab(alone, _target_vocab(target))
+
+    device = next(target.model.parameters()).device
+    sampling = SamplingParams(temperature=temperature)
+    stop = eos_ids(target)
+    bar = tqdm(total=len(prompts), initial=len(rows), desc="distill data", unit="prompt", disable=not progress)
+    with part.open("a", encoding="utf-8") as f:
+        for i in todo:
+            gen = torch.Generator(device=device).manual_seed(prompt_seed(seed, i)) if temperature > 0 else None
+            if i in from_draft:
+                out = generate(alone, ids[i], max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=stop,
+                               generator=gen, device=device).tokens
+            else:
+                out = generate(t_runner, ids[i], draft=proposer, max_new_tokens=max_new_tokens, sampling=sampling,
+                               eos_ids=stop, generator=gen, device=device).tokens
+            p = prompts[i]
+            row = {"index": i, "id": p.id, "domain": p.domain, "source": "draft" if i in from_draft else "target",
+                   "prompt_ids": ids[i], "continuation_ids": out}
+            f.write(json.dumps(row) + "\n")
+            f.flush()  # a checkpoint per prompt: a line costs nothing next to a generation
+            os.fsync(f.fileno())
+            rows.append(row)
+            bar.update(1)
+    bar.close()
+
+
+def _target_vocab(target: Loaded) -> int:
+    """The target's number of logit rows."""
+    return target.model.get_output_embeddings().weight.shape[0]
+
+
+__all__ = ["FEATURES", "SOURCES", "draft_prompts", "generate_data"]

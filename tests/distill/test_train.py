@@ -1,0 +1,199 @@
+"""Distillation training on tiny models: it learns (loss down, alpha up), resumes bit-for-bit, merges LoRA
+exactly, accumulates gradients exactly, skips and counts non-finite steps, and names a bad config field."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+import distill.train as train_mod
+from decode.errors import DraftsmithError
+from distill.train import TrainConfig, lr_factor, student_from_checkpoint, train
+from pairing.reference import reference_continuations
+from tests.distill.test_data import EOS, make_prompts, tiny_loaded
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """Target (2 layers), draft (1 layer, another seed), and the target's greedy text on 8 prompts."""
+    root = tmp_path_factory.mktemp("train")
+    target, draft = tiny_loaded(0, root / "target", layers=2), tiny_loaded(1, root / "draft", layers=1)
+    refs = reference_continuations(target, make_prompts(8), max_new_tokens=12, cache_root=root / "refs",
+                                   progress=False)
+    return target, draft, refs
+
+
+def _log(out: Path, kind: str = "step") -> list[dict]:
+    lines = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]
+    return [x for x in lines if ("eval" in x) == (kind == "eval")]
+
+
+def _weights(out: Path, step: int) -> dict[str, torch.Tensor]:
+    return load_file(str(out / "checkpoints" / f"step-{step}" / "student.safetensors"))
+
+
+FAST = dict(warmup_steps=0, batch_size=4, save_every=100, eval_every=100)
+
+
+def test_training_lowers_the_divergence_and_raises_alpha(setup, tmp_path) -> None:
+    target, draft, refs = setup
+    before = [p.clone() for p in draft.model.parameters()]
+    cfg = TrainConfig(**{**FAST, "lr": 1e-2, "steps": 20, "eval_every": 10, "save_every": 10})
+    summary = train(target, draft, refs, refs, tmp_path, cfg, progress=False)
+
+    assert summary["steps_done"] == 20 and not summary["stopped_early"] and summary["skipped_steps"] == 0
+    assert summary["alpha_after"] > summary["alpha_before"] + 0.1
+    steps = _log(tmp_path)
+    assert [x["step"] for x in steps] == list(range(1, 21))
+    assert {"step", "loss", "fkl", "lr", "grad_norm", "tokens", "skipped"} <= set(steps[0])
+    first, last = (sum(x["loss"] for x in part) / 5 for part in (steps[:5], steps[-5:]))
+    assert last < 0.5 * first
+    evals = _log(tmp_path, "eval")
+    assert [x["step"] for x in evals] == [0, 10, 20] and set(evals[0]["alpha_by_domain"]) == {"code", "chat"}
+    assert summary["alpha_after"] == max(x["alpha"] for x in evals)
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-20"]  # only the latest is kept
+    assert all(torch.equal(a, b) for a, b in zip(before, draft.model.parameters()))  # the caller's draft is intact
+
+    # best/ is a plain HF folder whose alpha is the best one
+    best = AutoModelForCausalLM.from_pretrained(tmp_path / "best")
+    marker = json.loads((tmp_path / "best" / train_mod.MARKER).read_text())
+    assert marker["step"] == summary["best_step"] and (tmp_path / "best" / "tokenizer.json").is_file()
+    from decode.loading import Loaded
+    from pairing.acceptance import measure_acceptance
+
+    [a] = measure_acceptance(target, [Loaded(best, draft.tokenizer, tmp_path / "best", "best")], refs, progress=False)
+    assert a.alpha == pytest.approx(summary["alpha_after"])
+
+
+def test_resume_after_a_crash_equals_an_uninterrupted_run(setup, tmp_path, monkeypatch) -> None:
+    target, draft, refs = setup
+    cfg = TrainConfig(**{**FAST, "lr": 1e-2, "steps": 6, "save_every": 3, "eval_every": 2, "warmup_steps": 2})
+    whole = train(target, draft, refs, refs, tmp_path / "a", cfg, progress=False)
+
+    class Crash(Exception):
+        pass
+
+    save = train_mod._save_checkpoint
+
+    def save_then_crash(*args, **kwargs):
+        save(*args, **kwargs)
+        raise Crash
+
+    monkeypatch.setattr(train_mod, "_save_checkpoint", save_then_crash)
+    with pytest.raises(Crash):
+        train(target, draft, refs, refs, tmp_path / "b", cfg, progress=False)
+    with (tmp_path / "b" / "log.jsonl").open("a") as f:  # the crash came later: lines past the checkpoint
+        f.write(json.dumps({"step": 4, "loss": 0.0}) + "\n")
+    monkeypatch.setattr(train_mod, "_save_checkpoint", save)
+    resumed = train(target, draft, refs, refs, tmp_path / "b", cfg, progress=False)
+
+    a, b = _weights(tmp_path / "a", 6), _weights(tmp_path / "b", 6)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert (tmp_path / "a" / "log.jsonl").read_text() == (tmp_path / "b" / "log.jsonl").read_text()
+    assert {k: v for k, v in resumed.items() if k != "paths"} == {k: v for k, v in whole.items() if k != "paths"}
+
+    again = train(target, draft, refs, refs, tmp_path / "b", cfg, progress=False)  # finished: nothing to do
+    assert again["steps_done"] == 6 and len(_log(tmp_path / "b")) == 6
+    with pytest.raises(DraftsmithError, match="lr="):
+        train(target, draft, refs, refs, tmp_path / "b", TrainConfig(**{**cfg.to_dict(), "lr": 0.5}), progress=False)
+
+
+def test_early_stop_after_evals_without_gain(setup, tmp_path) -> None:
+    target, draft, refs = setup
+    cfg = TrainConfig(**{**FAST, "lr": 1e-9, "steps": 10, "eval_every": 1, "early_stop_patience": 2})
+    summary = train(target, draft, refs, refs, tmp_path, cfg, progress=False)
+    assert summary["stopped_early"] and summary["steps_done"] == 2 and summary["best_step"] == 0
+    assert summary["alpha_after"] == summary["alpha_before"]
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-2"]
+    assert train(target, draft, refs, refs, tmp_path, cfg, progress=False)["steps_done"] == 2  # stays stopped
+
+
+def test_lora_merged_folder_equals_the_adapter(setup, tmp_path) -> None:
+    target, draft, refs = setup
+    cfg = TrainConfig(**{**FAST, "lr": 1e-2, "steps": 3, "lora_r": 4, "lora_alpha": 8})
+    summary = train(target, draft, refs, None, tmp_path, cfg, progress=False)
+    assert summary["best_step"] == 3 and summary["alpha_after"] is None
+    saved = _weights(tmp_path, 3)
+    assert saved and all("lora_" in k for k in saved)  # checkpoints hold only the adapters
+    assert set(train_mod.lora_target_modules(draft.model)) == {
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+
+    adapter = student_from_checkpoint(draft, tmp_path / "checkpoints" / "step-3", cfg)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "best").eval()
+    ids = torch.tensor([refs[0]["prompt_ids"] + refs[0]["continuation_ids"]])
+    with torch.no_grad():
+        want, got, base = (m(input_ids=ids).logits for m in (adapter, merged, draft.model))
+    assert not torch.allclose(want, base, atol=1e-3)  # the adapters did learn something
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_gradient_accumulation_equals_one_big_batch(tmp_path) -> None:
+    target = tiny_loaded(0, tmp_path / "t64", layers=2, dtype=torch.float64)
+    draft = tiny_loaded(1, tmp_path / "d64", layers=1, dtype=torch.float64)
+    g = torch.Generator().manual_seed(0)
+    lengths = [(3, 1), (2, 7), (5, 2), (1, 9), (4, 4), (2, 3)]  # unequal: a mean of means would differ
+    rows = {"prompt_ids": [torch.randint(0, EOS, (p,), generator=g).tolist() for p, _ in lengths],
+            "continuation_ids": [torch.randint(0, EOS + 1, (c,), generator=g).tolist() for _, c in lengths]}
+    data = datasets.Dataset.from_dict(rows)
+    runs = {}
+    for batch, accum in ((4, 1), (2, 2)):
+        out = tmp_path / f"b{batch}a{accum}"
+        cfg = TrainConfig(**{**FAST, "lr": 1e-3, "steps": 1, "batch_size": batch, "grad_accum": accum,
+                             "max_grad_norm": 0.0})
+        train(target, draft, data, None, out, cfg, progress=False)
+        runs[batch] = (_log(out)[0], _weights(out, 1))
+    (log4, w4), (log2, w2) = runs[4], runs[2]
+    assert log4["tokens"] == log2["tokens"] > 4
+    assert log2["loss"] == pytest.approx(log4["loss"], rel=1e-12)
+    assert log2["grad_norm"] == pytest.approx(log4["grad_norm"], rel=1e-10)
+    for k in w4:
+        torch.testing.assert_close(w2[k], w4[k], rtol=0, atol=1e-6)
+
+
+def test_non_finite_steps_are_skipped_and_counted(setup, tmp_path, monkeypatch) -> None:
+    target, draft, refs = setup
+    real, calls = train_mod.divergence_sum, [0]
+
+    def poisoned(*args, **kwargs):
+        total, n = real(*args, **kwargs)
+        calls[0] += 1
+        return (total * float("nan"), n) if calls[0] in poison else (total, n)
+
+    monkeypatch.setattr(train_mod, "divergence_sum", poisoned)
+    poison = {2}
+    summary = train(target, draft, refs, None, tmp_path / "a", TrainConfig(**{**FAST, "steps": 4}), progress=False)
+    assert summary["skipped_steps"] == 1 and summary["steps_done"] == 4
+    assert [x["skipped"] for x in _log(tmp_path / "a")] == [False, True, False, False]
+    assert all(torch.isfinite(w).all() for w in _weights(tmp_path / "a", 4).values())
+
+    poison, calls[0] = set(range(100)), 0
+    with pytest.raises(DraftsmithError, match="non-finite"):
+        train(target, draft, refs, None, tmp_path / "b", TrainConfig(**{**FAST, "steps": 10, "max_bad_steps": 2}),
+              progress=False)
+
+
+def test_config_errors_name_the_field() -> None:
+    for bad, field in (({"lr": -1.0}, "lr"), ({"loss": "kl"}, "loss"), ({"steps": 2.5}, "steps"),
+                       ({"batch_size": True}, "batch_size"), ({"jsd_beta": 1.0}, "jsd_beta"),
+                       ({"schedule": "step"}, "schedule"), ({"wandb": "on"}, "wandb"),
+                       ({"mixed_precision": "fp64"}, "mixed_precision"), ({"grad_accum": 0}, "grad_accum")):
+        with pytest.raises(DraftsmithError, match=rf"TrainConfig\.{field}\b"):
+            TrainConfig(**bad)
+    with pytest.raises(DraftsmithError, match="'lrr'"):
+        TrainConfig.from_dict({"lrr": 1e-3})
+    assert TrainConfig(lr=1).lr == 1.0 and isinstance(TrainConfig(lr=1).lr, float)
+
+
+def test_schedule_warms_up_then_decays_without_a_zero_lr_step() -> None:
+    assert [lr_factor(s, 3, 10, "constant") for s in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]
+    cos = [lr_factor(s, 0, 10, "cosine") for s in range(10)]
+    assert cos[0] == 1.0 and all(a > b > 0 for a, b in zip(cos, cos[1:]))
+    lin = [lr_factor(s, 2, 12, "linear") for s in range(12)]
+    assert lin[2] == 1.0 and lin[-1] == pytest.approx(0.1) and math.isclose(lin[7], 0.5)
