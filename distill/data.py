@@ -156,8 +156,12 @@ def generate_data(
     seed: int = 0,
     chat: bool = True,
     progress: bool = True,
+    speculative: bool = True,
 ) -> datasets.Dataset:
-    """Prompt + continuation rows for distillation (see the module docstring); resumes or loads `out`."""
+    """Prompt + continuation rows for distillation (see the module docstring); resumes or loads `out`.
+
+    `speculative=False` generates the target's rows with the target alone: the same text, and faster when the
+    draft is still poor (a freshly derived draft is accepted a few percent of the time)."""
     _validate(source, mix, max_new_tokens, temperature, prompts)
     check_vocab(target, draft)
     out = Path(out)
@@ -176,7 +180,7 @@ def generate_data(
     from_draft = draft_prompts(len(prompts), source, mix, seed)
     if len(rows) < len(prompts):
         _generate_rows(target, draft, prompts, rows, part, from_draft, max_new_tokens, temperature, seed, chat,
-                       progress)
+                       progress, speculative)
 
     ds = datasets.Dataset.from_list(
         [{name: r[name] for name in FEATURES} for r in rows], features=FEATURES,
@@ -202,7 +206,7 @@ def generate_data(
 
 def _generate_rows(
     target: Loaded, draft: Loaded, prompts: list[Prompt], rows: list[dict], part: Path, from_draft: set[int],
-    max_new_tokens: int, temperature: float, seed: int, chat: bool, progress: bool,
+    max_new_tokens: int, temperature: float, seed: int, chat: bool, progress: bool, speculative: bool = True,
 ) -> None:
     """Generate the rows after `rows` (appending each to `part` as it finishes, and to `rows`)."""
     ids = [prompt_ids(target.tokenizer, p.prompt, chat=chat) for p in prompts]
@@ -224,7 +228,7 @@ def _generate_rows(
     need_draft = any(i in from_draft for i in todo)
     t_runner = make_runner(target.model, max_seq_len) if need_target else None
     proposer = None
-    if need_target:  # int8 where the lean runner applies: cheaper proposals, the target keeps the text exact
+    if need_target and speculative:  # int8 where the lean runner applies: cheaper proposals, exact text
         param = next(draft.model.parameters())
         int8 = lean_supported(draft.model.config)[0] and param.device.type == "cpu" and param.dtype == torch.float32
         proposer = make_runner(draft.model, max_seq_len, quantize="int8" if int8 else None)

@@ -142,6 +142,44 @@ def cmd_derive(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_distill(args: argparse.Namespace) -> int:
+    from distill.run import run_distill
+    from distill.train import TrainConfig
+
+    try:
+        cfg = TrainConfig(loss=args.loss, lr=args.lr, steps=args.steps, batch_size=args.batch_size,
+                          grad_accum=args.grad_accum, lora_r=args.lora, eval_every=args.eval_every,
+                          save_every=args.save_every or args.eval_every, early_stop_patience=args.early_stop,
+                          seed=args.seed, wandb=args.wandb)
+    except ValueError as e:
+        raise DraftsmithError(str(e)) from None
+    r = run_distill(args.target, args.draft, args.out, cfg, prompts=args.prompts, eval_per_domain=args.eval_per_domain,
+                    data_source=args.data, mix=args.mix, max_new_tokens=args.max_new_tokens, k=args.k,
+                    speed_prompts=args.speed_prompts, resume=not args.restart, speculative_data=not args.plain_data)
+    print(f"alpha on {r['held_out_prompts']} held-out prompts: before {r['alpha_before']:.3f}, "
+          f"after {r['alpha_after']:.3f} (gain {r['alpha_gain']:+.3f})")
+    if "speed" in r:
+        sp = r["speed"]
+        print(f"tokens/s at K={sp['k']} on {sp['prompts']} held-out prompts: target-only {sp['tok_per_s']['target_only']:.2f}, "
+              f"draft before {sp['tok_per_s']['draft_before']:.2f} ({sp['speedup_vs_target_only']['draft_before']:.2f}x), "
+              f"after {sp['tok_per_s']['draft_after']:.2f} ({sp['speedup_vs_target_only']['draft_after']:.2f}x)")
+    print(f"wrote {args.out}/distill.json; tuned draft in {args.out}/best")
+    return 0
+
+
+def cmd_gen_data(args: argparse.Namespace) -> int:
+    from decode.loading import load
+    from decode.prompts import load_prompts
+    from distill.data import generate_data
+    from pairing.derive import resolve_candidate
+
+    ds = generate_data(load(args.target), load(resolve_candidate(args.draft)), load_prompts(args.prompts), args.out,
+                       source=args.data, mix=args.mix, max_new_tokens=args.max_new_tokens,
+                       temperature=args.temperature, seed=args.seed)
+    print(f"{len(ds)} rows in {args.out}/dataset")
+    return 0
+
+
 # --- parser -----------------------------------------------------------------------------------
 
 
@@ -213,6 +251,45 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep", type=int, default=None, help="keep the first N layers")
     p.add_argument("--out", type=Path, default=None, help="output folder (default: in the cache)")
     p.set_defaults(func=cmd_derive)
+
+    p = sub.add_parser("distill", help="distill a draft toward the target; alpha and tokens/s before and after")
+    p.add_argument("--target", required=True)
+    p.add_argument("--draft", required=True, help="zoo name, HF folder, or derive:MODEL:keep=N")
+    p.add_argument("--data", choices=["target", "draft", "mixed"], default="target")
+    p.add_argument("--mix", type=float, default=0.5, help="fraction of draft (on-policy) rows with --data mixed")
+    p.add_argument("--loss", choices=["fkl", "rkl", "jsd", "tvd"], default="fkl")
+    p.add_argument("--lora", type=int, default=0, help="LoRA rank (0 = full fine-tuning)")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--save-every", type=int, default=0, help="checkpoint interval (default: --eval-every)")
+    p.add_argument("--early-stop", type=int, default=0, help="stop after N evals without alpha gain (0 = off)")
+    p.add_argument("--prompts", default="code,json,summarize,chat")
+    p.add_argument("--eval-per-domain", type=int, default=6, help="held-out prompts per domain (never trained on)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--k", type=int, default=3, help="K for the before/after speed measurement")
+    p.add_argument("--speed-prompts", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--wandb", choices=["disabled", "offline", "online"], default="disabled")
+    p.add_argument("--restart", action="store_true", help="ignore checkpoints in --out (default: resume)")
+    p.add_argument("--plain-data", action="store_true",
+                   help="generate the target's data without the draft's proposals (faster while the draft is poor)")
+    p.add_argument("--out", type=Path, required=True)
+    p.set_defaults(func=cmd_distill)
+
+    p = sub.add_parser("gen-data", help="generate distillation data (resumable) without training")
+    p.add_argument("--target", required=True)
+    p.add_argument("--draft", required=True)
+    p.add_argument("--data", choices=["target", "draft", "mixed"], default="target")
+    p.add_argument("--mix", type=float, default=0.5)
+    p.add_argument("--prompts", default="code,json,summarize,chat")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, required=True)
+    p.set_defaults(func=cmd_gen_data)
     return parser
 
 
