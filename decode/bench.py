@@ -64,7 +64,7 @@ def atomic_write_json(path: Path, data: dict) -> None:
 
 def run_bench(
     target: str, draft: str, *, prompts: str = DEFAULT_PROMPTS, n_prompts: int | None = DEFAULT_N_PROMPTS,
-    max_new_tokens: int = 64, ks: tuple[int, ...] = (4,), draft_quant: str | None = "int8",
+    max_new_tokens: int = 64, ks: tuple[int, ...] = (3,), draft_quant: str | None = "int8",
     hf_modes: bool = True, out: Path | None = None, progress: bool = True,
 ) -> dict:
     """Time every mode on the same prompts; returns (and writes to `out`) the JSON report."""
