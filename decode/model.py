@@ -115,7 +115,7 @@ class LeanLayer(nn.Module):
 class LeanLM(nn.Module):
     """Llama-family causal LM with a preallocated KV cache, running on the HF model's own weights."""
 
-    def __init__(self, hf_model, max_seq_len: int) -> None:
+    def __init__(self, hf_model, max_seq_len: int, *, fast_head: bool = True) -> None:
         super().__init__()
         config = hf_model.config
         ok, why = lean_supported(config)
@@ -133,6 +133,10 @@ class LeanLM(nn.Module):
         self.layers = nn.ModuleList(LeanLayer(l, config, n_heads, n_kv, head_dim) for l in base.layers)
         self.norm = base.norm.weight
         self.lm_head = hf_model.get_output_embeddings()
+        # one-row steps (plain decoding, draft steps) read the head faster as a (d, V) copy on CPUs:
+        # the largest single matrix, worth its extra memory; multi-row verify steps use the shared one
+        cpu_head = fast_head and device.type == "cpu"
+        self.head_t = self.lm_head.weight.detach().t().contiguous() if cpu_head else None
         # RoPE tables from HF's own rotary module, so every rope_type (llama3, yarn, ...) matches exactly
         pos_ids = torch.arange(max_seq_len, device=device)[None]
         cos, sin = base.rotary_emb(torch.zeros(1, dtype=dtype, device=device), pos_ids)
@@ -171,7 +175,11 @@ class LeanLM(nn.Module):
             x = layer(x, cos, sin, self.cache, i, pos, mask)
         if keep:
             x = x[-keep:]
-        logits = _linear(_rms_norm(x, self.norm, self.eps), self.lm_head)
+        h = _rms_norm(x, self.norm, self.eps)
+        if self.head_t is not None and h.shape[0] == 1 and type(self.lm_head) is nn.Linear:
+            logits = h @ self.head_t
+        else:
+            logits = _linear(h, self.lm_head)
         return logits if logits.dtype == torch.float64 else logits.float()
 
 
@@ -213,7 +221,12 @@ def quantize_int8(runner: Runner) -> Runner:
     import copy
     import warnings
 
-    runner = copy.deepcopy(runner)  # the weights are shared with the HF model: quantise a copy
+    original = runner
+    head_t, original.head_t = original.head_t, None  # the int8 head replaces it: don't copy it
+    try:
+        runner = copy.deepcopy(original)  # the weights are shared with the HF model: quantise a copy
+    finally:
+        original.head_t = head_t
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.ao's deprecation notices
         return torch.ao.quantization.quantize_dynamic(runner, {nn.Linear}, dtype=torch.qint8, inplace=True)
@@ -226,7 +239,9 @@ def make_runner(hf_model, max_seq_len: int, *, lean: bool | None = None, quantiz
         lean = supported
     elif lean and not supported:
         raise ValueError(f"lean runner unavailable: {why}")
-    runner: Runner = LeanLM(hf_model, max_seq_len) if lean else HFRunner(hf_model, max_seq_len)
+    runner: Runner = (
+        LeanLM(hf_model, max_seq_len, fast_head=quantize in (None, "none")) if lean else HFRunner(hf_model, max_seq_len)
+    )
     if quantize == "int8":
         runner = quantize_int8(runner)
     elif quantize not in (None, "none"):
