@@ -134,7 +134,8 @@ class LeanLM(nn.Module):
         self.norm = base.norm.weight
         self.lm_head = hf_model.get_output_embeddings()
         # one-row steps (plain decoding, draft steps) read the head faster as a (d, V) copy on CPUs:
-        # the largest single matrix, worth its extra memory; multi-row verify steps use the shared one
+        # the largest single matrix, worth its extra memory; multi-row verify steps use the shared one.
+        # It is a snapshot: build a new runner after changing the model's weights.
         cpu_head = fast_head and device.type == "cpu"
         self.head_t = self.lm_head.weight.detach().t().contiguous() if cpu_head else None
         # RoPE tables from HF's own rotary module, so every rope_type (llama3, yarn, ...) matches exactly
