@@ -17,12 +17,11 @@ from pathlib import Path
 
 import torch
 
-from decode.bench import atomic_write_json
+from decode.bench import atomic_write_json, side_by_side
 from decode.errors import DraftsmithError
 from decode.loading import load
 from decode.model import make_runner
 from decode.prompts import Prompt, load_prompts
-from decode.speculative import KPolicy, generate
 from decode.textgen import eos_ids
 from distill.data import generate_data
 from distill.train import TrainConfig, train
@@ -49,23 +48,15 @@ def measure_speedup(target, drafts: dict, refs, *, k: int, max_new_tokens: int, 
     max_len = max(len(r["prompt_ids"]) for r in rows) + max_new_tokens + k + 2
     t_run = make_runner(target.model, max_len)
     runners = {"target_only": None, **{name: make_runner(m, max_len, quantize="int8") for name, m in drafts.items()}}
-    eos = eos_ids(target)
-    secs = {name: 0.0 for name in runners}
-    toks = {name: 0 for name in runners}
-    taus: dict[str, list[float]] = {name: [] for name in runners}
-    generate(t_run, list(rows[0]["prompt_ids"])[:8], max_new_tokens=2)  # warm-up
-    for r in rows:
-        for name, d_run in runners.items():
-            res = generate(t_run, list(r["prompt_ids"]), draft=d_run, max_new_tokens=max_new_tokens, eos_ids=eos,
-                           policy=KPolicy(k=k))
-            secs[name] += res.stats.seconds
-            toks[name] += res.stats.new_tokens
-            taus[name].append(res.stats.mean_tau)
-    tps = {name: toks[name] / secs[name] for name in runners}
+    runs = side_by_side(t_run, runners, [r["prompt_ids"] for r in rows], k=k, max_new_tokens=max_new_tokens,
+                        eos_ids=eos_ids(target))
+    stats = {name: st for name, (st, _) in runs.items()}
+    tps = {name: st.tokens_per_s for name, st in stats.items()}
     return {
         "k": k, "prompts": len(rows),
-        "tok_per_s": tps, "seconds": secs, "tokens": toks,
-        "mean_tau": {name: sum(v) / len(v) for name, v in taus.items()},
+        "tok_per_s": tps, "seconds": {n: st.seconds for n, st in stats.items()},
+        "tokens": {n: st.new_tokens for n, st in stats.items()},
+        "mean_tau": {n: st.mean_tau for n, st in stats.items()},
         "speedup_vs_target_only": {name: tps[name] / tps["target_only"] for name in drafts},
     }
 

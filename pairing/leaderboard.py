@@ -21,15 +21,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tqdm import tqdm
 
-from decode.bench import atomic_write_json
+from decode.bench import atomic_write_json, side_by_side
 from decode.errors import DraftsmithError
 from decode.loading import Loaded, load
 from decode.model import make_runner
 from decode.prompts import Prompt, load_prompts
 from decode.sampling import SamplingParams
-from decode.speculative import KPolicy, generate
 from decode.textgen import eos_ids, machine_info, versions
 from pairing.acceptance import measure_acceptance
 from pairing.compat import check_pair
@@ -80,35 +78,21 @@ def _validate(target: Loaded, t_run, cand: Candidate, prompts: list[Prompt], ref
     """Measured speedup: our decoder with and without this draft, same prompts, same run, interleaved."""
     by_id = {r["id"]: r for r in refs}
     d_run = make_runner(cand.loaded.model, t_run.max_seq_len, quantize=settings.draft_quant)
-    eos = eos_ids(target)
-    base_s = spec_s = 0.0
-    base_n = spec_n = rounds = 0
-    equal = True
-    taus = []
-    first = by_id[prompts[0].id]["prompt_ids"]
-    generate(t_run, first[:16], draft=d_run, max_new_tokens=4, policy=KPolicy(k=k))  # warm-up
-    for p in tqdm(prompts, desc=f"validate {cand.spec}", unit="prompt"):
-        ids = list(by_id[p.id]["prompt_ids"])
-        a = generate(t_run, ids, max_new_tokens=settings.max_new_tokens, eos_ids=eos)
-        b = generate(t_run, ids, draft=d_run, max_new_tokens=settings.max_new_tokens, eos_ids=eos,
-                     policy=KPolicy(k=k, k_max=max(MAX_K, k)))
-        base_s += a.stats.seconds
-        base_n += a.stats.new_tokens
-        spec_s += b.stats.seconds
-        spec_n += b.stats.new_tokens
-        rounds += b.stats.target_forwards
-        equal &= a.tokens == b.tokens or settings.temperature > 0
-        taus.append(b.stats.mean_tau)
-    base_tps, spec_tps = base_n / base_s, spec_n / spec_s
+    runs = side_by_side(t_run, {"base": None, "spec": d_run}, [by_id[p.id]["prompt_ids"] for p in prompts], k=k,
+                        max_new_tokens=settings.max_new_tokens, eos_ids=eos_ids(target), desc=f"validate {cand.spec}")
+    (base, base_toks), (spec, spec_toks) = runs["base"], runs["spec"]
+    rounds = spec.target_forwards
     return {
-        "k": k, "prompts": len(prompts), "target_only_tok_per_s": base_tps, "speculative_tok_per_s": spec_tps,
-        "target_only_seconds": base_s, "speculative_seconds": spec_s, "tokens": spec_n,
-        "measured_speedup": spec_tps / base_tps, "greedy_equal": equal,
-        "mean_tau": sum(taus) / len(taus),
+        "k": k, "prompts": len(prompts), "target_only_tok_per_s": base.tokens_per_s,
+        "speculative_tok_per_s": spec.tokens_per_s, "target_only_seconds": base.seconds,
+        "speculative_seconds": spec.seconds, "tokens": spec.new_tokens,
+        "measured_speedup": spec.tokens_per_s / base.tokens_per_s,
+        "greedy_equal": base_toks == spec_toks or settings.temperature > 0,
+        "mean_tau": spec.mean_tau,
         "rounds": rounds,
-        "spec_tokens_per_round": spec_n / rounds,
-        "measured_round_s": spec_s / rounds,
-        "measured_target_step_s": base_s / base_n,
+        "spec_tokens_per_round": spec.new_tokens / rounds,
+        "measured_round_s": spec.seconds / rounds,
+        "measured_target_step_s": base.seconds / base.new_tokens,
     }
 
 
