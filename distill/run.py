@@ -65,13 +65,13 @@ def run_distill(
     target_spec: str, draft_spec: str, out: Path, cfg: TrainConfig, *, prompts: str = "code,json,summarize,chat",
     eval_per_domain: int = 6, data_source: str = "target", mix: float = 0.5, max_new_tokens: int = 64,
     data_temperature: float = 1.0, k: int = 3, speed_prompts: int = 4, resume: bool = True,
-    speculative_data: bool = True,
+    speculative_data: bool = True, limit_per_domain: int | None = None,
 ) -> dict:
     out = Path(out)
     target = load(target_spec)
     draft = load(resolve_candidate(draft_spec))
     draft.name = draft_spec
-    train_p, held = split_prompts(load_prompts(prompts), eval_per_domain)
+    train_p, held = split_prompts(load_prompts(prompts, limit_per_domain=limit_per_domain), eval_per_domain)
     data = generate_data(target, draft, train_p, out / "data", source=data_source, mix=mix,
                          max_new_tokens=max_new_tokens, temperature=data_temperature, seed=cfg.seed,
                          speculative=speculative_data)

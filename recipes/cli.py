@@ -6,6 +6,10 @@
     .venv/bin/draftsmith bench --target T --draft D [--prompts code] [--k 3,5] --out bench.json
     .venv/bin/draftsmith pair --target T --candidates D1,D2,derive:T:keep=8 --suite code,chat --validate 1 --out DIR
     .venv/bin/draftsmith derive --from T --keep 8 --out DIR
+    .venv/bin/draftsmith distill --target T --draft derive:T:keep=4 --loss fkl --steps 150 --out DIR
+    .venv/bin/draftsmith export --draft DIR/best --target T --format all --out DIR [--check-llama-cpp]
+    .venv/bin/draftsmith run recipes/quickstart.yaml [distill.train.steps=200 ...] [--out runs/NAME]
+    .venv/bin/draftsmith leaderboard runs/* --out leaderboard
 
 Every problem the user can fix (unknown model, corrupt file, no space...) prints one line and exits 2.
 """
@@ -99,7 +103,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         args.target, args.draft, prompts=args.prompts, n_prompts=args.n_prompts or None,
         max_new_tokens=args.max_new_tokens, ks=args.k, draft_quant=quant, hf_modes=not args.no_hf, out=args.out,
     )
-    fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+    fmt = lambda v: "-" if v is None else f"{v:.2f}"
     for mode in report["modes"]:
         m = report["modes"][mode]
         print(f"{mode:18s} {m['tokens']:5d} tokens {m['seconds']:8.2f} s {m['tok_per_s']:7.2f} tok/s")
@@ -193,6 +197,50 @@ def _add_pair_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--draft-quant", choices=["int8", "none"], default="int8",
                    help="draft weights on CPU (the target always runs as loaded; exactness is unaffected)")
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from distill.export import export
+
+    summary = export(args.draft, args.target, args.out, fmt=args.format, gguf_type=args.gguf_type,
+                     best_k=args.best_k, check_llama_cpp=args.check_llama_cpp)
+    for name, line in (summary.get("serving") or {}).items():
+        if isinstance(line, str):
+            print(f"{name}: {line}")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from recipes.config import STAGES, load_recipe
+    from recipes.runner import run_recipe
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    stages = None
+    if args.stages:
+        stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+        bad = [s for s in stages if s not in STAGES]
+        if bad:
+            raise DraftsmithError(f"--stages: unknown stage {bad[0]!r} (stages: {', '.join(STAGES)})")
+    if args.restart and args.restart not in STAGES:
+        raise DraftsmithError(f"--restart: unknown stage {args.restart!r} (stages: {', '.join(STAGES)})")
+    try:
+        run_recipe(recipe, args.out, stages=stages, restart=args.restart)
+    except KeyboardInterrupt:
+        out = args.out or Path("runs") / recipe.name
+        print(f"draftsmith: interrupted; rerun the same command to resume from {out}", file=sys.stderr)
+        return 130
+    return 0
+
+
+def cmd_leaderboard(args: argparse.Namespace) -> int:
+    from recipes.compare import merge_runs, write_merged
+
+    merged = merge_runs(args.runs)
+    doc = write_merged(merged, args.out)
+    print(doc.markdown("leaderboard"))
+    print(f"wrote {args.out / 'leaderboard.md'}, .html and .json")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -290,6 +338,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, required=True)
     p.set_defaults(func=cmd_gen_data)
+
+    p = sub.add_parser("export", help="export a (distilled) draft: HF folder, GGUF for llama.cpp, vLLM/SGLang lines")
+    p.add_argument("--draft", required=True, help="HF folder (e.g. a distill run's best/), zoo name or derive spec")
+    p.add_argument("--target", required=True, help="the target the draft serves (its GGUF gives the tokenizer)")
+    p.add_argument("--format", choices=["hf", "gguf", "all"], default="all")
+    p.add_argument("--gguf-type", choices=["f32", "f16", "q8_0"], default="f16")
+    p.add_argument("--best-k", type=int, default=None, help="K for the serving lines (default: from the run, or 3)")
+    p.add_argument("--check-llama-cpp", action="store_true",
+                   help="run llama-server with the GGUF as its draft and report its acceptance (builds llama.cpp once)")
+    p.add_argument("--out", type=Path, required=True)
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("run", help="run a recipe: pair -> distill -> validate -> export, resumable, with a report")
+    p.add_argument("recipe", type=Path, help="a recipe YAML (see recipes/*.yaml)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. distill.train.steps=200")
+    p.add_argument("--out", type=Path, default=None, help="run folder (default runs/<recipe name>)")
+    p.add_argument("--stages", default=None, help="a subset, e.g. pair,validate (default: the recipe's)")
+    p.add_argument("--restart", default=None, metavar="STAGE", help="redo STAGE and every stage after it")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("leaderboard", help="merge run folders into one acceptance-rate leaderboard (md/html/json)")
+    p.add_argument("runs", nargs="+", type=Path, help="run folders, e.g. runs/*")
+    p.add_argument("--out", type=Path, default=Path("leaderboard"))
+    p.set_defaults(func=cmd_leaderboard)
     return parser
 
 

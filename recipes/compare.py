@@ -1,0 +1,102 @@
+"""One acceptance-rate leaderboard across run folders: every target, draft and recipe a team has tried.
+
+    .venv/bin/draftsmith leaderboard runs/* [--out leaderboard/]
+
+Each folder may be a recipe run (pairing/leaderboard.json, distill/distill.json, validate/bench.json) or a
+`draftsmith pair` output (leaderboard.json). Rows: every candidate measured by a pair stage, plus every
+distilled draft with its alpha after training and its measured speedup. Written as leaderboard.{json,md,html}.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from decode.bench import atomic_write_json
+from decode.errors import DraftsmithError
+from recipes.report import Doc, fmt
+
+COLUMNS = ["target", "draft", "kind", "alpha", "positions", "best K", "predicted", "measured", "run"]
+
+
+def _json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except json.JSONDecodeError as e:
+        raise DraftsmithError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+
+
+def rows_of_run(folder: Path) -> list[dict]:
+    """The leaderboard rows one run folder contributes (empty when it holds no results yet)."""
+    rows: list[dict] = []
+    board = _json(folder / "pairing" / "leaderboard.json") or _json(folder / "leaderboard.json")
+    if board:
+        for c in board["candidates"]:
+            rows.append({
+                "target": board["target"], "draft": c["draft"], "kind": c["kind"], "alpha": c["alpha"],
+                "alpha_by_domain": c["alpha_by_domain"], "positions": c["positions"], "best_k": c["best_k"],
+                "predicted_speedup": c["predicted_speedup"], "measured_speedup": c["measured_speedup"],
+                "run": str(folder),
+            })
+    distilled = _json(folder / "distill" / "distill.json") or _json(folder / "distill.json")
+    if distilled:
+        bench = _json(folder / "validate" / "bench.json") or {}
+        cfg = distilled["config"]
+        steps = distilled.get("train_summary", {}).get("steps_done", cfg["steps"])
+        rows.append({
+            "target": distilled["target"],
+            "draft": f"{distilled['draft']} + distill({cfg['loss']}, {distilled['data_source']}, {steps} steps)",
+            "kind": "distilled", "alpha": distilled["alpha_after"], "alpha_before": distilled["alpha_before"],
+            "alpha_by_domain": None, "positions": None, "best_k": bench.get("k"), "predicted_speedup": None,
+            "measured_speedup": (bench.get("speedup_vs_target_only") or {}).get("draft_after")
+            or (distilled.get("speed") or {}).get("speedup_vs_target_only", {}).get("draft_after"),
+            "run": str(folder),
+        })
+    return rows
+
+
+def merge_runs(folders: list[Path]) -> dict:
+    """All rows of all runs, sorted by target then alpha (highest first). Folders without results are listed."""
+    if not folders:
+        raise DraftsmithError("leaderboard needs at least one run folder (e.g. runs/*)")
+    rows, empty = [], []
+    for f in folders:
+        f = Path(f)
+        if not f.is_dir():
+            raise DraftsmithError(f"{f}: not a folder")
+        found = rows_of_run(f)
+        rows += found
+        if not found:
+            empty.append(str(f))
+    rows.sort(key=lambda r: (r["target"], -(r["alpha"] or 0.0)))
+    return {"rows": rows, "runs": [str(f) for f in folders], "without_results": empty,
+            "definitions": {"alpha": "teacher-forced mean of sum_x min(p, q) on held-out / reference continuations",
+                            "measured": "tokens/s with the draft / tokens/s of the same decoder without it"}}
+
+
+def _table(merged: dict) -> tuple[list[str], list[list[str]]]:
+    rows = []
+    for r in merged["rows"]:
+        alpha = fmt(r["alpha"])
+        if r.get("alpha_before") is not None:
+            alpha += f" (from {fmt(r['alpha_before'])})"
+        rows.append([r["target"], r["draft"], r["kind"], alpha, fmt(r["positions"]), fmt(r["best_k"]),
+                     fmt(r["predicted_speedup"], 2) + ("x" if r["predicted_speedup"] else ""),
+                     fmt(r["measured_speedup"], 2) + ("x" if r["measured_speedup"] else ""), r["run"]])
+    return COLUMNS, rows
+
+
+def write_merged(merged: dict, out: Path) -> Doc:
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "leaderboard.json", merged)
+    doc = Doc("draftsmith leaderboard")
+    doc.p(f"{len(merged['rows'])} rows from {len(merged['runs'])} run folders. alpha: teacher-forced acceptance; "
+          "predicted: E[tau] / (K c + v(K)) from the measured cost; measured: our decoder with / without the draft.")
+    doc.table(*_table(merged))
+    if merged["without_results"]:
+        doc.p("Folders without results yet: " + ", ".join(merged["without_results"]))
+    doc.write(out, "leaderboard")
+    return doc

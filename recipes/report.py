@@ -1,0 +1,284 @@
+"""The run folder's report: report.md and report.html (plots as PNG), rebuilt from whatever stages have finished.
+
+    from recipes.report import write_report; write_report(Path("runs/quickstart"))
+
+Sections: stages (status, time), the pairing leaderboard, training curves (loss and alpha vs step), alpha by
+domain before and after distillation, tokens/s of target alone / un-distilled / distilled draft with ratios
+and the chosen K, and the export paths with the vLLM / SGLang / llama.cpp lines.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pairing.leaderboard import table_rows
+
+_STYLE = ("<style>body{font-family:sans-serif;margin:2em;max-width:70em}table{border-collapse:collapse}"
+          "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}td:first-child{text-align:left}"
+          "pre{background:#f4f4f4;padding:.6em;white-space:pre-wrap}</style>")
+
+
+def fmt(v: Any, nd: int = 3) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    return f"{v:.{nd}f}" if isinstance(v, float) else str(v)
+
+
+@dataclass
+class Doc:
+    """A tiny document model rendered both to Markdown (images as files) and to self-contained HTML."""
+
+    title: str
+    blocks: list[tuple] = field(default_factory=list)
+    images: dict[str, bytes] = field(default_factory=dict)
+
+    def h(self, text: str) -> None:
+        self.blocks.append(("h", text))
+
+    def p(self, text: str) -> None:
+        self.blocks.append(("p", text))
+
+    def code(self, text: str) -> None:
+        self.blocks.append(("code", text))
+
+    def table(self, head: list[str], rows: list[list[Any]]) -> None:
+        self.blocks.append(("table", head, [[fmt(c) if not isinstance(c, str) else c for c in r] for r in rows]))
+
+    def image(self, name: str, png: bytes) -> None:
+        self.images[name] = png
+        self.blocks.append(("img", name))
+
+    def markdown(self, image_dir: str) -> str:
+        out = [f"# {self.title}", ""]
+        for b in self.blocks:
+            if b[0] == "h":
+                out += [f"## {b[1]}", ""]
+            elif b[0] == "p":
+                out += [b[1], ""]
+            elif b[0] == "code":
+                out += ["```", b[1], "```", ""]
+            elif b[0] == "table":
+                out += ["| " + " | ".join(b[1]) + " |", "|" + "---|" * len(b[1])]
+                out += ["| " + " | ".join(r) + " |" for r in b[2]] + [""]
+            else:
+                out += [f"![{b[1]}]({image_dir}/{b[1]})", ""]
+        return "\n".join(out)
+
+    def html(self) -> str:
+        e = html.escape
+        out = [f"<!doctype html><meta charset=utf-8><title>{e(self.title)}</title>",
+               _STYLE, f"<h1>{e(self.title)}</h1>"]
+        for b in self.blocks:
+            if b[0] == "h":
+                out.append(f"<h2>{e(b[1])}</h2>")
+            elif b[0] == "p":
+                out.append(f"<p>{e(b[1])}</p>")
+            elif b[0] == "code":
+                out.append(f"<pre>{e(b[1])}</pre>")
+            elif b[0] == "table":
+                head = "".join(f"<th>{e(h)}</th>" for h in b[1])
+                rows = "".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in r) + "</tr>" for r in b[2])
+                out.append(f"<table><tr>{head}</tr>{rows}</table>")
+            else:
+                data = base64.b64encode(self.images[b[1]]).decode()
+                out.append(f'<figure><img alt="{e(b[1])}" src="data:image/png;base64,{data}"></figure>')
+        return "\n".join(out) + "\n"
+
+    def write(self, folder: Path, stem: str) -> None:
+        """<stem>.md, <stem>.html and <stem>/*.png, each written atomically."""
+        img_dir = folder / stem
+        if self.images:
+            img_dir.mkdir(parents=True, exist_ok=True)
+        for name, data in self.images.items():
+            _atomic(img_dir / name, data)
+        _atomic(folder / f"{stem}.md", self.markdown(stem).encode())
+        _atomic(folder / f"{stem}.html", self.html().encode())
+
+
+def _atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data)
+    tmp.replace(path)
+
+
+def _json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def _jsonl(path: Path) -> list[dict]:
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    rows = []
+    for line in lines:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut by an interruption
+            pass
+    return rows
+
+
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png", dpi=100)
+    return buf.getvalue()
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+# --- sections ------------------------------------------------------------------------------------------
+
+
+def _stages(doc: Doc, state: dict) -> None:
+    rows = [[s, e.get("status", "-"), f"{e.get('seconds', 0):.0f}", e.get("finished", "-")] for s, e in state.items()]
+    if rows:
+        doc.table(["stage", "status", "seconds", "finished (UTC)"], rows)
+
+
+def _pairing(doc: Doc, run: Path) -> None:
+    board = _json(run / "pairing" / "leaderboard.json")
+    if not board:
+        return
+    doc.h("Pairing leaderboard")
+    s = board["settings"]
+    doc.p(f"Target `{board['target']}`; {s['n_prompts']} prompts ({s['prompts']}), {s['max_new_tokens']} reference "
+          "tokens each. alpha is teacher-forced; predicted speedup = E[tau] / (K c + v(K)) with c and v(K) measured "
+          "here; tau counts the bonus token. Full page: pairing/leaderboard.html.")
+    head, rows = table_rows(board)
+    doc.table(head, rows)
+
+
+def _distill(doc: Doc, run: Path) -> None:
+    log = _jsonl(run / "distill" / "log.jsonl")
+    result = _json(run / "distill" / "distill.json")
+    if not log and not result:
+        return
+    doc.h("Distillation")
+    if result:
+        cfg = result["config"]
+        doc.p(f"Draft `{result['draft']}` distilled toward `{result['target']}`: loss {cfg['loss']}, data "
+              f"{result['data_source']} ({result['data_rows']} rows from {result['train_prompts']} prompts), "
+              f"{cfg['steps']} steps x batch {cfg['batch_size']}, lr {cfg['lr']}, "
+              f"{'LoRA r=' + str(cfg['lora_r']) if cfg['lora_r'] else 'full fine-tuning'}. alpha on "
+              f"{result['held_out_prompts']} held-out prompts (never trained on): {fmt(result['alpha_before'])} -> "
+              f"{fmt(result['alpha_after'])} (gain {fmt(result['alpha_gain'])}).")
+    evals = [r for r in log if r.get("eval")]
+    train = [r for r in log if "loss" in r and not r.get("eval")]
+    if evals:
+        first = evals[0]
+        best_step = (result or {}).get("train_summary", {}).get("best_step")
+        best = next((r for r in evals if r["step"] == best_step), max(evals, key=lambda r: r["alpha"]))
+        domains = sorted(first["alpha_by_domain"])
+        doc.table(["domain", "alpha before", f"alpha after (step {best['step']})", "gain"],
+                  [[d, first["alpha_by_domain"][d], best["alpha_by_domain"].get(d),
+                    best["alpha_by_domain"].get(d, 0) - first["alpha_by_domain"][d]] for d in domains]
+                  + [["all", first["alpha"], best["alpha"], best["alpha"] - first["alpha"]]])
+        plt = _plt()
+        fig, ax = plt.subplots(figsize=(7, 3.2))
+        ax.bar([i - 0.2 for i in range(len(domains))], [first["alpha_by_domain"][d] for d in domains], 0.4,
+               label="before")
+        ax.bar([i + 0.2 for i in range(len(domains))], [best["alpha_by_domain"].get(d, 0) for d in domains], 0.4,
+               label="after")
+        ax.set_xticks(range(len(domains)), domains)
+        ax.set_ylabel("alpha (held out)"), ax.set_ylim(0, 1), ax.legend(), ax.set_title("alpha by domain")
+        doc.image("alpha_by_domain.png", _png(fig))
+        plt.close(fig)
+    if train or evals:
+        plt = _plt()
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.2))
+        if train:
+            a1.plot([r["step"] for r in train], [r["loss"] for r in train], lw=1)
+        a1.set_xlabel("step"), a1.set_ylabel("training loss"), a1.set_title("loss")
+        if evals:
+            a2.plot([r["step"] for r in evals], [r["alpha"] for r in evals], marker="o")
+        a2.set_xlabel("step"), a2.set_ylabel("alpha (held out)"), a2.set_title("alpha")
+        doc.image("training.png", _png(fig))
+        plt.close(fig)
+
+
+_DECODERS = {"target_only": "target alone", "draft_before": "un-distilled draft", "draft_after": "distilled draft"}
+
+
+def _validate(doc: Doc, run: Path) -> None:
+    b = _json(run / "validate" / "bench.json")
+    if not b:
+        return
+    doc.h("Validation: tokens/s of our decoder")
+    doc.p(f"{len(b['prompts'])} held-out prompts x {b['max_new_tokens']} new tokens, greedy, all decoders interleaved "
+          f"in one run on {b['machine']['cpu']} ({b['machine']['cpu_count']} cores). K = {b['k']} ({b['k_reason']}); "
+          f"draft weights {b['draft_quant'] or 'float32'}; measured c = {fmt(b['cost_ratio'])}. tau = tokens per "
+          "target forward, bonus token included.")
+    base = b["tok_per_s"]["target_only"]
+    rows = []
+    for name, label in _DECODERS.items():
+        if name in b["tok_per_s"]:
+            rows.append([label, b["tok_per_s"][name], f"{b['tok_per_s'][name] / base:.2f}x",
+                         b["mean_tau"][name], b["acceptance_rate"].get(name),
+                         "-" if name == "target_only" else fmt(b["greedy_equal"][name])])
+    doc.table(["decoder", "tok/s", "vs target alone", "mean tau", "accepted/drafted", "greedy equal"], rows)
+    if "speedup_after_vs_before" in b:
+        doc.p(f"Distilled vs un-distilled draft: {b['speedup_after_vs_before']:.2f}x tokens/s.")
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 2.8))
+    names = [r[0] for r in rows]
+    ax.barh(names, [r[1] for r in rows])
+    ax.set_xlabel("tokens/s"), ax.set_title(f"decoders, K={b['k']}")
+    doc.image("speed.png", _png(fig))
+    plt.close(fig)
+
+
+def _export(doc: Doc, run: Path) -> None:
+    e = _json(run / "export" / "export.json")
+    if not e:
+        return
+    doc.h("Export")
+    files = e.get("files") or e.get("paths") or {}
+    if files:
+        doc.table(["what", "path"], [[k, str(v)] for k, v in files.items()])
+    serving = e.get("serving") or {}
+    for name, line in serving.items():
+        if isinstance(line, str):
+            doc.p(f"{name}:")
+            doc.code(line)
+    checks = e.get("checks")
+    if checks:
+        doc.code(json.dumps(checks, indent=1)[:3000])
+
+
+def write_report(run: Path) -> Path:
+    """report.md + report.html (+ report/*.png) in `run`, from the stages that have written their results."""
+    run = Path(run)
+    recipe_text = (run / "recipe.yaml").read_text() if (run / "recipe.yaml").is_file() else ""
+    name = run.name
+    doc = Doc(f"draftsmith run: {name}")
+    state = (_json(run / "state.json") or {}).get("stages", {})
+    _stages(doc, state)
+    _pairing(doc, run)
+    _distill(doc, run)
+    _validate(doc, run)
+    _export(doc, run)
+    if recipe_text:
+        doc.h("Resolved recipe")
+        doc.code(recipe_text.rstrip())
+    doc.write(run, "report")
+    return run / "report.md"

@@ -1,0 +1,108 @@
+"""Recipes load into typed configs: every shipped YAML validates; bad keys, types, values and models are
+one-line errors naming the file and the key; key=value overrides fill nested settings."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from decode.errors import DraftsmithError
+from recipes.config import Recipe, apply_override, dump_recipe, load_recipe, recipe_from_dict
+
+SHIPPED = sorted((Path(__file__).resolve().parents[2] / "recipes").glob("*.yaml"))
+DRAFTSMITH = Path(sys.executable).parent / "draftsmith"
+
+MINIMAL = {"name": "r", "target": "smollm2-135m-instruct",
+           "pair": {"candidates": ["derive:smollm2-135m-instruct:keep=2"]}}
+
+
+def test_the_three_promised_recipes_ship() -> None:
+    assert {p.name for p in SHIPPED} >= {"quickstart.yaml", "qwen-coder.yaml", "gpu.yaml"}
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_every_shipped_recipe_loads_and_opens_with_its_run_command(path: Path) -> None:
+    recipe = load_recipe(path)
+    assert isinstance(recipe, Recipe) and recipe.name == path.stem
+    head = path.read_text().splitlines()[:12]
+    assert any(f"draftsmith run recipes/{path.name}" in line for line in head), "first lines give the run command"
+    assert any("minute" in line or "hour" in line for line in head), "first lines give the expected runtime"
+    # the resolved recipe round-trips: what the run folder saves loads back to the same config
+    assert recipe_from_dict(yaml.safe_load(dump_recipe(recipe))) == recipe
+
+
+def write(tmp_path: Path, data: dict | str) -> Path:
+    path = tmp_path / "recipe.yaml"
+    path.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
+    return path
+
+
+def with_(key: str, value) -> dict:
+    data = yaml.safe_load(yaml.safe_dump(MINIMAL))
+    apply_override(data, f"{key}={yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()}")
+    return data
+
+
+@pytest.mark.parametrize(
+    "data,needles",
+    [
+        (with_("distill.train.stepz", 3), ["distill.train.stepz", "unknown key", "'steps'"]),
+        (with_("pairr", {}), ["pairr", "unknown key", "'pair'"]),
+        (with_("distill.train.steps", "many"), ["distill.train.steps", "expected int", "'many'"]),
+        (with_("distill.train.steps", 0), ["distill.train", "steps", "out of range"]),
+        (with_("distill.train.loss", "kl"), ["distill.train", "loss"]),
+        (with_("distill.data", "web"), ["distill", "distill.data", "web"]),
+        (with_("export.formats", ["onnx"]), ["export", "onnx"]),
+        (with_("pair.candidates", "derive:nope:keep=2"), ["pair.candidates[0]", "unknown model 'nope'"]),
+        (with_("target", "no-such-model"), ["target", "unknown model 'no-such-model'"]),
+        (with_("distill.train", 5), ["distill.train", "expected a mapping"]),
+        ({"name": "r", "pair": MINIMAL["pair"]}, ["target", "missing"]),
+        ("name: [unclosed", ["not valid YAML", "line 1"]),
+        ("- just\n- a list\n", ["a recipe is a YAML mapping"]),
+    ],
+)
+def test_bad_recipes_are_one_line_errors_naming_file_and_key(tmp_path: Path, data, needles) -> None:
+    path = write(tmp_path, data)
+    with pytest.raises(DraftsmithError) as e:
+        load_recipe(path)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(str(path)), msg
+    for needle in needles:
+        assert needle in msg, (needle, msg)
+
+
+def test_overrides_fill_nested_settings_with_yaml_types(tmp_path: Path) -> None:
+    path = write(tmp_path, MINIMAL)
+    r = load_recipe(path, ["distill.train.steps=7", "distill.train.lr=3e-4", "export.formats=[hf]",
+                           "pair.candidates=derive:smollm2-135m-instruct:keep=1,derive:smollm2-135m-instruct:keep=3",
+                           "prompts.file=null", "validate.draft_quant=null"])
+    assert r.distill.train.steps == 7 and r.distill.train.lr == 3e-4 and r.export.formats == ["hf"]
+    assert r.pair.candidates == ["derive:smollm2-135m-instruct:keep=1", "derive:smollm2-135m-instruct:keep=3"]
+    assert r.validate.draft_quant is None
+    assert r.distill.train.batch_size == 4  # untouched settings keep the dataclass defaults
+    with pytest.raises(DraftsmithError, match=r"override 'steps': expected key=value"):
+        load_recipe(path, ["steps"])
+    with pytest.raises(DraftsmithError, match=r"distill\.train\.stepz: unknown key; did you mean 'steps'"):
+        load_recipe(path, ["distill.train.stepz=3"])
+
+
+def test_a_model_path_is_accepted_and_a_missing_prompt_file_is_not(tmp_path: Path) -> None:
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    r = recipe_from_dict({**MINIMAL, "target": str(folder), "pair": {"candidates": [f"derive:{folder}:keep=1"]}})
+    assert r.target == str(folder)
+    with pytest.raises(DraftsmithError, match=r"prompts\.file: no such file"):
+        recipe_from_dict({**MINIMAL, "prompts": {"file": str(tmp_path / "none.jsonl")}})
+
+
+def test_cli_run_with_a_bad_recipe_prints_one_line_and_exits_2(tmp_path: Path) -> None:
+    path = write(tmp_path, with_("distill.train.stepz", 3))
+    r = subprocess.run([str(DRAFTSMITH), "run", str(path)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "distill.train.stepz" in lines[0] and str(path) in lines[0], r.stderr

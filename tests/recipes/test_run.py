@@ -1,0 +1,160 @@
+"""A tiny-model recipe through the real `draftsmith run` command: every stage writes its part of the run folder,
+a run killed mid-distillation resumes to the same final weights as an uninterrupted run, finished stages are
+skipped, changed settings are refused with the keys that changed, and `draftsmith leaderboard` merges runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+
+DRAFTSMITH = Path(sys.executable).parent / "draftsmith"
+WORDS = "the a of to and in is it that for on with as was be by this are or at from code data list sort print".split()
+
+
+def save_tiny(path: Path, seed: int, layers: int) -> Path:
+    vocab = {"[UNK]": 0, "<s>": 1, "</s>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)
+    model.save_pretrained(path)
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", bos_token="<s>", eos_token="</s>").save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("recipe")
+    target = save_tiny(root / "target", 0, 3)
+    other = save_tiny(root / "other", 1, 1)
+    prompts = root / "prompts.jsonl"
+    rows = [(d, " ".join(WORDS[(5 * i + j) % len(WORDS)] for j in range(2 + i % 3)))
+            for i in range(6) for d in ("code", "chat")]
+    prompts.write_text("".join(json.dumps({"prompt": p, "domain": d}) + "\n" for d, p in rows))
+    recipe = {
+        "name": "tiny", "target": str(target), "prompts": {"suite": None, "file": str(prompts)},
+        "pair": {"candidates": [f"derive:{target}:keep=1", str(other)], "limit_per_domain": 2, "max_new_tokens": 8,
+                 "draft_quant": None},
+        "distill": {"draft": "best", "max_new_tokens": 12, "eval_per_domain": 2,
+                    "train": {"steps": 80, "batch_size": 2, "lr": 1e-3, "warmup_steps": 2, "eval_every": 40,
+                              "save_every": 5}},
+        "validate": {"prompts_per_domain": 1, "max_new_tokens": 8, "max_k": 4, "draft_quant": None},
+        "export": {"formats": ["hf"]},
+    }
+    path = root / "tiny.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return {"root": root, "recipe": path, "env": {**os.environ, "DRAFTSMITH_CACHE": str(root / "cache")}}
+
+
+def draftsmith(world: dict, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(DRAFTSMITH), *args], capture_output=True, text=True, timeout=900, env=world["env"])
+
+
+@pytest.fixture(scope="module")
+def whole(world: dict) -> Path:
+    out = world["root"] / "runs" / "whole"
+    r = draftsmith(world, "run", str(world["recipe"]), "--out", str(out))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return out
+
+
+def test_a_recipe_run_fills_the_run_folder(whole: Path) -> None:
+    state = json.loads((whole / "state.json").read_text())["stages"]
+    assert [s for s in state] == ["pair", "distill", "validate", "export"]
+    assert all(e["status"] == "done" for e in state.values())
+    for rel in ("recipe.yaml", "pairing/leaderboard.json", "pairing/leaderboard.html", "distill/data",
+                "distill/best/model.safetensors", "distill/log.jsonl", "validate/bench.json",
+                "export/export.json", "report.md", "report.html", "report/training.png", "report/speed.png"):
+        assert (whole / rel).exists(), rel
+    resolved = yaml.safe_load((whole / "recipe.yaml").read_text())
+    assert resolved["distill"]["train"]["steps"] == 80 and resolved["distill"]["train"]["loss"] == "fkl"
+    bench = json.loads((whole / "validate" / "bench.json").read_text())
+    assert set(bench["tok_per_s"]) == {"target_only", "draft_before", "draft_after"}
+    assert bench["greedy_equal"] == {"draft_before": True, "draft_after": True}
+    report = (whole / "report.md").read_text()
+    for needle in ("Pairing leaderboard", "Distillation", "alpha before", "tok/s", "vs target alone", "Export"):
+        assert needle in report, needle
+    # the leaderboard's best token-level candidate is the one distilled
+    board = json.loads((whole / "pairing" / "leaderboard.json").read_text())
+    top = next(c["draft"] for c in board["candidates"] if c["compatible"])
+    assert json.loads((whole / "distill" / "distill.json").read_text())["draft"] == top
+
+
+def test_finished_stages_are_skipped_and_changed_settings_refused(world: dict, whole: Path) -> None:
+    r = draftsmith(world, "run", str(world["recipe"]), "--out", str(whole), "--stages", "pair,validate")
+    assert r.returncode == 0, r.stderr
+    assert "[pair] done earlier, skipped" in r.stdout and "[validate] done earlier, skipped" in r.stdout
+    assert "[distill]" not in r.stdout
+    r = draftsmith(world, "run", str(world["recipe"]), "distill.train.steps=81", "--out", str(whole))
+    assert r.returncode == 2
+    line = r.stderr.strip()
+    assert "\n" not in line and "distill.train.steps: 80 -> 81" in line and "--restart distill" in line, line
+
+
+def _final_weights(run: Path) -> tuple[str, dict[str, torch.Tensor]]:
+    last = sorted((run / "distill" / "checkpoints").iterdir(), key=lambda p: int(p.name[5:]))[-1]
+    return last.name, load_file(str(last / "student.safetensors"))
+
+
+def test_killed_mid_distill_then_rerun_ends_with_the_same_weights(world: dict, whole: Path) -> None:
+    out = world["root"] / "runs" / "killed"
+    proc = subprocess.Popen([str(DRAFTSMITH), "run", str(world["recipe"]), "--out", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=world["env"])
+    ckpts = out / "distill" / "checkpoints"
+    deadline = time.monotonic() + 600
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            if ckpts.is_dir() and any(p.name.startswith("step-") and int(p.name[5:]) >= 10 for p in ckpts.iterdir()
+                                      if p.name[5:].isdigit()):
+                proc.send_signal(signal.SIGKILL)  # harsher than Ctrl-C: nothing gets to clean up
+                break
+            time.sleep(0.01)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed mid-distillation"
+    state = json.loads((out / "state.json").read_text())["stages"]
+    assert state["pair"]["status"] == "done" and state["distill"]["status"] == "running"
+
+    r = draftsmith(world, "run", str(world["recipe"]), "--out", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "[pair] done earlier, skipped" in r.stdout and "[distill] resuming" in r.stdout
+    (step_a, a), (step_b, b) = _final_weights(whole), _final_weights(out)
+    assert step_a == step_b == "step-80"
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "resumed run differs"
+    best_a = load_file(str(whole / "distill" / "best" / "model.safetensors"))
+    best_b = load_file(str(out / "distill" / "best" / "model.safetensors"))
+    assert all(torch.equal(best_a[k], best_b[k]) for k in best_a)
+
+
+def test_leaderboard_merges_two_runs_into_one_table(world: dict, whole: Path) -> None:
+    other = world["root"] / "runs" / "killed"
+    if not (other / "distill" / "distill.json").is_file():
+        other = whole  # still two arguments; rows are per run
+    out = world["root"] / "board"
+    r = draftsmith(world, "leaderboard", str(whole), str(other), "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    merged = json.loads((out / "leaderboard.json").read_text())
+    assert {row["run"] for row in merged["rows"]} == {str(whole), str(other)}
+    assert any(row["kind"] == "distilled" for row in merged["rows"])
+    md = (out / "leaderboard.md").read_text()
+    assert md.count("| target | draft |") == 1 and (out / "leaderboard.html").is_file()
+    assert draftsmith(world, "leaderboard", str(world["root"] / "nope")).returncode == 2
