@@ -51,17 +51,18 @@ def _summary(tokens: int, seconds: float, per_prompt: list[dict]) -> dict:
 
 def side_by_side(
     target: Runner, drafts: dict[str, Runner | None], prompts: list[list[int]], *, k: int, max_new_tokens: int,
-    eos_ids: list[int], desc: str | None = None,
+    eos_ids: list[int], desc: str | None = None, device: str | torch.device = "cpu",
 ) -> dict[str, tuple[Stats, list[list[int]]]]:
     """Our decoder on the same prompts with each draft (None = target only), interleaved per prompt so that
     drift on a noisy machine hits every mode alike; a short warm-up first. Returns name -> (merged stats, tokens)."""
     policy = KPolicy(k=k, k_max=max(16, k))
     for d in drafts.values():
-        generate(target, prompts[0][:16], draft=d, max_new_tokens=4, policy=policy)  # warm-up
+        generate(target, prompts[0][:16], draft=d, max_new_tokens=4, policy=policy, device=device)  # warm-up
     out: dict[str, tuple[Stats, list[list[int]]]] = {name: (Stats(), []) for name in drafts}
     for ids in tqdm(prompts, desc=desc, unit="prompt", disable=desc is None):
         for name, d in drafts.items():
-            res = generate(target, list(ids), draft=d, max_new_tokens=max_new_tokens, eos_ids=eos_ids, policy=policy)
+            res = generate(target, list(ids), draft=d, max_new_tokens=max_new_tokens, eos_ids=eos_ids, policy=policy,
+                           device=device)
             stats, toks = out[name]
             out[name] = (stats.merge(res.stats), toks + [res.tokens])
     return out

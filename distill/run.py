@@ -42,14 +42,16 @@ def split_prompts(prompts: list[Prompt], eval_per_domain: int) -> tuple[list[Pro
     return train_p, held
 
 
-def measure_speedup(target, drafts: dict, refs, *, k: int, max_new_tokens: int, n_prompts: int) -> dict:
-    """tokens/s of our decoder: target alone and with each draft (int8), same prompts, interleaved."""
+def measure_speedup(target, drafts: dict, refs, *, k: int, max_new_tokens: int, n_prompts: int,
+                    device: str = "cpu") -> dict:
+    """tokens/s of our decoder: target alone and with each draft (int8 on CPU), same prompts, interleaved."""
     rows = list(refs)[:n_prompts]
     max_len = max(len(r["prompt_ids"]) for r in rows) + max_new_tokens + k + 2
     t_run = make_runner(target.model, max_len)
-    runners = {"target_only": None, **{name: make_runner(m, max_len, quantize="int8") for name, m in drafts.items()}}
+    quant = "int8" if device == "cpu" else None
+    runners = {"target_only": None, **{name: make_runner(m, max_len, quantize=quant) for name, m in drafts.items()}}
     runs = side_by_side(t_run, runners, [r["prompt_ids"] for r in rows], k=k, max_new_tokens=max_new_tokens,
-                        eos_ids=eos_ids(target))
+                        eos_ids=eos_ids(target), device=device)
     stats = {name: st for name, (st, _) in runs.items()}
     tps = {name: st.tokens_per_s for name, st in stats.items()}
     return {
@@ -65,11 +67,11 @@ def run_distill(
     target_spec: str, draft_spec: str, out: Path, cfg: TrainConfig, *, prompts: str = "code,json,summarize,chat",
     eval_per_domain: int = 6, data_source: str = "target", mix: float = 0.5, max_new_tokens: int = 64,
     data_temperature: float = 1.0, k: int = 3, speed_prompts: int = 4, resume: bool = True,
-    speculative_data: bool = True, limit_per_domain: int | None = None,
+    speculative_data: bool = True, limit_per_domain: int | None = None, device: str = "cpu",
 ) -> dict:
     out = Path(out)
-    target = load(target_spec)
-    draft = load(resolve_candidate(draft_spec))
+    target = load(target_spec, device=device)
+    draft = load(resolve_candidate(draft_spec), device=device)
     draft.name = draft_spec
     train_p, held = split_prompts(load_prompts(prompts, limit_per_domain=limit_per_domain), eval_per_domain)
     data = generate_data(target, draft, train_p, out / "data", source=data_source, mix=mix,
@@ -77,7 +79,7 @@ def run_distill(
                          speculative=speculative_data)
     refs = reference_continuations(target, held, max_new_tokens=max_new_tokens)
     summary = train(target, draft, data, refs, out, cfg, resume=resume)
-    tuned = load(summary["paths"]["best"]) if "best" in summary.get("paths", {}) else None
+    tuned = load(summary["paths"]["best"], device=device) if "best" in summary.get("paths", {}) else None
     result = {
         "target": target_spec, "draft": draft_spec, "config": asdict(cfg), "data_source": data_source,
         "train_prompts": len(train_p), "held_out_prompts": len(held), "data_rows": len(data),
@@ -88,6 +90,6 @@ def run_distill(
     if tuned is not None and speed_prompts:
         torch.set_grad_enabled(False)
         result["speed"] = measure_speedup(target, {"draft_before": draft.model, "draft_after": tuned.model}, refs,
-                                          k=k, max_new_tokens=max_new_tokens, n_prompts=speed_prompts)
+                                          k=k, max_new_tokens=max_new_tokens, n_prompts=speed_prompts, device=device)
     atomic_write_json(out / "distill.json", result)
     return result

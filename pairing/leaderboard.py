@@ -52,6 +52,7 @@ class PairSettings:
     draft_quant: str | None = "int8"
     batch_size: int = 4
     seed: int = 0
+    device: str = "cpu"  # cpu | cuda (int8 drafts are CPU-only: on cuda drafts run as loaded)
 
     def __post_init__(self) -> None:
         if not self.suite and not self.prompts_file:
@@ -74,12 +75,17 @@ def _params_million(model) -> float:
     return round(sum(p.numel() for p in model.parameters()) / 1e6, 1)
 
 
+def _quant(settings: PairSettings) -> str | None:
+    return settings.draft_quant if settings.device == "cpu" else None  # fbgemm int8 is a CPU kernel
+
+
 def _validate(target: Loaded, t_run, cand: Candidate, prompts: list[Prompt], refs, k: int, settings: PairSettings) -> dict:
     """Measured speedup: our decoder with and without this draft, same prompts, same run, interleaved."""
     by_id = {r["id"]: r for r in refs}
-    d_run = make_runner(cand.loaded.model, t_run.max_seq_len, quantize=settings.draft_quant)
+    d_run = make_runner(cand.loaded.model, t_run.max_seq_len, quantize=_quant(settings))
     runs = side_by_side(t_run, {"base": None, "spec": d_run}, [by_id[p.id]["prompt_ids"] for p in prompts], k=k,
-                        max_new_tokens=settings.max_new_tokens, eos_ids=eos_ids(target), desc=f"validate {cand.spec}")
+                        max_new_tokens=settings.max_new_tokens, eos_ids=eos_ids(target), desc=f"validate {cand.spec}",
+                        device=settings.device)
     (base, base_toks), (spec, spec_toks) = runs["base"], runs["spec"]
     rounds = spec.target_forwards
     return {
@@ -118,10 +124,10 @@ def run_pair(target_spec: str, candidate_specs: list[str], out: Path, settings: 
     prompts = load_prompts(source, limit_per_domain=settings.limit_per_domain)
     params = SamplingParams(settings.temperature)
 
-    target = load(target_spec)
+    target = load(target_spec, device=settings.device)
     cands: list[Candidate] = []
     for spec in candidate_specs:
-        loaded = load(resolve_candidate(spec))
+        loaded = load(resolve_candidate(spec), device=settings.device)
         loaded.name = spec
         cands.append(Candidate(spec, loaded, check_pair(target, loaded)))
 
@@ -136,12 +142,13 @@ def run_pair(target_spec: str, candidate_specs: list[str], out: Path, settings: 
     t_runner = make_runner(target.model, max(max_len, 64 + MAX_K + 2))
     v_ratios: dict[int, float] | None = None
     for cand, acc in zip(cands, accs):
-        d_runner = make_runner(cand.loaded.model, t_runner.max_seq_len, quantize=settings.draft_quant)
+        d_runner = make_runner(cand.loaded.model, t_runner.max_seq_len, quantize=_quant(settings))
         if v_ratios is None:  # v(K) is the target's alone: measure the whole curve once
-            cost = measure_cost(t_runner, d_runner, ks=range(1, MAX_K + 1), repeats=3, warmup=1)
+            cost = measure_cost(t_runner, d_runner, ks=range(1, MAX_K + 1), repeats=3, warmup=1,
+                                device=settings.device)
             v_ratios = cost.v
         else:  # c side by side with the target step; v(K) reused as ratios to that step
-            quick = measure_cost(t_runner, d_runner, ks=[1], repeats=5, warmup=1)
+            quick = measure_cost(t_runner, d_runner, ks=[1], repeats=5, warmup=1, device=settings.device)
             cost = CostModel(quick.target_step_s, quick.draft_step_s,
                              {K: v * quick.target_step_s for K, v in v_ratios.items()}, quick.context, quick.repeats)
         del d_runner

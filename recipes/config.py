@@ -30,6 +30,7 @@ STAGES = ("pair", "distill", "validate", "export")
 EXPORT_FORMATS = ("hf", "gguf")
 GGUF_TYPES = ("f32", "f16", "q8_0")
 DATA_SOURCES = ("target", "draft", "mixed")
+DEVICES = ("cpu", "cuda")
 
 
 class RecipeError(DraftsmithError):
@@ -147,8 +148,11 @@ class Recipe:
     validate: ValidateConfig = field(default_factory=ValidateConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     stages: list[str] = field(default_factory=lambda: list(STAGES))
+    device: str = "cpu"  # cpu | cuda: where pair, data generation, validation run (training: where accelerate puts it)
 
     def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if not self.name or "/" in self.name:
             raise ValueError(f"name must be a plain folder name, got {self.name!r}")
         bad = [s for s in self.stages if s not in STAGES]

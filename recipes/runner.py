@@ -127,7 +127,7 @@ def stage_pair(recipe: Recipe, run: RunFolder) -> dict:
     settings = PairSettings(
         suite=recipe.prompts.suite, prompts_file=recipe.prompts.file, limit_per_domain=min(limits),
         max_new_tokens=p.max_new_tokens, validate=p.validate, validate_prompts=p.validate_prompts,
-        draft_quant=p.draft_quant, batch_size=p.batch_size, seed=recipe.distill.train.seed,
+        draft_quant=p.draft_quant, batch_size=p.batch_size, seed=recipe.distill.train.seed, device=recipe.device,
     )
     board = run_pair(recipe.target, p.candidates, run.path("pair"), settings)
     top = board["candidates"][0]
@@ -153,7 +153,7 @@ def stage_distill(recipe: Recipe, run: RunFolder) -> dict:
         recipe.target, draft, run.path("distill"), d.train, prompts=recipe.prompts.source,
         eval_per_domain=d.eval_per_domain, data_source=d.data, mix=d.mix, max_new_tokens=d.max_new_tokens,
         data_temperature=d.data_temperature, speed_prompts=0, resume=True, speculative_data=d.speculative_data,
-        limit_per_domain=recipe.prompts.limit_per_domain,
+        limit_per_domain=recipe.prompts.limit_per_domain, device=recipe.device,
     )
     return {"draft": draft, "alpha_before": result["alpha_before"], "alpha_after": result["alpha_after"],
             "alpha_gain": result["alpha_gain"]}
@@ -178,38 +178,44 @@ def stage_validate(recipe: Recipe, run: RunFolder) -> dict:
     draft_spec = distilled["draft"] if distilled else choose_draft(recipe, run)
     best_dir = run.path("distill") / "best"
     torch.set_grad_enabled(False)
-    target = load(recipe.target)
-    before = load(resolve_candidate(draft_spec))
-    after = load(str(best_dir)) if distilled and best_dir.is_dir() else None
+    dev = recipe.device
+    quant = v.draft_quant if dev == "cpu" else None  # fbgemm int8 is a CPU kernel
+    target = load(recipe.target, device=dev)
+    before = load(resolve_candidate(draft_spec), device=dev)
+    after = load(str(best_dir), device=dev) if distilled and best_dir.is_dir() else None
     prompts = _validation_prompts(recipe)
     ids = [prompt_ids(target.tokenizer, p.prompt) for p in prompts]
     k_room = max(v.k, v.max_k) + 2
     max_len = max(max(len(i) for i in ids) + v.max_new_tokens, COST_CONTEXT) + k_room
     t_run = make_runner(target.model, max_len)
     drafts: dict[str, Any] = {"target_only": None,
-                              "draft_before": make_runner(before.model, max_len, quantize=v.draft_quant)}
+                              "draft_before": make_runner(before.model, max_len, quantize=quant)}
     if after is not None:
-        drafts["draft_after"] = make_runner(after.model, max_len, quantize=v.draft_quant)
+        drafts["draft_after"] = make_runner(after.model, max_len, quantize=quant)
 
     # K: the recipe's, or the best predicted from the cost measured here and the draft's teacher-forced alpha
     tuned = "draft_after" if after is not None else "draft_before"
-    cost = measure_cost(t_run, drafts[tuned], ks=range(1, v.max_k + 1), context=COST_CONTEXT, repeats=3, warmup=1)
+    cost = measure_cost(t_run, drafts[tuned], ks=range(1, v.max_k + 1), context=COST_CONTEXT, repeats=3, warmup=1,
+                        device=dev)
     alpha = (distilled or {}).get("alpha_after" if after is not None else "alpha_before")
+    if alpha is None:  # no distillation here: the leaderboard measured this draft's alpha
+        board = _read_json(run.path("pair") / "leaderboard.json") or {"candidates": []}
+        alpha = next((c["alpha"] for c in board["candidates"] if c["draft"] == draft_spec), None)
     if v.k:
         k, why = v.k, "set by the recipe"
     elif alpha is not None:
         k, why = best_k(alpha, cost.c, cost.v)[0], f"best predicted for alpha {alpha:.3f} and the measured cost"
     else:
-        k, why = 3, "default (no alpha measured: the distill stage has not run)"
+        k, why = 3, "default (no alpha measured: neither the pair nor the distill stage has run)"
 
     runs = side_by_side(t_run, drafts, ids, k=k, max_new_tokens=v.max_new_tokens, eos_ids=eos_ids(target),
-                        desc="validate")
+                        desc="validate", device=dev)
     reference = runs["target_only"][1]
     tps = {name: st.tokens_per_s for name, (st, _) in runs.items()}
     result = {
         "target": recipe.target, "draft": draft_spec, "distilled": str(best_dir) if after is not None else None,
         "k": k, "k_reason": why, "prompts": [p.id for p in prompts], "max_new_tokens": v.max_new_tokens,
-        "draft_quant": v.draft_quant, "alpha": alpha, "cost_ratio": cost.c,
+        "draft_quant": quant, "device": dev, "alpha": alpha, "cost_ratio": cost.c,
         "verify_cost": {str(K): x for K, x in cost.v.items()},
         "tok_per_s": tps,
         "seconds": {name: st.seconds for name, (st, _) in runs.items()},
@@ -267,6 +273,9 @@ STAGE_FUNCS: dict[str, Callable[[Recipe, RunFolder], dict]] = {
 def run_recipe(recipe: Recipe, out: Path | None = None, *, stages: list[str] | None = None,
                restart: str | None = None, say: Callable[[str], None] = print) -> dict:
     """Run (or resume) the recipe's stages in order; returns the final state. Writes the report after each stage."""
+    if recipe.device == "cuda" and not torch.cuda.is_available():
+        raise DraftsmithError("device: cuda, but torch sees no GPU here (this build: "
+                              f"torch {torch.__version__}); set device=cpu")
     run = RunFolder(Path(out) if out else Path("runs") / recipe.name)
     run.out.mkdir(parents=True, exist_ok=True)
     wanted = [s for s in STAGES if s in (stages or recipe.stages)]
