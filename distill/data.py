@@ -16,11 +16,20 @@ Where the continuations come from (`source`):
 Columns: id, domain, source ("target" | "draft"), prompt_ids, continuation_ids. Training feeds
 `prompt_ids + continuation_ids` and puts the loss on the continuation positions only.
 
+Batching (`batch_size` prompts at a time, default 8): rows decoded by one model alone (the draft's on-policy
+rows, and the target's with `speculative=False`) are generated together by `generate_batch`: left-padded,
+one Hugging Face forward per token for the whole batch, finished rows dropped from it. Each row keeps its
+own generator and sampling step, so it gets the tokens that model decodes for it alone (barring exact
+floating-point ties). Speculative rows are decoded one prompt at a time. `batch_size=1` decodes every row
+alone through `decode.speculative.generate`, as before batching existed.
+
 Folder `out`: `settings.json` (what the rows depend on; a rerun with other settings is refused),
-`rows.partial.jsonl` (finished prompts, appended as they finish), and at the end `dataset/` (a
-`datasets.save_to_disk` folder, renamed into place so that it is always complete). Prompt i samples from
-its own generator seeded from (seed, i), so an interrupted run resumes after the last saved prompt and
-yields the same rows as an uninterrupted one.
+`rows.partial.jsonl` (finished prompts, appended a batch at a time, in prompt order), and at the end
+`dataset/` (a `datasets.save_to_disk` folder, renamed into place so that it is always complete). Prompt i
+samples from its own generator seeded from (seed, i), so an interrupted run resumes after the last saved
+prompt and yields the same rows as an uninterrupted one, whatever the batch size.
+
+`training_rows` and `collate` turn the rows into what training feeds the models.
 """
 
 from __future__ import annotations
@@ -41,7 +50,7 @@ from decode.errors import DraftsmithError
 from decode.loading import Loaded
 from decode.model import Runner, lean_supported, make_runner
 from decode.prompts import Prompt
-from decode.sampling import SamplingParams
+from decode.sampling import SamplingParams, greedy_token, sample, to_probs
 from decode.speculative import generate
 from decode.textgen import check_vocab, eos_ids, prompt_ids
 from pairing.reference import _folder_identity, _read_partial, prompt_seed
@@ -82,12 +91,89 @@ class _TargetVocab:
         self.runner, self.vocab_size, self.max_seq_len = runner, vocab_size, runner.max_seq_len
 
     def forward(self, tokens: Tensor, pos: int, keep: int = 0) -> Tensor:
-        logits = self.runner.forward(tokens, pos, keep)
-        V, Vd = self.vocab_size, logits.shape[-1]
-        if Vd > V:
-            return logits[..., :V]
-        pad = logits.new_full((*logits.shape[:-1], V - Vd), float("-inf"))
-        return torch.cat([logits, pad], dim=-1)
+        return _to_vocab(self.runner.forward(tokens, pos, keep), self.vocab_size)
+
+
+def _to_vocab(logits: Tensor, V: int) -> Tensor:
+    """Logits (..., Vd) cut, or padded with -inf (impossible tokens), to (..., V)."""
+    Vd = logits.shape[-1]
+    if Vd == V:
+        return logits
+    if Vd > V:
+        return logits[..., :V]
+    pad = logits.new_full((*logits.shape[:-1], V - Vd), float("-inf"))
+    return torch.cat([logits, pad], dim=-1)
+
+
+@torch.inference_mode()
+def generate_batch(
+    model,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    sampling: SamplingParams,
+    eos_ids: list[int] | tuple[int, ...] = (),
+    generators: list[torch.Generator | None] | None = None,
+    vocab_size: int | None = None,
+) -> list[list[int]]:
+    """Plain decoding of several prompts at once with a Hugging Face causal LM -> each row's new tokens.
+
+    Left padding (attention mask and position ids skip the pads), one KV cache for the batch, rows that hit
+    EOS leave the batch. Row b samples from `generators[b]` (needed at temperature > 0) with the very step
+    `decode.speculative.generate` takes without a draft, so a row's tokens are the ones that decoding it
+    alone gives. `vocab_size` cuts or pads (-inf) the logits to another model's vocabulary.
+    """
+    from transformers import DynamicCache
+
+    if not prompts or any(not p for p in prompts):
+        raise ValueError("every prompt must hold at least one token")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    B = len(prompts)
+    generators = list(generators) if generators is not None else [None] * B
+    if not sampling.greedy and any(g is None for g in generators):
+        raise ValueError("sampling at temperature > 0 needs an explicit torch.Generator per prompt")
+    device = next(model.parameters()).device
+    stop = set(eos_ids)
+    P = max(len(p) for p in prompts)
+    ids = torch.zeros(B, P, dtype=torch.long)
+    attn = torch.zeros(B, P, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, P - len(p):] = torch.tensor(p)
+        attn[b, P - len(p):] = 1
+    ids, attn = ids.to(device), attn.to(device)
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)  # (B, P): a row's first real token is at position 0
+    cache = DynamicCache(config=model.config)
+    out: list[list[int]] = [[] for _ in range(B)]
+    live = list(range(B))  # batch row j decodes prompt live[j]
+    feed = ids
+    for step in range(max_new_tokens):
+        logits = model(input_ids=feed, attention_mask=attn, position_ids=pos, cache=cache, use_cache=True,
+                       logits_to_keep=1).logits[:, -1]  # (len(live), V)
+        logits = logits if logits.dtype == torch.float64 else logits.float()
+        if vocab_size is not None:
+            logits = _to_vocab(logits, vocab_size)
+        keep, nxt = [], []
+        for j, b in enumerate(live):
+            if sampling.greedy:
+                tok = int(greedy_token(logits[j]))
+            else:
+                tok = int(sample(to_probs(logits[j], sampling), generators[b]))
+            out[b].append(tok)
+            if tok not in stop:
+                keep.append(j)
+                nxt.append(tok)
+        if not keep or step == max_new_tokens - 1:
+            break
+        if len(keep) < len(live):  # finished rows leave the batch (and the cache)
+            rows = torch.tensor(keep, device=device)
+            cache.batch_select_indices(rows)
+            attn, pos = attn[rows], pos[rows]
+            live = [live[j] for j in keep]
+        feed = torch.tensor(nxt, device=device)[:, None]
+        attn = torch.cat([attn, attn.new_ones(len(live), 1)], dim=1)
+        pos = pos[:, -1:] + 1
+    return out
 
 
 def _settings(target: Loaded, draft: Loaded, prompts: list[Prompt], source: str, mix: float,
@@ -157,12 +243,16 @@ def generate_data(
     chat: bool = True,
     progress: bool = True,
     speculative: bool = True,
+    batch_size: int = 8,
 ) -> datasets.Dataset:
     """Prompt + continuation rows for distillation (see the module docstring); resumes or loads `out`.
 
     `speculative=False` generates the target's rows with the target alone: the same text, and faster when the
-    draft is still poor (a freshly derived draft is accepted a few percent of the time)."""
+    draft is still poor (a freshly derived draft is accepted a few percent of the time), more so batched.
+    `batch_size` prompts are decoded together where a model decodes alone (1 = one at a time)."""
     _validate(source, mix, max_new_tokens, temperature, prompts)
+    if batch_size < 1:
+        raise DraftsmithError(f"batch_size must be >= 1, got {batch_size}")
     check_vocab(target, draft)
     out = Path(out)
     settings = _settings(target, draft, prompts, source, mix, max_new_tokens, temperature, seed, chat)
@@ -180,7 +270,7 @@ def generate_data(
     from_draft = draft_prompts(len(prompts), source, mix, seed)
     if len(rows) < len(prompts):
         _generate_rows(target, draft, prompts, rows, part, from_draft, max_new_tokens, temperature, seed, chat,
-                       progress, speculative)
+                       progress, speculative, batch_size)
 
     ds = datasets.Dataset.from_list(
         [{name: r[name] for name in FEATURES} for r in rows], features=FEATURES,
@@ -207,8 +297,10 @@ def generate_data(
 def _generate_rows(
     target: Loaded, draft: Loaded, prompts: list[Prompt], rows: list[dict], part: Path, from_draft: set[int],
     max_new_tokens: int, temperature: float, seed: int, chat: bool, progress: bool, speculative: bool = True,
+    batch_size: int = 1,
 ) -> None:
-    """Generate the rows after `rows` (appending each to `part` as it finishes, and to `rows`)."""
+    """Generate the rows after `rows`, `batch_size` prompts at a time, appending each finished batch to `part`
+    (in prompt order) and to `rows`."""
     ids = [prompt_ids(target.tokenizer, p.prompt, chat=chat) for p in prompts]
     for p, x in zip(prompts, ids):
         if not x:
@@ -223,42 +315,57 @@ def _generate_rows(
                 f"{who.name} supports {limit} (use shorter prompts or fewer new tokens)"
             )
 
-    # runners are built only for the sources still to come
+    # which rows a model decodes alone: batched through its HF model, unless batch_size is 1 (then a runner)
+    batched = batch_size > 1
+    V = _target_vocab(target)
     need_target = any(i not in from_draft for i in todo)
     need_draft = any(i in from_draft for i in todo)
-    t_runner = make_runner(target.model, max_seq_len) if need_target else None
+    t_runner = make_runner(target.model, max_seq_len) if need_target and (speculative or not batched) else None
     proposer = None
     if need_target and speculative:  # int8 where the lean runner applies: cheaper proposals, exact text
         param = next(draft.model.parameters())
         int8 = lean_supported(draft.model.config)[0] and param.device.type == "cpu" and param.dtype == torch.float32
         proposer = make_runner(draft.model, max_seq_len, quantize="int8" if int8 else None)
     alone = None
-    if need_draft:  # on-policy text comes from the draft itself, not from its int8 copy
+    if need_draft and not batched:  # on-policy text comes from the draft itself, not from its int8 copy
         alone = make_runner(draft.model, max_seq_len)
-        if alone.vocab_size != _target_vocab(target):
-            alone = _TargetVocab(alone, _target_vocab(target))
+        if alone.vocab_size != V:
+            alone = _TargetVocab(alone, V)
 
     device = next(target.model.parameters()).device
     sampling = SamplingParams(temperature=temperature)
     stop = eos_ids(target)
     bar = tqdm(total=len(prompts), initial=len(rows), desc="distill data", unit="prompt", disable=not progress)
     with part.open("a", encoding="utf-8") as f:
-        for i in todo:
-            gen = torch.Generator(device=device).manual_seed(prompt_seed(seed, i)) if temperature > 0 else None
-            if i in from_draft:
-                out = generate(alone, ids[i], max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=stop,
-                               generator=gen, device=device).tokens
-            else:
-                out = generate(t_runner, ids[i], draft=proposer, max_new_tokens=max_new_tokens, sampling=sampling,
-                               eos_ids=stop, generator=gen, device=device).tokens
-            p = prompts[i]
-            row = {"index": i, "id": p.id, "domain": p.domain, "source": "draft" if i in from_draft else "target",
-                   "prompt_ids": ids[i], "continuation_ids": out}
-            f.write(json.dumps(row) + "\n")
-            f.flush()  # a checkpoint per prompt: a line costs nothing next to a generation
+        for start in range(len(rows), len(prompts), batch_size):
+            chunk = range(start, min(start + batch_size, len(prompts)))
+            gens = {i: torch.Generator(device=device).manual_seed(prompt_seed(seed, i)) if temperature > 0 else None
+                    for i in chunk}
+            outs: dict[int, list[int]] = {}
+            for on_policy in (True, False):
+                group = [i for i in chunk if (i in from_draft) == on_policy]
+                if not group:
+                    continue
+                who = draft if on_policy else target
+                if batched and (on_policy or not speculative):
+                    toks = generate_batch(who.model, [ids[i] for i in group], max_new_tokens=max_new_tokens,
+                                          sampling=sampling, eos_ids=stop, generators=[gens[i] for i in group],
+                                          vocab_size=V)
+                    outs.update(zip(group, toks))
+                    continue
+                for i in group:
+                    runner, proposing = (alone, None) if on_policy else (t_runner, proposer)
+                    outs[i] = generate(runner, ids[i], draft=proposing, max_new_tokens=max_new_tokens,
+                                       sampling=sampling, eos_ids=stop, generator=gens[i], device=device).tokens
+            for i in chunk:
+                p = prompts[i]
+                row = {"index": i, "id": p.id, "domain": p.domain, "source": "draft" if i in from_draft else "target",
+                       "prompt_ids": ids[i], "continuation_ids": outs[i]}
+                f.write(json.dumps(row) + "\n")
+                rows.append(row)
+            f.flush()  # a checkpoint per batch: a line costs nothing next to a generation
             os.fsync(f.fileno())
-            rows.append(row)
-            bar.update(1)
+            bar.update(len(chunk))
     bar.close()
 
 
@@ -267,4 +374,34 @@ def _target_vocab(target: Loaded) -> int:
     return target.model.get_output_embeddings().weight.shape[0]
 
 
-__all__ = ["FEATURES", "SOURCES", "draft_prompts", "generate_data"]
+# -- what training feeds the models ------------------------------------------------------------------------
+
+
+def training_rows(data: datasets.Dataset) -> list[tuple[list[int], list[int]]]:
+    """(prompt_ids, continuation_ids) of every row that has both, in the data's order."""
+    missing = {"prompt_ids", "continuation_ids"} - set(data.column_names)
+    if missing:
+        raise DraftsmithError(f"training data lacks column(s) {', '.join(sorted(missing))}")
+    rows = [(list(p), list(c)) for p, c in zip(data["prompt_ids"], data["continuation_ids"]) if p and c]
+    if not rows:
+        raise DraftsmithError("the training data has no row with both prompt and continuation tokens")
+    return rows
+
+
+def collate(rows: list[tuple[list[int], list[int]]], idx: list[int], device: torch.device | str = "cpu"):
+    """Rows `idx` right-padded -> (input_ids, attention_mask, loss mask), each (B, T); the loss mask marks the
+    positions whose logits predict continuation tokens (position t predicts token t + 1)."""
+    seqs = [rows[i][0] + rows[i][1] for i in idx]
+    T = max(len(s) for s in seqs)
+    ids = torch.zeros(len(idx), T, dtype=torch.long)
+    attn = torch.zeros(len(idx), T, dtype=torch.long)
+    mask = torch.zeros(len(idx), T, dtype=torch.bool)
+    for b, i in enumerate(idx):
+        P, C = len(rows[i][0]), len(rows[i][1])
+        ids[b, : P + C] = torch.tensor(seqs[b])
+        attn[b, : P + C] = 1
+        mask[b, P - 1 : P + C - 1] = True
+    return ids.to(device), attn.to(device), mask.to(device)
+
+
+__all__ = ["FEATURES", "SOURCES", "collate", "draft_prompts", "generate_batch", "generate_data", "training_rows"]

@@ -5,7 +5,10 @@
                     Path("runs/x/distill"), TrainConfig(loss="fkl", lr=1e-4, steps=200, lora_r=16))
 
 One optimizer step = `grad_accum` micro-batches of `batch_size` rows (prompt + continuation, right-padded).
-The target scores every row online under no_grad (frozen, eval mode); the loss is the chosen divergence
+The target scores every row online under no_grad (frozen, eval mode), or, with `teacher="cache"`, its top
+`teacher_topk` log-probs are computed once into a cache on disk (`distill.teacher_cache`; next to the data
+when the data is a `distill.data` folder, else in `out/teacher-topk`) and the rest of the vocabulary is
+-inf (at k = V the loss is the online one). The loss is the chosen divergence
 (`distill.divergences`, named by direction: fkl = KL(p || q), rkl = KL(q || p), jsd, tvd = 1 - beta_t)
 summed over the continuation positions of all micro-batches, divided by their GLOBAL token count, which is
 counted before the first forward: accumulation equals one big batch exactly. AdamW, linear warm-up then
@@ -13,7 +16,7 @@ cosine / linear / constant, gradient-norm clipping, and a NaN/inf guard (the ste
 `max_bad_steps` of them stop the run). The student is a copy of the draft (train mode, dropout off), either
 fully fine-tuned or, with `lora_r > 0`, through LoRA adapters on every Linear layer of the decoder.
 
-Folder `out`:
+Folder `out` (files: `distill.checkpoint`):
 - `log.jsonl`: one line per step {step, loss, <divergence name>, lr, grad_norm, tokens, skipped} and one per
   eval {step, alpha, alpha_by_domain, positions}. `loss` is the true divergence (nats per token).
 - `checkpoints/step-N/` (only the latest is kept, written beside and renamed into place): `student.safetensors`
@@ -31,10 +34,15 @@ Data order: a torch.Generator seeded from `seed` draws one permutation per epoch
 permutations back to back (a batch may straddle two epochs), and (epoch, index, generator state at the
 epoch's start) is in every checkpoint.
 
-Several processes: launch the same script with `accelerate launch`. Every micro-batch then draws
+Several processes: launch the same script with `accelerate launch` (on CPUs:
+`ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 script.py`, which starts the processes
+through torchrun and joins them with gloo; `--cpu` alone starts one process unless mpirun is set up, see
+tests/distill/test_multiprocess.py). Every micro-batch then draws
 batch_size x processes rows and each process takes its share; the token count is summed over processes
 and the loss scaled so that DDP's gradient average is still sum / global count. Only rank 0 writes files;
-every rank evaluates (so all agree on early stopping).
+every rank evaluates (so all agree on early stopping); a teacher cache is built shard by shard across ranks.
+With the same global batch (batch_size x processes) a run matches a one-process run up to float rounding:
+the same rows per step, the same sum over tokens, only added up in another order.
 """
 
 from __future__ import annotations
@@ -44,9 +52,7 @@ import copy
 import json
 import math
 import os
-import random
 import shutil
-import tempfile
 import warnings
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -61,15 +67,21 @@ from decode.errors import DraftsmithError
 from decode.loading import Loaded
 from decode.sampling import SamplingParams
 from decode.textgen import check_vocab
+from distill.checkpoint import (MARKER, list_checkpoints, load_student, replace_dir, restore_checkpoint, save_checkpoint,
+                                save_hf, trainable, write_text)
+from distill.data import collate, training_rows
 from distill.divergences import DIVERGENCES, align_vocab, divergence_sum, token_mean
+from distill.teacher_cache import DTYPES as TEACHER_DTYPES
+from distill.teacher_cache import TeacherTopK, build_teacher_cache
 from pairing.acceptance import measure_acceptance
 
 SCHEDULES = ("cosine", "linear", "constant")
 MIXED_PRECISION = ("no", "fp16", "bf16")
 WANDB_MODES = ("disabled", "offline", "online")
+TEACHERS = ("online", "cache")
 # fields a resumed run may change: they decide how long and how often, not what a step computes
 RESUMABLE_CHANGES = {"steps", "eval_every", "early_stop_patience", "save_every", "max_bad_steps", "wandb"}
-MARKER = "draftsmith_distill.json"
+TEACHER_CACHE_DIR = "teacher-topk"
 
 
 # -- configuration ------------------------------------------------------------------------------------------
@@ -99,6 +111,9 @@ class TrainConfig:
     seed: int = 0
     mixed_precision: str = "no"  # no | fp16 | bf16 (accelerate)
     wandb: str = "disabled"  # disabled | offline | online
+    teacher: str = "online"  # online (the target scores every batch) | cache (its top-k, computed once to disk)
+    teacher_topk: int = 64  # k of the cache (capped at the vocabulary; k = V is exact)
+    teacher_cache_dtype: str = "float32"  # float32 | float16: the cached log-probs
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -113,6 +128,8 @@ class TrainConfig:
         _choice("schedule", self.schedule, SCHEDULES)
         _choice("mixed_precision", self.mixed_precision, MIXED_PRECISION)
         _choice("wandb", self.wandb, WANDB_MODES)
+        _choice("teacher", self.teacher, TEACHERS)
+        _choice("teacher_cache_dtype", self.teacher_cache_dtype, tuple(TEACHER_DTYPES))
         if not 0.0 < self.jsd_beta < 1.0:
             _bad("jsd_beta", f"must be in (0, 1), got {self.jsd_beta}")
         checks = {
@@ -121,7 +138,7 @@ class TrainConfig:
             "grad_accum": self.grad_accum >= 1, "max_grad_norm": self.max_grad_norm >= 0,
             "lora_r": self.lora_r >= 0, "lora_alpha": self.lora_alpha >= 1, "eval_every": self.eval_every >= 1,
             "early_stop_patience": self.early_stop_patience >= 0, "save_every": self.save_every >= 1,
-            "max_bad_steps": self.max_bad_steps >= 1, "seed": self.seed >= 0,
+            "max_bad_steps": self.max_bad_steps >= 1, "seed": self.seed >= 0, "teacher_topk": self.teacher_topk >= 1,
         }
         for name, ok in checks.items():
             if not (ok and math.isfinite(getattr(self, name))):
@@ -199,27 +216,11 @@ def make_student(draft_model: nn.Module, cfg: TrainConfig) -> nn.Module:
     return model
 
 
-def _trainable(model: nn.Module) -> dict[str, Tensor]:
-    return {name: p for name, p in model.named_parameters() if p.requires_grad}
-
-
 def student_from_checkpoint(draft: Loaded, checkpoint: Path, cfg: TrainConfig) -> nn.Module:
     """The student saved in `checkpoint` (for LoRA: the draft with its adapters, not merged), in eval mode."""
     model = make_student(draft.model, cfg)
-    _load_student(model, Path(checkpoint) / "student.safetensors")
+    load_student(model, Path(checkpoint) / "student.safetensors")
     return model.eval()
-
-
-def _load_student(model: nn.Module, path: Path) -> None:
-    from safetensors.torch import load_file
-
-    saved = load_file(str(path))
-    params = _trainable(model)
-    if set(saved) != set(params):
-        raise DraftsmithError(f"{path} does not match this draft and config (different parameters)")
-    with torch.no_grad():
-        for name, p in params.items():
-            p.copy_(saved[name])
 
 
 def merged_model(model: nn.Module) -> nn.Module:
@@ -230,16 +231,6 @@ def merged_model(model: nn.Module) -> nn.Module:
 
 
 # -- data ---------------------------------------------------------------------------------------------------
-
-
-def _rows(data: datasets.Dataset) -> list[tuple[list[int], list[int]]]:
-    missing = {"prompt_ids", "continuation_ids"} - set(data.column_names)
-    if missing:
-        raise DraftsmithError(f"training data lacks column(s) {', '.join(sorted(missing))}")
-    rows = [(list(p), list(c)) for p, c in zip(data["prompt_ids"], data["continuation_ids"]) if p and c]
-    if not rows:
-        raise DraftsmithError("the training data has no row with both prompt and continuation tokens")
-    return rows
 
 
 class DataOrder:
@@ -271,106 +262,18 @@ class DataOrder:
         self.epoch, self.index = epoch, index
 
 
-def _collate(rows: list[tuple[list[int], list[int]]], idx: list[int], device: torch.device):
-    """Right-padded (input_ids, attention_mask, loss mask): the mask marks positions predicting continuation tokens."""
-    seqs = [rows[i][0] + rows[i][1] for i in idx]
-    T = max(len(s) for s in seqs)
-    ids = torch.zeros(len(idx), T, dtype=torch.long)
-    attn = torch.zeros(len(idx), T, dtype=torch.long)
-    mask = torch.zeros(len(idx), T, dtype=torch.bool)
-    for b, i in enumerate(idx):
-        P, C = len(rows[i][0]), len(rows[i][1])
-        ids[b, : P + C] = torch.tensor(seqs[b])
-        attn[b, : P + C] = 1
-        mask[b, P - 1 : P + C - 1] = True  # logits at position t predict token t + 1
-    return ids.to(device), attn.to(device), mask.to(device)
+# -- outside the loop ----------------------------------------------------------------------------------------------------
 
 
-# -- files ----------------------------------------------------------------------------------------------------
-
-
-def _replace_dir(tmp: Path, final: Path) -> None:
-    """Put the finished folder `tmp` at `final`, replacing what was there (old one removed after the swap)."""
-    for path in (tmp, *tmp.rglob("*")):  # mkdtemp (and safetensors) make owner-only files; runs are shared
-        os.chmod(path, 0o755 if path.is_dir() else 0o644)
-    old = None
-    if final.exists():
-        old = final.with_name(f".{final.name}.old-{os.getpid()}")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-    os.replace(tmp, final)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
-def _checkpoints(out: Path) -> list[Path]:
-    root = out / "checkpoints"
-    found = [p for p in root.glob("step-*") if p.is_dir() and p.name[5:].isdigit() and (p / "trainer.json").is_file()]
-    return sorted(found, key=lambda p: int(p.name[5:]))
-
-
-def _save_checkpoint(out: Path, step: int, model: nn.Module, optimizer, scheduler, scaler, order: DataOrder,
-                     trainer: dict) -> Path:
-    """Write checkpoints/step-N atomically, then drop the older ones."""
-    from safetensors.torch import save_file
-
-    root = out / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".step-{step}.", suffix=".tmp", dir=root))
-    weights = {k: v.detach().contiguous().cpu() for k, v in _trainable(model).items()}
-    save_file(weights, str(tmp / "student.safetensors"))
-    rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "data": order.epoch_rng}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state_all()
-    blob = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng}
-    if scaler is not None:  # fp16's loss scale
-        blob["scaler"] = scaler.state_dict()
-    torch.save(blob, tmp / "state.pt")
-    log = out / "log.jsonl"
-    if log.is_file():
-        shutil.copyfile(log, tmp / "log.jsonl")
-    (tmp / "trainer.json").write_text(json.dumps(trainer, indent=2) + "\n", encoding="utf-8")
-    final = root / f"step-{step}"
-    _replace_dir(tmp, final)
-    for old in _checkpoints(out):
-        if old != final:
-            shutil.rmtree(old, ignore_errors=True)
-    return final
-
-
-@contextlib.contextmanager
-def _no_hf_bars():
-    """transformers' "Writing model shards" bar is noise inside a training bar."""
-    from transformers.utils import logging as hf_logging
-
-    was_on = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_on:
-            hf_logging.enable_progress_bar()
-
-
-def _save_hf(model: nn.Module, tokenizer: Any, dest: Path, info: dict) -> None:
-    """A Hugging Face folder of the student (LoRA merged) plus tokenizer, replacing `dest` atomically."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent))
-    try:
-        with _no_hf_bars():
-            merged_model(model).save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        (tmp / MARKER).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
-        _replace_dir(tmp, dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+def _teacher_cache_root(data: datasets.Dataset, out: Path) -> Path:
+    """Next to the data when it is a distill.data folder (<data>/dataset/*.arrow beside <data>/settings.json),
+    so every training run on that data shares one cache; else inside the run's folder."""
+    files = getattr(data, "cache_files", None) or []
+    if files:
+        folder = Path(files[0]["filename"]).parent.parent
+        if (folder / "settings.json").is_file():
+            return folder / TEACHER_CACHE_DIR
+    return out / TEACHER_CACHE_DIR
 
 
 class _NoRun:
@@ -416,13 +319,16 @@ def train(
     *,
     resume: bool = True,
     progress: bool = True,
+    teacher_cache_dir: Path | None = None,
 ) -> dict:
-    """Train a copy of `draft` towards `target` on `data` (see the module docstring); returns the summary."""
+    """Train a copy of `draft` towards `target` on `data` (see the module docstring); returns the summary.
+
+    `teacher_cache_dir` replaces the default place of the teacher cache (with `cfg.teacher == "cache"`)."""
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
     check_vocab(target, draft)
-    rows = _rows(data)
+    rows = training_rows(data)
     out = Path(out)
     try:
         accelerator = Accelerator(mixed_precision=cfg.mixed_precision)
@@ -434,7 +340,7 @@ def train(
     device = accelerator.device
     set_seed(cfg.seed)
 
-    latest = _checkpoints(out)[-1] if resume and _checkpoints(out) else None
+    latest = list_checkpoints(out)[-1] if resume and list_checkpoints(out) else None
     if main:
         out.mkdir(parents=True, exist_ok=True)
         if latest is None:  # a fresh start: nothing from an earlier run may survive into this one
@@ -444,8 +350,14 @@ def train(
     accelerator.wait_for_everyone()
 
     teacher = target.model.to(device).eval().requires_grad_(False)
+    cache = None
+    if cfg.teacher == "cache":
+        cache = build_teacher_cache(target, rows, teacher_cache_dir or _teacher_cache_root(data, out),
+                                    k=cfg.teacher_topk, dtype=cfg.teacher_cache_dtype, batch_size=cfg.batch_size,
+                                    rank=rank, processes=nproc, wait=accelerator.wait_for_everyone,
+                                    progress=progress and main)
     student = make_student(draft.model, cfg).to(device)
-    params = list(_trainable(student).values())
+    params = list(trainable(student).values())
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, cfg.warmup_steps, cfg.steps, cfg.schedule)
@@ -454,7 +366,9 @@ def train(
     state = {"step": 0, "alpha_before": None, "best_alpha": None, "best_step": None, "evals_without_gain": 0,
              "skipped_steps": 0, "stopped_early": False}
     if latest is not None:
-        state = _restore(latest, cfg, len(rows), student, optimizer, scheduler, accelerator.scaler, order)
+        state = restore_checkpoint(latest, cfg.to_dict(), len(rows), student, optimizer, scheduler,
+                                   accelerator.scaler, order, resumable=RESUMABLE_CHANGES,
+                                   defaults=TrainConfig().to_dict())
         if main and (latest / "log.jsonl").is_file():  # drop lines the interrupted run wrote after the checkpoint
             shutil.copyfile(latest / "log.jsonl", out / "log.jsonl")
     model, optimizer = accelerator.prepare(student, optimizer)
@@ -477,7 +391,7 @@ def train(
             state["best_alpha"], state["best_step"], state["evals_without_gain"] = result["alpha"], step, 0
             if main:
                 info = {"step": step, "alpha": result["alpha"], "config": cfg.to_dict()}
-                _save_hf(student, draft.tokenizer, out / "best", info)
+                save_hf(merged_model(student), draft.tokenizer, out / "best", info)
         else:
             state["evals_without_gain"] += 1
 
@@ -486,8 +400,8 @@ def train(
 
     def checkpoint() -> None:
         if main:
-            _save_checkpoint(out, state["step"], student, optimizer, scheduler, accelerator.scaler, order,
-                             trainer_json())
+            save_checkpoint(out, state["step"], student, optimizer, scheduler, accelerator.scaler, order,
+                            trainer_json())
         accelerator.wait_for_everyone()
 
     if eval_refs is not None and state["step"] == 0 and state["alpha_before"] is None:
@@ -499,7 +413,7 @@ def train(
                disable=not (progress and main))
     try:
         while not finished:
-            loss, grad_norm, tokens = _step(cfg, rows, order, model, teacher, optimizer, accelerator, params, device,
+            loss, grad_norm, tokens = _step(cfg, rows, order, model, teacher, cache, accelerator, params, device,
                                             nproc, rank)
             bad = not (math.isfinite(loss) and math.isfinite(grad_norm))
             lr = scheduler.get_last_lr()[0]
@@ -538,8 +452,9 @@ def train(
 
     if eval_refs is None and main and (state["step"] > first_step or not (out / "best").is_dir()):
         info = {"step": state["step"], "alpha": None, "config": cfg.to_dict()}
-        _save_hf(student, draft.tokenizer, out / "best", info)
-    latest = _checkpoints(out)[-1] if _checkpoints(out) else None
+        save_hf(merged_model(student), draft.tokenizer, out / "best", info)
+    accelerator.wait_for_everyone()  # every rank returns once best/ is in place
+    latest = list_checkpoints(out)[-1] if list_checkpoints(out) else None
     summary = {
         "alpha_before": state["alpha_before"],
         "alpha_after": state["best_alpha"],
@@ -552,13 +467,15 @@ def train(
         "paths": {"out": str(out), "best": str(out / "best"), "log": str(log_path),
                   "checkpoint": str(latest) if latest else None},
     }
+    if cache is not None:
+        summary["paths"]["teacher_cache"] = str(cache.folder)
     if main:
-        _write_text(out / "summary.json", json.dumps(summary, indent=2) + "\n")
+        write_text(out / "summary.json", json.dumps(summary, indent=2) + "\n")
     return summary
 
 
-def _step(cfg: TrainConfig, rows, order: DataOrder, model, teacher, optimizer, accelerator, params, device,
-          nproc: int, rank: int) -> tuple[float, float, int]:
+def _step(cfg: TrainConfig, rows, order: DataOrder, model, teacher, cache: TeacherTopK | None, accelerator, params,
+          device, nproc: int, rank: int) -> tuple[float, float, int]:
     """Forward/backward over one optimizer step's micro-batches; returns (loss, grad norm, global tokens)."""
     micro = [order.take(cfg.batch_size * nproc)[rank * cfg.batch_size : (rank + 1) * cfg.batch_size]
              for _ in range(cfg.grad_accum)]
@@ -571,11 +488,14 @@ def _step(cfg: TrainConfig, rows, order: DataOrder, model, teacher, optimizer, a
         kw["beta"] = cfg.jsd_beta
     total = torch.zeros((), dtype=torch.float64, device=device)
     for j, mb in enumerate(micro):
-        ids, attn, mask = _collate(rows, mb, device)
+        ids, attn, mask = collate(rows, mb, device)
         sync = contextlib.nullcontext() if j == len(micro) - 1 else accelerator.no_sync(model)
         with sync:
-            with torch.no_grad():
-                t_logits = teacher(input_ids=ids, attention_mask=attn, use_cache=False).logits
+            if cache is not None:
+                t_logits = cache.logits(mb, mask)
+            else:
+                with torch.no_grad():
+                    t_logits = teacher(input_ids=ids, attention_mask=attn, use_cache=False).logits
             with accelerator.autocast():
                 s_logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
             s_logits, t_logits = align_vocab(s_logits, t_logits)
@@ -590,38 +510,15 @@ def _step(cfg: TrainConfig, rows, order: DataOrder, model, teacher, optimizer, a
     return float(token_mean(total, tokens)), float(grad_norm), int(tokens.item())
 
 
-def _restore(checkpoint: Path, cfg: TrainConfig, n_rows: int, student: nn.Module, optimizer, scheduler, scaler,
-             order: DataOrder) -> dict:
-    """Load a checkpoint into the freshly built student, optimizer, scheduler, RNGs and data order."""
-    trainer = json.loads((checkpoint / "trainer.json").read_text(encoding="utf-8"))
-    saved = trainer.get("config", {})
-    changed = sorted(k for k, v in cfg.to_dict().items() if saved.get(k) != v and k not in RESUMABLE_CHANGES)
-    if changed:
-        raise DraftsmithError(
-            f"{checkpoint} was trained with other settings ({', '.join(f'{k}={saved.get(k)!r}' for k in changed)}); "
-            "use the same config, or start afresh (resume=False)"
-        )
-    if trainer.get("rows") != n_rows:
-        raise DraftsmithError(f"{checkpoint} was trained on {trainer.get('rows')} rows, this data has {n_rows}")
-    _load_student(student, checkpoint / "student.safetensors")
-    blob = torch.load(checkpoint / "state.pt", weights_only=True)
-    optimizer.load_state_dict(blob["optimizer"])
-    scheduler.load_state_dict(blob["scheduler"])
-    if scaler is not None and "scaler" in blob:
-        scaler.load_state_dict(blob["scaler"])
-    rng = blob["rng"]
-    torch.set_rng_state(rng["torch"])
-    random.setstate(_as_tuple(rng["python"]))
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
-    order.restore(trainer["epoch"], trainer["index"], rng["data"])
-    keys = ("step", "alpha_before", "best_alpha", "best_step", "evals_without_gain", "skipped_steps", "stopped_early")
-    return {k: trainer[k] for k in keys}
+# the names these helpers had before distill.checkpoint / distill.data held them (distill.export uses one)
+_replace_dir, _write_text, _checkpoints, _trainable, _load_student = (replace_dir, write_text, list_checkpoints,
+                                                                      trainable, load_student)
+_rows, _collate = training_rows, collate
 
 
-def _as_tuple(x):
-    return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
+def _save_hf(model: nn.Module, tokenizer: Any, dest: Path, info: dict) -> None:
+    save_hf(merged_model(model), tokenizer, dest, info)
 
 
-__all__ = ["DataOrder", "TrainConfig", "lora_target_modules", "lr_factor", "make_student", "merged_model",
+__all__ = ["MARKER", "DataOrder", "TrainConfig", "lora_target_modules", "lr_factor", "make_student", "merged_model",
            "student_from_checkpoint", "train"]

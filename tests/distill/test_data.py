@@ -1,5 +1,6 @@
-"""Distillation data: each source yields what its model decodes, a run resumes without losing or repeating a
-row, "mixed" takes a seeded, exact fraction from the draft, and a finished folder is loaded, not regenerated."""
+"""Distillation data: each source yields what its model decodes (batched or alone, the same tokens), a run
+resumes without losing or repeating a row, "mixed" takes a seeded, exact fraction from the draft, and a
+finished folder is loaded, not regenerated."""
 
 from __future__ import annotations
 
@@ -8,8 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
 import distill.data as data_mod
 from decode.errors import DraftsmithError
@@ -18,35 +17,18 @@ from decode.model import make_runner
 from decode.prompts import Prompt
 from decode.sampling import SamplingParams
 from decode.speculative import generate
-from distill.data import draft_prompts, generate_data
+from distill.data import draft_prompts, generate_batch, generate_data
 from pairing.reference import prompt_seed
+from tests import helpers
 
 WORDS = [f"w{i}" for i in range(40)]
 EOS = len(WORDS)  # <eos>; [UNK] (41) lies outside the models' rows
 
 
-def word_tokenizer() -> PreTrainedTokenizerFast:
-    vocab = {w: i for i, w in enumerate(WORDS)} | {"<eos>": EOS, "[UNK]": EOS + 1}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="[UNK]")
-
-
 def tiny_loaded(seed: int, folder: Path, layers: int = 2, dtype: torch.dtype = torch.float32) -> Loaded:
-    """A random Llama with its config saved in `folder` (as a real one has); peaky logits so text varies."""
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=EOS + 1, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
-        bos_token_id=None, eos_token_id=EOS, pad_token_id=None,
-    )
-    model = AutoModelForCausalLM.from_config(cfg).to(dtype).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
-    model.generation_config.eos_token_id = EOS
-    folder.mkdir(parents=True, exist_ok=True)
-    cfg.save_pretrained(folder)
-    return Loaded(model=model, tokenizer=word_tokenizer(), path=folder, name=folder.name)
+    """A random Llama over WORDS + <eos> with its config saved in `folder`; peaky logits so text varies."""
+    return helpers.tiny_loaded(seed, folder, helpers.word_tokenizer([*WORDS, "<eos>", "[UNK]"], eos="<eos>"),
+                               eos_id=EOS, layers=layers, dtype=dtype)
 
 
 def make_prompts(n: int) -> list[Prompt]:
@@ -68,26 +50,36 @@ class Interrupted(Exception):
 
 
 class Calls:
-    """Counts the decoder's calls (and which used a proposer); raises once `fail_after` have completed."""
+    """Counts the rows the decoders produce (one at a time, speculative or not, and in batches); raises
+    instead of decoding once `fail_after` rows are done."""
 
     def __init__(self) -> None:
-        self.n, self.fail_after, self.speculative = 0, None, 0
+        self.reset()
 
-    def __call__(self, *args, **kwargs):
-        if self.fail_after is not None and self.n >= self.fail_after:
-            raise Interrupted
-        self.n += 1
+    def one(self, *args, **kwargs):
+        self._count(1)
         self.speculative += kwargs.get("draft") is not None
         return generate(*args, **kwargs)
 
+    def batch(self, model, prompts, **kwargs):
+        self._count(len(prompts))
+        self.batches += 1
+        return generate_batch(model, prompts, **kwargs)
+
+    def _count(self, rows: int) -> None:
+        if self.fail_after is not None and self.n + rows > self.fail_after:
+            raise Interrupted
+        self.n += rows
+
     def reset(self, fail_after: int | None = None) -> None:
-        self.n, self.fail_after, self.speculative = 0, fail_after, 0
+        self.n, self.fail_after, self.speculative, self.batches = 0, fail_after, 0, 0
 
 
 @pytest.fixture
 def calls(monkeypatch) -> Calls:
     counter = Calls()
-    monkeypatch.setattr(data_mod, "generate", counter)
+    monkeypatch.setattr(data_mod, "generate", counter.one)
+    monkeypatch.setattr(data_mod, "generate_batch", counter.batch)
     return counter
 
 
@@ -108,7 +100,7 @@ def test_each_source_decodes_with_its_model(pair, tmp_path, calls) -> None:
         who = target if source == "target" else draft
         for i, (p, row) in enumerate(zip(PROMPTS, ds)):
             assert row["domain"] == p.domain and row["prompt_ids"] == target.tokenizer(p.prompt)["input_ids"]
-            assert row["continuation_ids"] == _alone(who, row, 0.0, 0, i)  # speculative == target alone
+            assert row["continuation_ids"] == _alone(who, row, 0.0, 0, i)  # speculative / batched == alone
     assert greedy["target"]["continuation_ids"] != greedy["draft"]["continuation_ids"]
     assert sum(len(c) for c in greedy["target"]["continuation_ids"]) > 2 * len(PROMPTS)  # not just EOS
 
@@ -126,25 +118,29 @@ def test_each_source_decodes_with_its_model(pair, tmp_path, calls) -> None:
     assert all(1 <= len(c) <= 8 and max(c) <= EOS for c in sampled["continuation_ids"])
 
 
-def test_resume_after_interruption_equals_uninterrupted_run(pair, tmp_path, calls) -> None:
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_resume_after_interruption_equals_uninterrupted_run(pair, tmp_path, calls, batch_size) -> None:
     target, draft = pair
-    kw = dict(source="mixed", mix=0.5, max_new_tokens=8, temperature=1.0, seed=5, progress=False)
+    kw = dict(source="mixed", mix=0.5, max_new_tokens=8, temperature=1.0, seed=5, progress=False,
+              batch_size=batch_size)
     whole = generate_data(target, draft, PROMPTS, tmp_path / "a", **kw)
     calls.reset(fail_after=2)
     with pytest.raises(Interrupted):
         generate_data(target, draft, PROMPTS, tmp_path / "b", **kw)
     part = tmp_path / "b" / data_mod.PARTIAL
-    assert len(part.read_text().splitlines()) == 2 and not (tmp_path / "b" / "dataset").exists()
+    saved = 2 // batch_size * batch_size  # rows are saved a whole batch at a time
+    assert len(part.read_text().splitlines()) == saved and not (tmp_path / "b" / "dataset").exists()
     with part.open("a") as f:
-        f.write('{"index": 2, "id": "2", "dom')  # a row torn by the interruption
-    calls.reset(fail_after=1)
+        f.write(f'{{"index": {saved}, "id": "{saved}", "dom')  # a row torn by the interruption
+    calls.reset(fail_after=batch_size)
     with pytest.raises(Interrupted):
         generate_data(target, draft, PROMPTS, tmp_path / "b", **kw)
-    assert len(part.read_text().splitlines()) == 3
+    saved += batch_size
+    assert len(part.read_text().splitlines()) == saved
 
     calls.reset()
     resumed = generate_data(target, draft, PROMPTS, tmp_path / "b", **kw)
-    assert calls.n == 3  # only the prompts not yet saved
+    assert calls.n == len(PROMPTS) - saved  # only the prompts not yet saved
     assert resumed.to_list() == whole.to_list()
     assert [r["id"] for r in resumed] == [p.id for p in PROMPTS]  # none lost, none twice
     assert not part.exists()
@@ -154,6 +150,29 @@ def test_resume_after_interruption_equals_uninterrupted_run(pair, tmp_path, call
     assert calls.n == 0 and loaded.to_list() == whole.to_list()
     with pytest.raises(DraftsmithError, match="other settings.*seed"):
         generate_data(target, draft, PROMPTS, tmp_path / "b", **{**kw, "seed": 6})
+    other_batch = generate_data(target, draft, PROMPTS, tmp_path / "c", **{**kw, "batch_size": 3})
+    assert other_batch.to_list() == whole.to_list()  # the batch size never changes a row
+
+
+def test_batched_rows_equal_rows_decoded_alone(pair, tmp_path, calls) -> None:
+    """Left padding, per-row generators and finished rows leaving the batch change no token."""
+    target, draft = pair
+    prompts = make_prompts(10)  # 1 to 4 tokens: every batch is padded
+    for source, temperature in (("target", 0.0), ("target", 1.5), ("draft", 0.0), ("draft", 1.5)):
+        kw = dict(source=source, max_new_tokens=24, temperature=temperature, seed=2, speculative=False,
+                  progress=False)
+        calls.reset()
+        alone = generate_data(target, draft, prompts, tmp_path / f"{source}{temperature}-1", batch_size=1, **kw)
+        assert calls.batches == 0 and calls.speculative == 0 and calls.n == 10
+        calls.reset()
+        batched = generate_data(target, draft, prompts, tmp_path / f"{source}{temperature}-4", batch_size=4, **kw)
+        assert calls.batches == 3 and calls.speculative == 0 and calls.n == 10
+        assert batched.to_list() == alone.to_list(), (source, temperature)
+        if temperature > 0:  # some rows stopped at EOS while others went on
+            lengths = [len(c) for c in batched["continuation_ids"]]
+            assert min(lengths) < 24 == max(lengths)
+    with pytest.raises(DraftsmithError, match="batch_size"):
+        generate_data(target, draft, prompts, tmp_path / "e", batch_size=0, progress=False)
 
 
 def test_mixed_takes_a_seeded_exact_fraction_from_the_draft(pair, tmp_path) -> None:

@@ -7,32 +7,20 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
 from pairing.leaderboard import PairSettings, run_pair, split_candidates
+from tests import helpers
 
 WORDS = "the a of to and in is it that for on with as was be by this are or at from code data list sort print".split()
 
 
-def tiny_tokenizer() -> PreTrainedTokenizerFast:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {"[UNK]": 0, "<s>": 1, "</s>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", bos_token="<s>", eos_token="</s>")
+def tiny_tokenizer():
+    return helpers.word_tokenizer(["[UNK]", "<s>", "</s>", *WORDS], eos="</s>", bos="<s>", split_punctuation=True)
 
 
 def save_tiny(path: Path, seed: int, layers: int, vocab: int) -> Path:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-    model = AutoModelForCausalLM.from_config(cfg)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(4.0)
-    model.save_pretrained(path)
+    helpers.tiny_llama(seed, vocab, eos_id=2, bos_id=1, layers=layers, max_positions=512,
+                       head_scale=4.0).save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     return path
 

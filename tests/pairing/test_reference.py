@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+from tokenizers import Tokenizer, models
+from transformers import PreTrainedTokenizerFast
 
 import pairing.reference as reference
 from decode.errors import DraftsmithError
@@ -17,33 +17,19 @@ from decode.model import make_runner
 from decode.sampling import SamplingParams
 from decode.speculative import generate
 from pairing.reference import prompt_seed, reference_continuations, reference_key
+from tests import helpers
 
 WORDS = [f"w{i}" for i in range(48)]
 EOS = len(WORDS)  # <eos>; [UNK] (49) lies outside the models' rows
 
 
-def word_tokenizer() -> PreTrainedTokenizerFast:
-    vocab = {w: i for i, w in enumerate(WORDS)} | {"<eos>": EOS, "[UNK]": EOS + 1}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="[UNK]")
+def word_tokenizer():
+    return helpers.word_tokenizer([*WORDS, "<eos>", "[UNK]"], eos="<eos>")
 
 
 def tiny_loaded(seed: int, folder: Path, layers: int = 2) -> Loaded:
     """A random float32 Llama (int8 drafts need float32) with its config saved in `folder`, as a real one has."""
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=EOS + 1, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
-        bos_token_id=None, eos_token_id=EOS, pad_token_id=None,
-    )
-    model = AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
-    model.generation_config.eos_token_id = EOS
-    folder.mkdir(parents=True, exist_ok=True)
-    cfg.save_pretrained(folder)
-    return Loaded(model=model, tokenizer=word_tokenizer(), path=folder, name=folder.name)
+    return helpers.tiny_loaded(seed, folder, word_tokenizer(), eos_id=EOS, layers=layers)
 
 
 PROMPTS = [

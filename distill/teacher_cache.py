@@ -1,0 +1,229 @@
+"""The target's top-k log-probabilities on every training row, computed once and kept on disk for reuse.
+
+    from distill.teacher_cache import build_teacher_cache
+    cache = build_teacher_cache(load(target), rows, Path("runs/x/distill/data/teacher-topk"), k=64)
+    logits = cache.logits([0, 3], mask)           # (B, T, V) teacher logits for a training micro-batch
+
+`rows` are the training rows, (prompt_ids, continuation_ids) pairs, in the order training indexes them.
+For row i (P prompt and C continuation tokens) the cache holds, at each of the C positions whose logits
+predict a continuation token, the k largest log softmax(target logits) and their token ids. They are taken
+at temperature 1: the top-k set is the same at every temperature and log-probs differ from logits by a
+per-position constant, so one cache serves every `TrainConfig.temperature`. `logits` rebuilds them with
+`distill.divergences.topk_teacher_logits` (-inf outside the top k): at k = V that is the target itself.
+
+Folder `root/<key>/`, key = sha256 of the target (folder identity and a sample of its weights), the rows,
+k, the value dtype and FORMAT_VERSION, so a cache made for another target, other data or another k is never
+read: a new one is built, and complete caches under other keys are removed once it is done.
+- `settings.json`: what the key covers, readable.
+- `shard-NNNNN.safetensors`: rows [N*S, (N+1)*S) as `values` (positions, k), `indices` (positions, k) and
+  `lengths` (rows,); each is written beside and renamed into place, so an interrupted build resumes at the
+  shards still missing. With several processes shard N is built by rank N % processes.
+- `done.json`: every shard is there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from decode.errors import DraftsmithError
+from decode.loading import Loaded
+from distill.data import collate
+from distill.divergences import topk_teacher_logits
+from pairing.reference import _folder_identity
+
+FORMAT_VERSION = 1
+DTYPES = {"float32": torch.float32, "float16": torch.float16}
+ROWS_PER_SHARD = 256
+DONE = "done.json"
+
+Rows = list[tuple[list[int], list[int]]]
+
+
+def _weights_sample(model: torch.nn.Module) -> str:
+    """sha256 over every parameter's name, shape, dtype and first and last 256 values: different weights
+    (another seed, another fine-tune saved in the same folder) give another key, without hashing gigabytes."""
+    h = hashlib.sha256()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            flat = p.detach().reshape(-1)
+            h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
+            for part in (flat[:256], flat[-256:]):
+                h.update(part.to(torch.float64).cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def cache_settings(target: Loaded, rows: Rows, k: int, dtype: str) -> dict:
+    """Everything the cached numbers depend on."""
+    rows_blob = json.dumps([[list(p), list(c)] for p, c in rows], separators=(",", ":")).encode()
+    return {
+        "format": FORMAT_VERSION,
+        "target": _folder_identity(target.path),
+        "target_weights": _weights_sample(target.model),
+        "rows": len(rows),
+        "rows_sha256": hashlib.sha256(rows_blob).hexdigest(),
+        "k": int(k),
+        "dtype": dtype,
+        "rows_per_shard": ROWS_PER_SHARD,
+    }
+
+
+def cache_key(settings: dict) -> str:
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:24]
+
+
+class TeacherTopK:
+    """A finished cache, held in memory: row i's (values, indices), and teacher logits for a micro-batch."""
+
+    def __init__(self, folder: Path, vocab_size: int) -> None:
+        from safetensors.torch import load_file
+
+        self.folder, self.vocab_size = Path(folder), vocab_size
+        shards = sorted(self.folder.glob("shard-*.safetensors"))
+        parts = [load_file(str(s)) for s in shards]
+        if not parts:
+            raise DraftsmithError(f"{folder} holds no teacher shards")
+        self.values = torch.cat([p["values"] for p in parts])  # (positions, k)
+        self.indices = torch.cat([p["indices"] for p in parts])  # (positions, k)
+        lengths = torch.cat([p["lengths"] for p in parts])  # (rows,)
+        self.offsets = torch.zeros(len(lengths) + 1, dtype=torch.long)
+        self.offsets[1:] = lengths.cumsum(0)
+        self.k = self.values.shape[-1]
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def row(self, i: int) -> tuple[Tensor, Tensor]:
+        """(values (C, k) log-probs, indices (C, k) token ids) of row i, one line per continuation token."""
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        return self.values[a:b], self.indices[a:b]
+
+    def logits(self, idx: list[int], mask: Tensor) -> Tensor:
+        """Teacher logits (B, T, V) float32 for rows `idx` collated with loss mask `mask` (B, T): row b's
+        cached positions fill its masked-in positions in order; elsewhere 0 (never read by a divergence)."""
+        B, T = mask.shape
+        parts = [self.row(i) for i in idx]
+        values = torch.cat([v for v, _ in parts]).float()
+        indices = torch.cat([j for _, j in parts])
+        if values.shape[0] != int(mask.sum()):
+            raise DraftsmithError(f"teacher cache {self.folder} does not match the rows being trained on")
+        out = torch.zeros(B, T, self.vocab_size, device=mask.device)
+        out[mask] = topk_teacher_logits(values, indices, self.vocab_size).to(mask.device)
+        return out
+
+
+@torch.no_grad()
+def _shard(target: Loaded, rows: Rows, lo: int, hi: int, k: int, dtype: torch.dtype, batch_size: int,
+           device: torch.device) -> dict[str, Tensor]:
+    values, indices = [], []
+    for a in range(lo, hi, batch_size):
+        idx = list(range(a, min(a + batch_size, hi)))
+        ids, attn, mask = collate(rows, idx, device)
+        logits = target.model(input_ids=ids, attention_mask=attn, use_cache=False).logits[mask]  # (N, V)
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        top = torch.topk(logp, k, dim=-1)
+        values.append(top.values.to(dtype).cpu())
+        indices.append(top.indices.to(torch.int32).cpu())
+    lengths = torch.tensor([len(rows[i][1]) for i in range(lo, hi)], dtype=torch.long)
+    return {"values": torch.cat(values).contiguous(), "indices": torch.cat(indices).contiguous(), "lengths": lengths}
+
+
+def build_teacher_cache(
+    target: Loaded,
+    rows: Rows,
+    root: Path,
+    *,
+    k: int = 64,
+    dtype: str = "float32",
+    batch_size: int = 8,
+    rank: int = 0,
+    processes: int = 1,
+    wait: Callable[[], None] | None = None,
+    progress: bool = True,
+) -> TeacherTopK:
+    """The cache of `target`'s top-k on `rows` under `root` (see the module docstring): loaded when complete,
+    else built (resuming at the missing shards). k is capped at the target's vocabulary size.
+
+    Several processes: every rank calls this with its `rank`, the number of `processes` and a `wait` that
+    blocks until all ranks arrive (accelerate's wait_for_everyone); each builds its own shards."""
+    if dtype not in DTYPES:
+        raise DraftsmithError(f"teacher cache dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if k < 1:
+        raise DraftsmithError(f"teacher top-k must be >= 1, got {k}")
+    if not rows or any(not p or not c for p, c in rows):
+        raise DraftsmithError("every training row needs prompt and continuation tokens")
+    V = target.model.get_output_embeddings().weight.shape[0]
+    k = min(k, V)
+    settings = cache_settings(target, rows, k, dtype)
+    root = Path(root)
+    folder = root / cache_key(settings)
+    wait = wait or (lambda: None)
+    if not (folder / DONE).is_file():
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            tmp = folder / f".settings.json.{uuid.uuid4().hex[:8]}"
+            tmp.write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
+            os.replace(tmp, folder / "settings.json")
+        except OSError as e:
+            raise DraftsmithError(f"cannot write the teacher cache under {root}: {e.strerror}") from None
+        n_shards = -(-len(rows) // ROWS_PER_SHARD)
+        mine = [j for j in range(n_shards) if j % processes == rank and not (folder / _shard_name(j)).is_file()]
+        device = next(target.model.parameters()).device
+        was_training = target.model.training
+        target.model.eval()
+        bar = tqdm(total=len(mine), desc=f"teacher top-{k}", unit="shard", disable=not progress)
+        try:
+            for j in mine:
+                lo, hi = j * ROWS_PER_SHARD, min((j + 1) * ROWS_PER_SHARD, len(rows))
+                _write_shard(folder / _shard_name(j), _shard(target, rows, lo, hi, k, DTYPES[dtype], batch_size, device))
+                bar.update(1)
+        finally:
+            bar.close()
+            target.model.train(was_training)
+        wait()
+        missing = [j for j in range(n_shards) if not (folder / _shard_name(j)).is_file()]
+        if missing:
+            raise DraftsmithError(f"teacher cache {folder} lacks shard(s) {missing[:5]} after building")
+        if rank == 0:
+            tmp = folder / f".{DONE}.tmp"
+            tmp.write_text(json.dumps({"shards": n_shards, "rows": len(rows)}) + "\n", encoding="utf-8")
+            os.replace(tmp, folder / DONE)
+            _remove_stale(root, keep=folder)
+        wait()
+    return TeacherTopK(folder, V)
+
+
+def _shard_name(j: int) -> str:
+    return f"shard-{j:05d}.safetensors"
+
+
+def _write_shard(path: Path, tensors: dict[str, Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        save_file(tensors, str(tmp))
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _remove_stale(root: Path, keep: Path) -> None:
+    """Complete caches under other keys (another target, data or k) will never be read again."""
+    for other in root.iterdir():
+        if other != keep and other.is_dir() and (other / DONE).is_file():
+            shutil.rmtree(other, ignore_errors=True)
+
+
+__all__ = ["TeacherTopK", "build_teacher_cache", "cache_key", "cache_settings"]

@@ -1,0 +1,178 @@
+"""The teacher's top-k cache: at k = V training on it gives the online loss for every divergence, a small k
+still trains, the cached numbers are the target's, and a cache for other data, another k or another target
+is rebuilt (an interrupted build resumes), never reused."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import distill.teacher_cache as tc
+from decode.errors import DraftsmithError
+from distill.teacher_cache import build_teacher_cache
+from distill.train import TrainConfig, train
+from tests.distill.test_data import EOS, tiny_loaded
+
+V = EOS + 1
+
+
+def _rows(n: int, seed: int = 0) -> list[tuple[list[int], list[int]]]:
+    g = torch.Generator().manual_seed(seed)
+    sizes = torch.randint(1, 9, (n, 2), generator=g).tolist()
+    return [(torch.randint(0, EOS, (p,), generator=g).tolist(), torch.randint(0, V, (c,), generator=g).tolist())
+            for p, c in sizes]
+
+
+def _data(rows) -> datasets.Dataset:
+    return datasets.Dataset.from_dict({"prompt_ids": [p for p, _ in rows], "continuation_ids": [c for _, c in rows]})
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return tiny_loaded(0, root / "target", layers=2), tiny_loaded(1, root / "draft", layers=1)
+
+
+class Shards:
+    """Counts the shards computed; raises once `fail_after` have been."""
+
+    def __init__(self) -> None:
+        self.n, self.fail_after = 0, None
+
+    def __call__(self, *args, **kwargs):
+        if self.fail_after is not None and self.n >= self.fail_after:
+            raise KeyboardInterrupt
+        self.n += 1
+        return real_shard(*args, **kwargs)
+
+
+real_shard = tc._shard
+
+
+@pytest.fixture
+def shards(monkeypatch) -> Shards:
+    counter = Shards()
+    monkeypatch.setattr(tc, "_shard", counter)
+    return counter
+
+
+def _log(out: Path) -> list[dict]:
+    return [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]
+
+
+FAST = dict(warmup_steps=0, batch_size=3, grad_accum=2, steps=2, lr=1e-2, temperature=1.5, save_every=100,
+            eval_every=100, seed=0)
+
+
+@pytest.mark.parametrize("loss", ["fkl", "rkl", "jsd", "tvd"])
+def test_cache_at_full_vocab_gives_the_online_loss(pair, tmp_path, loss) -> None:
+    target, draft = pair
+    data = _data(_rows(10))
+    runs = {}
+    for teacher in ("online", "cache"):
+        cfg = TrainConfig(**FAST, loss=loss, teacher=teacher, teacher_topk=V)
+        summary = train(target, draft, data, None, tmp_path / teacher, cfg, progress=False)
+        weights = load_file(str(tmp_path / teacher / "checkpoints" / "step-2" / "student.safetensors"))
+        runs[teacher] = (_log(tmp_path / teacher), weights, summary)
+    (online, w_on, _), (cached, w_ca, summary) = runs["online"], runs["cache"]
+    assert Path(summary["paths"]["teacher_cache"]).parent == tmp_path / "cache" / "teacher-topk"
+    for a, b in zip(online, cached):
+        assert a["tokens"] == b["tokens"]
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-7)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4, abs=1e-7)
+    for k in w_on:  # two steps later the students agree (to 1e-3 of a step: Adam's g / sqrt(v) magnifies rounding)
+        torch.testing.assert_close(w_ca[k], w_on[k], rtol=1e-3, atol=1e-5)
+
+
+def test_small_k_trains_with_a_finite_loss(pair, tmp_path) -> None:
+    target, draft = pair
+    data = _data(_rows(10))
+    root = tmp_path / "cache"
+    for loss in ("fkl", "rkl", "jsd", "tvd"):
+        cfg = TrainConfig(**FAST, loss=loss, teacher="cache", teacher_topk=4, teacher_cache_dtype="float16")
+        summary = train(target, draft, data, None, tmp_path / loss, cfg, progress=False, teacher_cache_dir=root)
+        assert summary["skipped_steps"] == 0
+        assert all(math.isfinite(x["loss"]) and math.isfinite(x["grad_norm"]) for x in _log(tmp_path / loss))
+    assert len(list(root.iterdir())) == 1  # one cache served all four losses
+
+
+def test_cached_values_are_the_targets_top_k(pair, tmp_path) -> None:
+    target, _ = pair
+    rows = _rows(7)
+    cache = build_teacher_cache(target, rows, tmp_path, k=5, batch_size=3, progress=False)
+    assert len(cache) == 7 and cache.k == 5
+    for i, (p, c) in enumerate(rows):  # each row alone, unpadded: the positions predicting its continuation
+        with torch.no_grad():
+            logits = target.model(input_ids=torch.tensor([p + c])).logits[0, len(p) - 1 : len(p) + len(c) - 1]
+        want = torch.topk(torch.log_softmax(logits, -1), 5, dim=-1)
+        values, indices = cache.row(i)
+        torch.testing.assert_close(values, want.values, rtol=0, atol=1e-5)
+        assert torch.equal(indices.long(), want.indices)
+    mask = torch.tensor([[False, True, True, False], [True, False, False, False]])
+    rows2 = [([1], [2, 3]), ([4], [5])]
+    small = build_teacher_cache(target, rows2, tmp_path / "b", k=V + 10, progress=False)  # k capped at V
+    logits = small.logits([0, 1], mask)
+    assert small.k == V and logits.shape == (2, 4, V) and torch.isfinite(logits[mask]).all()
+    with pytest.raises(DraftsmithError, match="does not match"):
+        small.logits([0, 0], mask)
+
+
+def test_stale_cache_is_rebuilt_and_an_interrupted_build_resumes(pair, tmp_path, shards, monkeypatch) -> None:
+    target, draft = pair
+    monkeypatch.setattr(tc, "ROWS_PER_SHARD", 3)
+    rows = _rows(8)  # 3 shards
+    first = build_teacher_cache(target, rows, tmp_path, k=4, progress=False)
+    assert shards.n == 3 and (first.folder / tc.DONE).is_file()
+    shards.n = 0
+    again = build_teacher_cache(target, rows, tmp_path, k=4, progress=False)
+    assert shards.n == 0 and again.folder == first.folder  # complete: loaded, not recomputed
+
+    changed = {
+        "k": (target, rows, 6),
+        "data": (target, rows[:-1] + [(rows[-1][0], rows[-1][1] + [1])], 4),
+        "target": (draft, rows, 4),
+    }
+    folders = {first.folder}
+    for why, (model, r, k) in changed.items():
+        shards.n = 0
+        cache = build_teacher_cache(model, r, tmp_path, k=k, progress=False)
+        assert shards.n == 3, why  # rebuilt
+        assert cache.folder not in folders and [p for p in tmp_path.iterdir()] == [cache.folder]  # stale removed
+        folders.add(cache.folder)
+
+    # same folder identity (path, config) but other weights: still another key
+    other = tiny_loaded(5, target.path, layers=2)
+    assert tc.cache_key(tc.cache_settings(other, rows, 4, "float32")) != \
+        tc.cache_key(tc.cache_settings(target, rows, 4, "float32"))
+
+    shards.n, shards.fail_after = 0, 2
+    with pytest.raises(KeyboardInterrupt):
+        build_teacher_cache(target, rows, tmp_path / "r", k=4, progress=False)
+    shards.n, shards.fail_after = 0, None
+    resumed = build_teacher_cache(target, rows, tmp_path / "r", k=4, progress=False)
+    assert shards.n == 1  # only the missing shard
+    whole = build_teacher_cache(target, rows, tmp_path / "w", k=4, progress=False)
+    assert torch.equal(resumed.values, whole.values) and torch.equal(resumed.indices, whole.indices)
+
+
+def test_default_place_is_next_to_the_data(pair, tmp_path) -> None:
+    import distill.train as train_mod
+
+    rows = _rows(3)
+    folder = tmp_path / "data"
+    _data(rows).save_to_disk(str(folder / "dataset"))
+    on_disk = datasets.load_from_disk(str(folder / "dataset"))
+    assert train_mod._teacher_cache_root(on_disk, tmp_path / "run") == tmp_path / "run" / "teacher-topk"
+    (folder / "settings.json").write_text("{}")  # a distill.data folder
+    assert train_mod._teacher_cache_root(on_disk, tmp_path / "run") == folder / "teacher-topk"
+    assert train_mod._teacher_cache_root(_data(rows), tmp_path / "run") == tmp_path / "run" / "teacher-topk"
+    for bad, field in (({"teacher": "offline"}, "teacher"), ({"teacher_topk": 0}, "teacher_topk"),
+                       ({"teacher_cache_dtype": "int8"}, "teacher_cache_dtype")):
+        with pytest.raises(DraftsmithError, match=rf"TrainConfig\.{field}\b"):
+            TrainConfig(**bad)
