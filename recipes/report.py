@@ -67,7 +67,7 @@ class Doc:
                 out += ["```", b[1], "```", ""]
             elif b[0] == "table":
                 out += ["| " + " | ".join(b[1]) + " |", "|" + "---|" * len(b[1])]
-                out += ["| " + " | ".join(r) + " |" for r in b[2]] + [""]
+                out += ["| " + " | ".join(c.replace("|", "\\|") for c in r) + " |" for r in b[2]] + [""]
             else:
                 out += [f"![{b[1]}]({image_dir}/{b[1]})", ""]
         return "\n".join(out)
@@ -252,17 +252,25 @@ def _export(doc: Doc, run: Path) -> None:
     if not e:
         return
     doc.h("Export")
-    files = e.get("files") or e.get("paths") or {}
-    if files:
-        doc.table(["what", "path"], [[k, str(v)] for k, v in files.items()])
-    serving = e.get("serving") or {}
-    for name, line in serving.items():
-        if isinstance(line, str):
-            doc.p(f"{name}:")
-            doc.code(line)
-    checks = e.get("checks")
-    if checks:
-        doc.code(json.dumps(checks, indent=1)[:3000])
+    rows = []
+    if e.get("hf"):
+        c = e["hf"]["checks"]
+        rows.append(["HF folder", e["hf"]["path"], (f"reload max |diff| {fmt(c['reload']['max_abs_diff'], 2)}; "
+                     f"HF assisted generation greedy-equal: {fmt(c['assisted_greedy']['equal'])}")])
+    for g in e.get("gguf") or []:
+        lg = g["checks"]["logits"]
+        rows.append([f"GGUF {g['gguf_type']}", g["path"], (f"top-1 agreement {fmt(lg['top1_agreement'])}, relative "
+                     f"max |diff| {lg['rel_max_abs_diff']:.2g} (through transformers' GGUF loader)")])
+    if rows:
+        doc.table(["what", "path", "checked"], rows)
+    for t, lc in (e.get("llama_cpp") or {}).items():
+        doc.p(f"llama.cpp (llama-server, {t} draft): drafted {lc.get('drafted')}, accepted {lc.get('accepted')} "
+              f"({fmt(lc.get('acceptance'))}), {fmt(lc.get('tokens_per_s'), 1)} tok/s.")
+    doc.p(f"Serving lines, K = {e.get('best_k')} ({e.get('best_k_source')}):")
+    for name, line in (e.get("serving") or {}).items():
+        doc.code(f"# {name}\n{line}")
+    for w in e.get("warnings") or []:
+        doc.p(f"Warning: {w}")
 
 
 def write_report(run: Path) -> Path:
