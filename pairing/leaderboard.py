@@ -32,7 +32,7 @@ from decode.textgen import eos_ids, machine_info, versions
 from pairing.acceptance import measure_acceptance
 from pairing.compat import check_pair
 from pairing.cost import CostModel, best_k, measure_cost, speedup_curve
-from pairing.derive import resolve_candidate
+from pairing.derive import parse_derive_spec, resolve_candidate
 from pairing.reference import reference_continuations
 
 MAX_K = 16
@@ -131,7 +131,9 @@ def run_pair(target_spec: str, candidate_specs: list[str], out: Path, settings: 
         loaded.name = spec
         cands.append(Candidate(spec, loaded, check_pair(target, loaded)))
 
-    helper = next((c.loaded for c in cands if c.compat.compatible), None)  # speeds up the references, exactly
+    # a same-tokenizer candidate speeds up the references (exactly); derived drafts start near alpha 0 and would
+    # slow them down, so they never help
+    helper = next((c.loaded for c in cands if c.compat.compatible and parse_derive_spec(c.spec) is None), None)
     refs = reference_continuations(target, prompts, max_new_tokens=settings.max_new_tokens,
                                    temperature=settings.temperature, seed=settings.seed, draft=helper,
                                    progress=progress)
