@@ -76,6 +76,7 @@ def atomic_write_json(path: Path, data: dict) -> None:
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=2)
             f.write("\n")
+        os.chmod(tmp, 0o644)  # mkstemp makes it 0600; results are for everyone to read
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

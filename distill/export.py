@@ -220,8 +220,9 @@ def model_card(summary: dict) -> str:
               f"out = target.generate(**x, assistant_model=draft, do_sample=False, max_new_tokens=64)  "
               f"# K={k}: generation_config.json",
               "```", ""]
-    for key, title in (("vllm", "vLLM (same vocabulary size required)"), ("sglang", "SGLang"),
-                       ("llama_cpp", "llama.cpp, GGUF draft (older builds: no --spec-type, and --draft-max / --draft-min)")):
+    titles = {"vllm": "vLLM (same vocabulary size required)", "sglang": "SGLang",
+              "llama_cpp": "llama.cpp, GGUF draft (older builds: no --spec-type, and --draft-max / --draft-min)"}
+    for key, title in titles.items():
         if key in s:
             lines += [f"{title}:", "", "```bash", s[key], "```", ""]
     lines += ["## Checks", ""] + [f"- **FAILED:** {f}" for f in summary.get("failed", [])]
@@ -232,7 +233,8 @@ def model_card(summary: dict) -> str:
                   f"- HF assisted greedy == target greedy on {a['prompts']} prompts: {a['equal']}"]
     for g in summary.get("gguf", []):
         lg = g["checks"]["logits"]
-        lines.append(f"- GGUF {g['gguf_type']}: llama.cpp rule {'passes' if g['llama_cpp_rule']['passes'] else 'fails'}, "
+        verdict = "passes" if g["llama_cpp_rule"]["passes"] else "fails"
+        lines.append(f"- GGUF {g['gguf_type']}: llama.cpp rule {verdict}, "
                      f"logits via transformers max |diff| {lg['max_abs_diff']:.3g}, top-1 agreement "
                      f"{lg['top1_agreement']:.1%}")
     return "\n".join(lines) + "\n"

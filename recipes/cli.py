@@ -203,10 +203,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     from distill.export import export
 
     summary = export(args.draft, args.target, args.out, fmt=args.format, gguf_type=args.gguf_type,
-                     best_k=args.best_k, check_llama_cpp=args.check_llama_cpp)
+                     best_k=args.best_k, check_llama_cpp=args.check_llama_cpp, target_gguf=args.target_gguf)
     for name, line in (summary.get("serving") or {}).items():
-        if isinstance(line, str):
-            print(f"{name}: {line}")
+        print(f"{name}: {line}")
+    for t, lc in (summary.get("llama_cpp") or {}).items():
+        print(f"llama.cpp ({t} draft): accepted {lc['accepted']} of {lc['drafted']} drafted tokens")
+    for w in summary.get("warnings") or []:
+        print(f"warning: {w}")
     print(f"wrote {args.out}")
     return 0
 
@@ -343,7 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", required=True, help="HF folder (e.g. a distill run's best/), zoo name or derive spec")
     p.add_argument("--target", required=True, help="the target the draft serves (its GGUF gives the tokenizer)")
     p.add_argument("--format", choices=["hf", "gguf", "all"], default="all")
-    p.add_argument("--gguf-type", choices=["f32", "f16", "q8_0"], default="f16")
+    p.add_argument("--gguf-type", default="f16", help="f32, f16, q8_0, or several: f16,q8_0")
+    p.add_argument("--target-gguf", default=None, help="the target's GGUF (default: the zoo's, for a zoo target)")
     p.add_argument("--best-k", type=int, default=None, help="K for the serving lines (default: from the run, or 3)")
     p.add_argument("--check-llama-cpp", action="store_true",
                    help="run llama-server with the GGUF as its draft and report its acceptance (builds llama.cpp once)")

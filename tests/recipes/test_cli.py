@@ -34,6 +34,10 @@ def test_models_list_names_every_zoo_model() -> None:
         (("models", "path", "no-such-model"), "known models"),
         (("decode", "--target", "no-such-model", "--no-draft", "--prompt", "hi"), "expected a zoo model name"),
         (("decode", "--target", "README.md", "--no-draft", "--prompt", "hi"), "not a .gguf file"),
+        (("export", "--draft", "no-such-model", "--target", "no-such-model", "--out", "x"), "expected a zoo model name"),
+        (("export", "--draft", "d", "--target", "t", "--gguf-type", "q4", "--out", "x"), "GGUF type q4"),
+        (("run", "no-such-recipe.yaml"), "cannot read the recipe"),
+        (("leaderboard", "no-such-run"), "not a folder"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(args, needle, tmp_path: Path) -> None:
