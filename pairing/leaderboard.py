@@ -290,7 +290,7 @@ def _plots(board: dict) -> dict[str, bytes]:
         ax.bar(xs, [c["alpha_by_domain"].get(d, 0) for d in domains], width, label=c["draft"])
     ax.set_xticks([j + width * (len(cands) - 1) / 2 for j in range(len(domains))], domains)
     ax.set_ylabel("alpha"), ax.set_ylim(0, 1), ax.set_title("acceptance by domain"), ax.legend(fontsize=7)
-    pngs["alpha_by_domain.png"] = _png(fig)
+    pngs["alpha_by_domain.png"] = png_bytes(fig)
 
     fig, ax = plt.subplots(figsize=(7, 3.5))
     for c in cands:
@@ -299,19 +299,19 @@ def _plots(board: dict) -> dict[str, bytes]:
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax.set_xlabel("K (draft tokens per step)"), ax.set_ylabel("predicted speedup"), ax.legend(fontsize=7)
     ax.set_title("predicted speedup vs K (measured c and v(K))")
-    pngs["speedup_vs_k.png"] = _png(fig)
+    pngs["speedup_vs_k.png"] = png_bytes(fig)
 
     fig, ax = plt.subplots(figsize=(7, 3.5))
     for c in cands:
         ax.plot(range(len(c["alpha_by_position"])), c["alpha_by_position"], label=c["draft"])
     ax.set_xlabel("position in continuation"), ax.set_ylabel("mean beta"), ax.set_ylim(0, 1.02)
     ax.set_title("acceptance by position"), ax.legend(fontsize=7)
-    pngs["alpha_by_position.png"] = _png(fig)
+    pngs["alpha_by_position.png"] = png_bytes(fig)
     plt.close("all")
     return pngs
 
 
-def _png(fig) -> bytes:
+def png_bytes(fig) -> bytes:
     buf = io.BytesIO()
     fig.tight_layout()
     fig.savefig(buf, format="png", dpi=110)

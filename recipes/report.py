@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import base64
 import html
-import io
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pairing.leaderboard import table_rows
+from pairing.leaderboard import png_bytes, table_rows
 
 _STYLE = ("<style>body{font-family:sans-serif;margin:2em;max-width:70em}table{border-collapse:collapse}"
           "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}td:first-child{text-align:left}"
@@ -130,13 +129,6 @@ def _jsonl(path: Path) -> list[dict]:
     return rows
 
 
-def _png(fig) -> bytes:
-    buf = io.BytesIO()
-    fig.tight_layout()
-    fig.savefig(buf, format="png", dpi=100)
-    return buf.getvalue()
-
-
 def _plt():
     import matplotlib
 
@@ -201,7 +193,7 @@ def _distill(doc: Doc, run: Path) -> None:
                label="after")
         ax.set_xticks(range(len(domains)), domains)
         ax.set_ylabel("alpha (held out)"), ax.set_ylim(0, 1), ax.legend(), ax.set_title("alpha by domain")
-        doc.image("alpha_by_domain.png", _png(fig))
+        doc.image("alpha_by_domain.png", png_bytes(fig))
         plt.close(fig)
     if train or evals:
         plt = _plt()
@@ -212,7 +204,7 @@ def _distill(doc: Doc, run: Path) -> None:
         if evals:
             a2.plot([r["step"] for r in evals], [r["alpha"] for r in evals], marker="o")
         a2.set_xlabel("step"), a2.set_ylabel("alpha (held out)"), a2.set_title("alpha")
-        doc.image("training.png", _png(fig))
+        doc.image("training.png", png_bytes(fig))
         plt.close(fig)
 
 
@@ -243,7 +235,7 @@ def _validate(doc: Doc, run: Path) -> None:
     names = [r[0] for r in rows]
     ax.barh(names, [r[1] for r in rows])
     ax.set_xlabel("tokens/s"), ax.set_title(f"decoders, K={b['k']}")
-    doc.image("speed.png", _png(fig))
+    doc.image("speed.png", png_bytes(fig))
     plt.close(fig)
 
 
