@@ -116,7 +116,7 @@ class TeacherTopK:
         indices = torch.cat([j for _, j in parts])
         if values.shape[0] != int(mask.sum()):
             raise DraftsmithError(f"teacher cache {self.folder} does not match the rows being trained on")
-        out = torch.zeros(B, T, self.vocab_size, device=mask.device)
+        out = torch.zeros(B, T, self.vocab_size, dtype=torch.float32, device=mask.device)
         out[mask] = topk_teacher_logits(values, indices, self.vocab_size).to(mask.device)
         return out
 

@@ -17,7 +17,13 @@ from decode.sampling import (
     verify_greedy,
 )
 
-torch.set_default_dtype(torch.float64)
+@pytest.fixture(autouse=True)
+def float64_by_default():
+    """Brute force in float64; restored afterwards so other test modules keep float32."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
 
 
 def brute_probs(logits: list[float], T: float, top_k: int, top_p: float) -> list[float]:
