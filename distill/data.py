@@ -17,10 +17,11 @@ Columns: id, domain, source ("target" | "draft"), prompt_ids, continuation_ids. 
 `prompt_ids + continuation_ids` and puts the loss on the continuation positions only.
 
 Batching (`batch_size` prompts at a time, default 8): rows decoded by one model alone (the draft's on-policy
-rows, and the target's with `speculative=False`) are generated together by `generate_batch`: left-padded,
-one Hugging Face forward per token for the whole batch, finished rows dropped from it. Each row keeps its
-own generator and sampling step, so it gets the tokens that model decodes for it alone (barring exact
-floating-point ties). Speculative rows are decoded one prompt at a time. `batch_size=1` decodes every row
+rows, and the target's with `speculative=False`) are generated together by `decode.batch.generate_batch`:
+left-padded, one Hugging Face forward per token for the whole batch, finished rows dropped from it. Each row
+keeps its own generator and sampling step, so it gets the tokens that model decodes for it alone (barring
+exact floating-point ties). At temperature > 0 a seed samples other (equally distributed) target text
+through the speculative decoder than plainly, so `settings.json` records which (`speculative`). Speculative rows are decoded one prompt at a time. `batch_size=1` decodes every row
 alone through `decode.speculative.generate`, as before batching existed.
 
 Folder `out`: `settings.json` (what the rows depend on; a rerun with other settings is refused),
@@ -43,14 +44,14 @@ from pathlib import Path
 
 import datasets
 import torch
-from torch import Tensor
 from tqdm.auto import tqdm
 
+from decode.batch import TargetVocab, generate_batch
 from decode.errors import DraftsmithError
 from decode.loading import Loaded
-from decode.model import Runner, lean_supported, make_runner
+from decode.model import lean_supported, make_runner
 from decode.prompts import Prompt
-from decode.sampling import SamplingParams, greedy_token, sample, to_probs
+from decode.sampling import SamplingParams
 from decode.speculative import generate
 from decode.textgen import check_vocab, eos_ids, prompt_ids
 from pairing.reference import _folder_identity, _read_partial, prompt_seed
@@ -83,103 +84,12 @@ def draft_prompts(n: int, source: str, mix: float, seed: int) -> set[int]:
     return set(perm[: round(mix * n)].tolist())
 
 
-class _TargetVocab:
-    """A runner whose logits are cut or padded (-inf) to the target's vocabulary, so that every token the
-    draft samples on its own is one the target can score (drafts may carry a few padding rows more or less)."""
-
-    def __init__(self, runner: Runner, vocab_size: int) -> None:
-        self.runner, self.vocab_size, self.max_seq_len = runner, vocab_size, runner.max_seq_len
-
-    def forward(self, tokens: Tensor, pos: int, keep: int = 0) -> Tensor:
-        return _to_vocab(self.runner.forward(tokens, pos, keep), self.vocab_size)
-
-
-def _to_vocab(logits: Tensor, V: int) -> Tensor:
-    """Logits (..., Vd) cut, or padded with -inf (impossible tokens), to (..., V)."""
-    Vd = logits.shape[-1]
-    if Vd == V:
-        return logits
-    if Vd > V:
-        return logits[..., :V]
-    pad = logits.new_full((*logits.shape[:-1], V - Vd), float("-inf"))
-    return torch.cat([logits, pad], dim=-1)
-
-
-@torch.inference_mode()
-def generate_batch(
-    model,
-    prompts: list[list[int]],
-    *,
-    max_new_tokens: int,
-    sampling: SamplingParams,
-    eos_ids: list[int] | tuple[int, ...] = (),
-    generators: list[torch.Generator | None] | None = None,
-    vocab_size: int | None = None,
-) -> list[list[int]]:
-    """Plain decoding of several prompts at once with a Hugging Face causal LM -> each row's new tokens.
-
-    Left padding (attention mask and position ids skip the pads), one KV cache for the batch, rows that hit
-    EOS leave the batch. Row b samples from `generators[b]` (needed at temperature > 0) with the very step
-    `decode.speculative.generate` takes without a draft, so a row's tokens are the ones that decoding it
-    alone gives. `vocab_size` cuts or pads (-inf) the logits to another model's vocabulary.
-    """
-    from transformers import DynamicCache
-
-    if not prompts or any(not p for p in prompts):
-        raise ValueError("every prompt must hold at least one token")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    B = len(prompts)
-    generators = list(generators) if generators is not None else [None] * B
-    if not sampling.greedy and any(g is None for g in generators):
-        raise ValueError("sampling at temperature > 0 needs an explicit torch.Generator per prompt")
-    device = next(model.parameters()).device
-    stop = set(eos_ids)
-    P = max(len(p) for p in prompts)
-    ids = torch.zeros(B, P, dtype=torch.long)
-    attn = torch.zeros(B, P, dtype=torch.long)
-    for b, p in enumerate(prompts):
-        ids[b, P - len(p):] = torch.tensor(p)
-        attn[b, P - len(p):] = 1
-    ids, attn = ids.to(device), attn.to(device)
-    pos = (attn.cumsum(-1) - 1).clamp(min=0)  # (B, P): a row's first real token is at position 0
-    cache = DynamicCache(config=model.config)
-    out: list[list[int]] = [[] for _ in range(B)]
-    live = list(range(B))  # batch row j decodes prompt live[j]
-    feed = ids
-    for step in range(max_new_tokens):
-        logits = model(input_ids=feed, attention_mask=attn, position_ids=pos, cache=cache, use_cache=True,
-                       logits_to_keep=1).logits[:, -1]  # (len(live), V)
-        logits = logits if logits.dtype == torch.float64 else logits.float()
-        if vocab_size is not None:
-            logits = _to_vocab(logits, vocab_size)
-        keep, nxt = [], []
-        for j, b in enumerate(live):
-            if sampling.greedy:
-                tok = int(greedy_token(logits[j]))
-            else:
-                tok = int(sample(to_probs(logits[j], sampling), generators[b]))
-            out[b].append(tok)
-            if tok not in stop:
-                keep.append(j)
-                nxt.append(tok)
-        if not keep or step == max_new_tokens - 1:
-            break
-        if len(keep) < len(live):  # finished rows leave the batch (and the cache)
-            rows = torch.tensor(keep, device=device)
-            cache.batch_select_indices(rows)
-            attn, pos = attn[rows], pos[rows]
-            live = [live[j] for j in keep]
-        feed = torch.tensor(nxt, device=device)[:, None]
-        attn = torch.cat([attn, attn.new_ones(len(live), 1)], dim=1)
-        pos = pos[:, -1:] + 1
-    return out
-
-
 def _settings(target: Loaded, draft: Loaded, prompts: list[Prompt], source: str, mix: float,
-              max_new_tokens: int, temperature: float, seed: int, chat: bool) -> dict:
+              max_new_tokens: int, temperature: float, seed: int, chat: bool, speculative: bool) -> dict:
     """Everything the rows depend on (and nothing else, so that a rerun is not refused for nothing)."""
     draft_matters = source != "target" or temperature > 0  # greedy target text is the same with any draft
+    # a seed samples other (equally distributed) target text through the speculative decoder than plainly
+    sampled_target = temperature > 0 and source != "draft"
     prompts_blob = json.dumps([[p.id, p.domain, p.prompt] for p in prompts]).encode()
     return {
         "format": FORMAT_VERSION,
@@ -189,6 +99,7 @@ def _settings(target: Loaded, draft: Loaded, prompts: list[Prompt], source: str,
         "temperature": float(temperature),
         "seed": int(seed) if temperature > 0 or source == "mixed" else None,
         "chat": bool(chat),
+        "speculative": bool(speculative) if sampled_target else None,
         "prompts": len(prompts),
         "prompts_sha256": hashlib.sha256(prompts_blob).hexdigest(),
         "target": _folder_identity(target.path),
@@ -197,15 +108,21 @@ def _settings(target: Loaded, draft: Loaded, prompts: list[Prompt], source: str,
 
 
 def _check_settings(out: Path, settings: dict) -> None:
-    """Write settings.json on the first run; refuse a folder made with other settings."""
+    """Write settings.json on the first run; refuse a folder made with other settings. A key the folder lacks
+    was added to draftsmith after the folder was made (what it would have said is not known), so it counts as
+    unchanged."""
     path = out / SETTINGS
     if path.is_file():
         try:
             old = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             old = None
-        if old != settings:
-            changed = sorted(k for k in settings if not isinstance(old, dict) or old.get(k) != settings[k])
+        if not isinstance(old, dict):
+            changed = []
+        else:
+            differ = {k for k in settings if k in old and old[k] != settings[k]}
+            changed = sorted(differ | (old.keys() - settings.keys()))
+        if not isinstance(old, dict) or changed:
             raise DraftsmithError(
                 f"{out} holds data generated with other settings ({', '.join(changed) or 'unreadable settings'}); "
                 "remove it or choose another folder"
@@ -255,7 +172,8 @@ def generate_data(
         raise DraftsmithError(f"batch_size must be >= 1, got {batch_size}")
     check_vocab(target, draft)
     out = Path(out)
-    settings = _settings(target, draft, prompts, source, mix, max_new_tokens, temperature, seed, chat)
+    settings = _settings(target, draft, prompts, source, mix, max_new_tokens, temperature, seed, chat,
+                         speculative)
     try:
         out.mkdir(parents=True, exist_ok=True)
         _check_settings(out, settings)
@@ -330,7 +248,7 @@ def _generate_rows(
     if need_draft and not batched:  # on-policy text comes from the draft itself, not from its int8 copy
         alone = make_runner(draft.model, max_seq_len)
         if alone.vocab_size != V:
-            alone = _TargetVocab(alone, V)
+            alone = TargetVocab(alone, V)
 
     device = next(target.model.parameters()).device
     sampling = SamplingParams(temperature=temperature)
@@ -404,4 +322,4 @@ def collate(rows: list[tuple[list[int], list[int]]], idx: list[int], device: tor
     return ids.to(device), attn.to(device), mask.to(device)
 
 
-__all__ = ["FEATURES", "SOURCES", "collate", "draft_prompts", "generate_batch", "generate_data", "training_rows"]
+__all__ = ["FEATURES", "SOURCES", "collate", "draft_prompts", "generate_data", "training_rows"]

@@ -201,3 +201,26 @@ def test_user_errors(pair, tmp_path) -> None:
             generate_data(target, draft, PROMPTS, tmp_path / "e", progress=False, **kw)
     with pytest.raises(DraftsmithError, match="no prompts"):
         generate_data(target, draft, [], tmp_path / "e", progress=False)
+
+
+def test_plain_and_speculative_sampled_folders_are_not_mixed(pair, tmp_path) -> None:
+    """At temperature > 0 a seed gives other target text through the speculative decoder than plainly, so a
+    folder records which; a folder from before the key existed is still accepted."""
+    target, draft = pair
+    kw = dict(source="target", max_new_tokens=6, temperature=1.0, seed=1, progress=False)
+    spec = generate_data(target, draft, PROMPTS, tmp_path / "s", **kw)
+    with pytest.raises(DraftsmithError, match="other settings.*speculative"):
+        generate_data(target, draft, PROMPTS, tmp_path / "s", speculative=False, **kw)
+    settings = json.loads((tmp_path / "s" / data_mod.SETTINGS).read_text())
+    assert settings["speculative"] is True
+    del settings["speculative"]  # as an older draftsmith wrote it
+    (tmp_path / "s" / data_mod.SETTINGS).write_text(json.dumps(settings))
+    assert generate_data(target, draft, PROMPTS, tmp_path / "s", **kw).to_list() == spec.to_list()
+    settings["unknown_key"] = 1  # a key this draftsmith does not write: made by something else, refused
+    (tmp_path / "s" / data_mod.SETTINGS).write_text(json.dumps(settings))
+    with pytest.raises(DraftsmithError, match="unknown_key"):
+        generate_data(target, draft, PROMPTS, tmp_path / "s", **kw)
+    greedy = generate_data(target, draft, PROMPTS, tmp_path / "g", **{**kw, "temperature": 0.0})
+    assert json.loads((tmp_path / "g" / data_mod.SETTINGS).read_text())["speculative"] is None  # same text
+    assert generate_data(target, draft, PROMPTS, tmp_path / "g", speculative=False,
+                         **{**kw, "temperature": 0.0}).to_list() == greedy.to_list()
