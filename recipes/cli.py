@@ -201,13 +201,14 @@ def _add_pair_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from distill.export import export
+    from distill.model_card import llama_cpp_result
 
     summary = export(args.draft, args.target, args.out, fmt=args.format, gguf_type=args.gguf_type,
                      best_k=args.best_k, check_llama_cpp=args.check_llama_cpp, target_gguf=args.target_gguf)
     for name, line in (summary.get("serving") or {}).items():
         print(f"{name}: {line}")
     for t, lc in (summary.get("llama_cpp") or {}).items():
-        print(f"llama.cpp ({t} draft): accepted {lc['accepted']} of {lc['drafted']} drafted tokens")
+        print(f"llama.cpp ({t} draft): {llama_cpp_result(lc, summary.get('llama_cpp_target_only'))}")
     for w in summary.get("warnings") or []:
         print(f"warning: {w}")
     print(f"wrote {args.out}")

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from distill.model_card import llama_cpp_result
 from pairing.leaderboard import png_bytes, table_rows
 
 _STYLE = ("<style>body{font-family:sans-serif;margin:2em;max-width:70em}table{border-collapse:collapse}"
@@ -256,8 +257,8 @@ def _export(doc: Doc, run: Path) -> None:
     if rows:
         doc.table(["what", "path", "checked"], rows)
     for t, lc in (e.get("llama_cpp") or {}).items():
-        doc.p(f"llama.cpp (llama-server, {t} draft): drafted {lc.get('drafted')}, accepted {lc.get('accepted')} "
-              f"({fmt(lc.get('acceptance'))}), {fmt(lc.get('tokens_per_s'), 1)} tok/s.")
+        doc.p(f"llama.cpp (llama-server, {t} draft, K = {lc.get('draft_max')}): "
+              f"{llama_cpp_result(lc, e.get('llama_cpp_target_only'))}.")
     doc.p(f"Serving lines, K = {e.get('best_k')} ({e.get('best_k_source')}):")
     for name, line in (e.get("serving") or {}).items():
         doc.code(f"# {name}\n{line}")

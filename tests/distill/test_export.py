@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerF
 import distill.gguf_export as gx
 from decode.errors import DraftsmithError
 from decode.prompts import load_suite
-from distill.export import GGUF_TOL, choose_k, export, load_draft, provenance, serving_lines
+from distill.export import GGUF_TOL, choose_k, export, load_draft, provenance
 from distill.gguf_export import logits_diff, permute_qk, tensor_type, unpermute_qk, verify_gguf, write_gguf
 
 SPECIALS = ["<unk>", "<s>", "</s>"]
@@ -128,19 +128,6 @@ def test_tensor_types_follow_llama_cpp() -> None:
     assert tensor_type("token_embd.weight", (300, 64), "f32") == "F32"
     with pytest.raises(DraftsmithError, match="q4_0"):
         tensor_type("x", (64, 64), "q4_0")
-
-
-def test_serving_lines_carry_k_and_paths() -> None:
-    lines = serving_lines("/m/target", "/out/hf", "/m/t.gguf", "/out/draft-f16.gguf", 5)
-    spec = json.loads(lines["vllm"].split("--speculative-config ", 1)[1].strip("'"))
-    assert spec == {"method": "draft_model", "model": "/out/hf", "num_speculative_tokens": 5}
-    assert lines["vllm"].startswith("vllm serve /m/target ")
-    s = lines["sglang"]
-    assert "--model-path /m/target" in s and "--speculative-algorithm STANDALONE" in s
-    assert "--speculative-draft-model-path /out/hf" in s and "--speculative-num-steps 5" in s
-    assert "--speculative-num-draft-tokens 6" in s and "--speculative-eagle-topk 1" in s
-    assert "-m /m/t.gguf -md /out/draft-f16.gguf" in lines["llama_cpp"] and " 5 " in lines["llama_cpp"]
-    assert set(serving_lines("/m/target", None, None, None, 3)) == set()
 
 
 def test_k_and_provenance_come_from_the_distill_run(tmp_path: Path) -> None:
@@ -259,3 +246,40 @@ def test_export_refuses_before_writing_when_llama_cpp_would(world, tmp_path: Pat
         export(str(wide), str(world["llama_target"]), tmp_path / "out", "all", target_gguf=world["target_gguf"],
                progress=False)
     assert not (tmp_path / "out").exists()  # not even the HF folder
+
+
+def test_llama_cpp_check_compares_each_draft_with_the_target_alone_before_and_after(world, tmp_path: Path,
+                                                                                    monkeypatch) -> None:
+    """The orchestration around llama-server (the real engine runs in tests/distill/test_llama_cpp.py): the
+    target alone is served before and after the drafts, the ratio uses their mean, text is compared."""
+    import distill.llama_cpp as lc
+
+    calls = []
+
+    def fake_server(target_gguf, draft_gguf, prompts, n_predict=64, draft_max=3, **kw):
+        calls.append(Path(draft_gguf).name if draft_gguf else None)
+        alone = draft_gguf is None
+        tps = {None: 20.0 if calls.count(None) == 1 else 30.0, "draft-f16.gguf": 50.0, "draft-q8_0.gguf": 10.0}
+        contents = [f"text {i}" for i in range(len(prompts))]
+        if not alone and "q8_0" in str(draft_gguf):
+            contents[0] = "other text"
+        drafted = 0 if alone else 12
+        return {"drafted": drafted, "accepted": 0 if alone else 6, "acceptance": None if alone else 0.5,
+                "prompts": len(prompts), "per_prompt": [], "predicted_n": 64 * len(prompts),
+                "tokens_per_s": tps[calls[-1]], "draft_max": None if alone else draft_max, "contents": contents,
+                "server_version": "fake", "command": "llama-server ..."}
+
+    monkeypatch.setattr(lc, "check_with_llama_cpp", fake_server)
+    out = tmp_path / "out"
+    s = export(str(world["llama_draft"]), str(world["llama_target"]), out, "gguf", gguf_type="f16,q8_0",
+               target_gguf=world["target_gguf"], n_prompts=2, check_llama_cpp=True, progress=False)
+    assert calls == [None, "draft-f16.gguf", "draft-q8_0.gguf", None]
+    base = s["llama_cpp_target_only"]
+    assert base["runs_tokens_per_s"] == [20.0, 30.0] and base["tokens_per_s"] == 25.0
+    assert s["llama_cpp"]["f16"]["speedup_vs_target_only"] == 2.0
+    assert s["llama_cpp"]["q8_0"]["speedup_vs_target_only"] == 0.4
+    assert s["llama_cpp"]["f16"]["greedy_equal"] == {"prompts": 2, "equal": 2}
+    assert s["llama_cpp"]["q8_0"]["greedy_equal"] == {"prompts": 2, "equal": 1}
+    assert s["ok"] and any("differs from the target alone on 1 of 2" in w for w in s["warnings"])
+    card = (out / "README.md").read_text()
+    assert "50.0 tok/s vs 25.0 for the target alone (20.0, 30.0): 2.00x" in card

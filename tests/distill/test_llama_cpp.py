@@ -76,6 +76,11 @@ def test_llama_server_accepts_an_exported_draft(tmp_path: Path) -> None:
     assert r["acceptance"] > 0.3, r  # a Q8_0 copy of the (Q4_1) target agrees with it most of the time
     assert r["server_version"] != "unknown" and r["tokens_per_s"] > 0
 
+    alone = lc.check_with_llama_cpp(zoo.gguf_path(NAME), None, prompts, n_predict=32)  # the baseline
+    assert alone["drafted"] == 0 and alone["draft_max"] is None and "-md" not in alone["command"]
+    assert alone["tokens_per_s"] > 0 and alone["predicted_n"] > 0
+    assert alone["contents"] == r["contents"], (alone["contents"], r["contents"])  # greedy: the same text
+
 
 def test_prompt_lists_are_told_apart_from_token_ids() -> None:
     assert lc._prompts("hi") == ["hi"] and lc._prompts([1, 2, 3]) == [[1, 2, 3]]
