@@ -177,9 +177,11 @@ def cmd_gen_data(args: argparse.Namespace) -> int:
     from distill.data import generate_data
     from pairing.derive import resolve_candidate
 
-    ds = generate_data(load(args.target), load(resolve_candidate(args.draft)), load_prompts(args.prompts), args.out,
+    prompts = load_prompts(args.prompts, limit_per_domain=args.limit_per_domain)
+    ds = generate_data(load(args.target), load(resolve_candidate(args.draft)), prompts, args.out,
                        source=args.data, mix=args.mix, max_new_tokens=args.max_new_tokens,
-                       temperature=args.temperature, seed=args.seed)
+                       temperature=args.temperature, seed=args.seed, speculative=not args.plain_data,
+                       batch_size=args.batch_size)
     print(f"{len(ds)} rows in {args.out}/dataset")
     return 0
 
@@ -332,15 +334,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_distill)
 
     p = sub.add_parser("gen-data", help="generate distillation data (resumable) without training")
-    p.add_argument("--target", required=True)
-    p.add_argument("--draft", required=True)
-    p.add_argument("--data", choices=["target", "draft", "mixed"], default="target")
-    p.add_argument("--mix", type=float, default=0.5)
-    p.add_argument("--prompts", default="code,json,summarize,chat")
+    p.add_argument("--target", required=True, help="zoo name, HF folder or .gguf file")
+    p.add_argument("--draft", required=True, help="zoo name, HF folder, or derive:MODEL:keep=N")
+    p.add_argument("--data", choices=["target", "draft", "mixed"], default="target",
+                   help="whose continuations: the target's, the draft's own (on-policy), or a seeded mix")
+    p.add_argument("--mix", type=float, default=0.5, help="fraction of draft (on-policy) rows with --data mixed")
+    p.add_argument("--prompts", default="code,json,summarize,chat",
+                   help="suite names, a .jsonl/.json/.csv/.parquet file, or a datasets save_to_disk folder")
+    p.add_argument("--limit-per-domain", type=int, default=None, help="keep the first N prompts of each domain")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--batch-size", type=int, default=8, help="prompts decoded together where a model decodes alone")
+    p.add_argument("--plain-data", action="store_true",
+                   help="generate the target's data without the draft's proposals (faster while the draft is poor)")
+    p.add_argument("--out", type=Path, required=True, help="folder; a rerun resumes it (other settings are refused)")
     p.set_defaults(func=cmd_gen_data)
 
     p = sub.add_parser("export", help="export a (distilled) draft: HF folder, GGUF for llama.cpp, vLLM/SGLang lines")

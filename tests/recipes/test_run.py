@@ -158,3 +158,26 @@ def test_leaderboard_merges_two_runs_into_one_table(world: dict, whole: Path) ->
     md = (out / "leaderboard.md").read_text()
     assert md.count("| target | draft |") == 1 and (out / "leaderboard.html").is_file()
     assert draftsmith(world, "leaderboard", str(world["root"] / "nope")).returncode == 2
+
+
+def test_gen_data_cli_writes_a_resumable_dataset_with_the_flags_it_was_given(world: dict) -> None:
+    """`draftsmith gen-data` alone: the flags reach the rows and the folder's settings; a rerun loads, and a
+    rerun with other settings is a one-line refusal that leaves the rows alone."""
+    import datasets
+
+    out = world["root"] / "gen-data"
+    target = str(world["root"] / "target")
+    args = ("gen-data", "--target", target, "--draft", f"derive:{target}:keep=1", "--prompts",
+            str(world["root"] / "prompts.jsonl"), "--limit-per-domain", "2", "--data", "mixed", "--mix", "0.5",
+            "--max-new-tokens", "5", "--plain-data", "--batch-size", "3", "--out", str(out))
+    r = draftsmith(world, *args)
+    assert r.returncode == 0 and "4 rows in" in r.stdout, r.stderr[-2000:]
+    ds = datasets.load_from_disk(str(out / "dataset"))
+    assert len(ds) == 4 and sorted(ds["source"]) == ["draft", "draft", "target", "target"]
+    assert all(1 <= len(c) <= 5 for c in ds["continuation_ids"])
+    settings = json.loads((out / "settings.json").read_text())
+    assert settings["speculative"] is False and settings["mix"] == 0.5 and settings["prompts"] == 4
+    assert draftsmith(world, *args).returncode == 0  # finished: loaded again
+    r = draftsmith(world, *[a if a != "5" else "6" for a in args])
+    assert r.returncode == 2 and "other settings (max_new_tokens)" in r.stderr and "Traceback" not in r.stderr
+    assert datasets.load_from_disk(str(out / "dataset")).to_list() == ds.to_list()
