@@ -7,6 +7,7 @@
     .venv/bin/draftsmith pair --target T --candidates D1,D2,derive:T:keep=8 --suite code,chat --validate 1 --out DIR
     .venv/bin/draftsmith derive --from T --keep 8 --out DIR
     .venv/bin/draftsmith distill --target T --draft derive:T:keep=4 --loss fkl --steps 150 --out DIR
+    .venv/bin/draftsmith gen-data --target T --draft D --data mixed --mix 0.5 [--plain-data] --out DIR
     .venv/bin/draftsmith export --draft DIR/best --target T --format all --out DIR [--check-llama-cpp]
     .venv/bin/draftsmith run recipes/quickstart.yaml [distill.train.steps=200 ...] [--out runs/NAME]
     .venv/bin/draftsmith leaderboard runs/* --out leaderboard
