@@ -20,9 +20,10 @@ Batching (`batch_size` prompts at a time, default 8): rows decoded by one model 
 rows, and the target's with `speculative=False`) are generated together by `decode.batch.generate_batch`:
 left-padded, one Hugging Face forward per token for the whole batch, finished rows dropped from it. Each row
 keeps its own generator and sampling step, so it gets the tokens that model decodes for it alone (barring
-exact floating-point ties). At temperature > 0 a seed samples other (equally distributed) target text
-through the speculative decoder than plainly, so `settings.json` records which (`speculative`). Speculative rows are decoded one prompt at a time. `batch_size=1` decodes every row
-alone through `decode.speculative.generate`, as before batching existed.
+exact floating-point ties). Speculative rows are decoded one prompt at a time. `batch_size=1` decodes every
+row alone through `decode.speculative.generate`, as before batching existed. At temperature > 0 a seed
+samples other (equally distributed) target text through the speculative decoder than plainly, so
+`settings.json` records which (`speculative`).
 
 Folder `out`: `settings.json` (what the rows depend on; a rerun with other settings is refused),
 `rows.partial.jsonl` (finished prompts, appended a batch at a time, in prompt order), and at the end
@@ -117,14 +118,14 @@ def _check_settings(out: Path, settings: dict) -> None:
             old = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             old = None
-        if not isinstance(old, dict):
-            changed = []
-        else:
+        if isinstance(old, dict):
             differ = {k for k in settings if k in old and old[k] != settings[k]}
             changed = sorted(differ | (old.keys() - settings.keys()))
-        if not isinstance(old, dict) or changed:
+        else:
+            changed = ["unreadable settings"]
+        if changed:
             raise DraftsmithError(
-                f"{out} holds data generated with other settings ({', '.join(changed) or 'unreadable settings'}); "
+                f"{out} holds data generated with other settings ({', '.join(changed)}); "
                 "remove it or choose another folder"
             )
         return

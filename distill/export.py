@@ -224,7 +224,7 @@ def _export_gguf(model: Any, draft: Loaded, path: Path, t: str, target_gguf: Pat
     return g
 
 
-def _check_llama_cpp(t_gguf: Path, drafts: list[Path], types: list[str], prompts: list[list[int]], k: int,
+def _check_llama_cpp(t_gguf: Path, drafts: dict[str, Path], prompts: list[list[int]], k: int,
                      failed: list[str], warnings: list[str], progress: bool) -> tuple[dict, dict]:
     """llama-server with each GGUF draft, between two runs of the target alone (before and after, so a machine
     that slows down or speeds up during the check shows): acceptance, tokens/s and the ratio to the target alone,
@@ -237,7 +237,7 @@ def _check_llama_cpp(t_gguf: Path, drafts: list[Path], types: list[str], prompts
 
     before = alone("baseline")
     runs = {}
-    for t, path in zip(types, drafts):
+    for t, path in drafts.items():
         _say(f"llama-server: target with draft {path.name}", progress)
         runs[t] = check_with_llama_cpp(t_gguf, path, prompts, n_predict=64, draft_max=k)
     after = alone("baseline again")
@@ -247,7 +247,7 @@ def _check_llama_cpp(t_gguf: Path, drafts: list[Path], types: list[str], prompts
                 "predicted_n": [before["predicted_n"], after["predicted_n"]], "contents": before["contents"],
                 "prompts": before["prompts"], "command": before["command"], "server_version": before["server_version"]}
     for t, lc in runs.items():
-        name = drafts[types.index(t)].name
+        name = drafts[t].name
         lc["speedup_vs_target_only"] = lc["tokens_per_s"] / base_tps if lc["tokens_per_s"] and base_tps else None
         same = [a == b for a, b in zip(lc["contents"], before["contents"])]
         lc["greedy_equal"] = {"prompts": len(same), "equal": sum(same)}
@@ -311,7 +311,8 @@ def export(
                                        str(t_gguf) if t_gguf else None, first_gguf, k)
     if check_llama_cpp:
         summary["llama_cpp"], summary["llama_cpp_target_only"] = _check_llama_cpp(
-            t_gguf, [Path(g["path"]) for g in summary["gguf"]], types, prompts, k, failed, warnings, progress)
+            t_gguf, {g["gguf_type"]: Path(g["path"]) for g in summary["gguf"]}, prompts, k, failed, warnings,
+            progress)
     summary.update(ok=not failed, failed=failed, versions=versions(), seconds=time.perf_counter() - t0)
     card = model_card(summary)
     for folder in ([hf_dir] if "hf" in summary else []) + [out]:
