@@ -1,0 +1,104 @@
+"""Files that are never half-written, and results read back with one error style.
+
+    from decode.io import atomic_write_json, read_json
+    atomic_write_json(out / "bench.json", result)          # readers see the old file or the new one, never half
+    board = read_json(out / "leaderboard.json", missing_ok=True)   # None if absent; corrupt -> one-line error
+
+Every writer goes through a temporary sibling (same folder, so the rename is atomic on POSIX) and
+`os.replace`; files end up 0644 (mkstemp makes them 0600, and results are for everyone to read); a failure
+(a full disk, Ctrl-C) removes the temporary and leaves the old file as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from decode.errors import DraftsmithError
+
+
+@contextlib.contextmanager
+def atomic_path(final: str | Path) -> Iterator[Path]:
+    """A temporary sibling of `final` to write; it replaces `final` only when the block succeeds."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp")
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
+def atomic_write_json(path: str | Path, data: Any) -> None:
+    atomic_write_text(path, json.dumps(data, indent=2) + "\n")
+
+
+def replace_dir(tmp: Path, final: Path) -> None:
+    """Put the finished folder `tmp` at `final`, replacing what was there (the old one removed after the swap)."""
+    for p in (tmp, *tmp.rglob("*")):  # mkdtemp (and safetensors) make owner-only files; runs are shared
+        os.chmod(p, 0o755 if p.is_dir() else 0o644)
+    old = None
+    if final.exists():
+        old = final.with_name(f".{final.name}.old-{os.getpid()}")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def atomic_dir(final: str | Path) -> Iterator[Path]:
+    """A temporary sibling folder of `final` to fill; it replaces `final` only when the block succeeds."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
+    try:
+        yield tmp
+        replace_dir(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def read_json(path: str | Path, *, missing_ok: bool = False, what: str = "file") -> Any:
+    """The JSON in `path`; None when it is absent and `missing_ok`; otherwise one-line DraftsmithErrors."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        if missing_ok:
+            return None
+        raise DraftsmithError(f"{path}: no such {what}") from None
+    except OSError as e:
+        raise DraftsmithError(f"{path}: cannot read the {what} ({e.strerror or e})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DraftsmithError(f"{path}: the {what} is not valid JSON (line {e.lineno}: {e.msg}); "
+                              "remove it or rerun the step that writes it") from None
+
+
+__all__ = ["atomic_dir", "atomic_path", "atomic_write_bytes", "atomic_write_json", "atomic_write_text", "read_json",
+           "replace_dir"]
