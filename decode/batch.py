@@ -7,8 +7,8 @@ decoding it alone gives.
 
 Used where one model decodes many prompts on its own (distillation data from the draft, or from the target
 without a proposer): left-padded, one Hugging Face forward per token for the whole batch, finished rows
-dropped. `TargetVocab` and `to_vocab` fit a model's logits to another model's vocabulary (cut, or padded with
--inf), so a draft never samples a token its target cannot score.
+dropped. `TargetVocab` fits a model's logits to another model's vocabulary (`decode.sampling.fit_vocab`: cut,
+or padded with -inf), so a draft never samples a token its target cannot score.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from decode.model import Runner
-from decode.sampling import SamplingParams, greedy_token, sample, to_probs
+from decode.sampling import SamplingParams, fit_vocab, greedy_token, sample, to_probs
 
 
 class TargetVocab:
@@ -28,18 +28,7 @@ class TargetVocab:
         self.runner, self.vocab_size, self.max_seq_len = runner, vocab_size, runner.max_seq_len
 
     def forward(self, tokens: Tensor, pos: int, keep: int = 0) -> Tensor:
-        return to_vocab(self.runner.forward(tokens, pos, keep), self.vocab_size)
-
-
-def to_vocab(logits: Tensor, V: int) -> Tensor:
-    """Logits (..., Vd) cut, or padded with -inf (impossible tokens), to (..., V)."""
-    Vd = logits.shape[-1]
-    if Vd == V:
-        return logits
-    if Vd > V:
-        return logits[..., :V]
-    pad = logits.new_full((*logits.shape[:-1], V - Vd), float("-inf"))
-    return torch.cat([logits, pad], dim=-1)
+        return fit_vocab(self.runner.forward(tokens, pos, keep), self.vocab_size)
 
 
 @torch.inference_mode()
@@ -89,7 +78,7 @@ def generate_batch(
                        logits_to_keep=1).logits[:, -1]  # (len(live), V)
         logits = logits if logits.dtype == torch.float64 else logits.float()
         if vocab_size is not None:
-            logits = to_vocab(logits, vocab_size)
+            logits = fit_vocab(logits, vocab_size)
         keep, nxt = [], []
         for j, b in enumerate(live):
             if sampling.greedy:
@@ -113,4 +102,4 @@ def generate_batch(
     return out
 
 
-__all__ = ["TargetVocab", "generate_batch", "to_vocab"]
+__all__ = ["TargetVocab", "generate_batch"]

@@ -13,17 +13,17 @@ machine hits all modes alike. `greedy_equal` checks, per prompt, speculative == 
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from decode.errors import DraftsmithError
+from decode.io import atomic_write_json
 from decode.prompts import Prompt, load_prompts
-from decode.model import Runner
+from decode.model import Runner, draft_quant as effective_quant
 from decode.speculative import KPolicy, Stats, generate
 from decode.textgen import Pair, eos_ids, load_pair, machine_info, prompt_ids, versions
 
@@ -68,27 +68,109 @@ def side_by_side(
     return out
 
 
-def atomic_write_json(path: Path, data: dict) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2)
-            f.write("\n")
-        os.chmod(tmp, 0o644)  # mkstemp makes it 0600; results are for everyone to read
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+@dataclass
+class Validation:
+    """Our decoder on the same prompts: the target alone and with each draft, interleaved in one run.
+
+    `stats` holds "target_only" first, then one entry per draft; `greedy_equal[name]` says whether that draft's
+    tokens equal the target alone's on every prompt (None when sampling, where they need not)."""
+
+    k: int
+    prompts: list[str]
+    max_new_tokens: int
+    device: str
+    stats: dict[str, Stats]
+    greedy_equal: dict[str, bool | None]
+
+    @property
+    def drafts(self) -> list[str]:
+        return [n for n in self.stats if n != "target_only"]
+
+    @property
+    def tok_per_s(self) -> dict[str, float]:
+        return {n: st.tokens_per_s for n, st in self.stats.items()}
+
+    def speedup(self, name: str) -> float:
+        """tokens/s with draft `name` / tokens/s of the target alone (0 if the baseline produced nothing)."""
+        base = self.stats["target_only"].tokens_per_s
+        return self.stats[name].tokens_per_s / base if base else 0.0
+
+    @property
+    def speedup_vs_target_only(self) -> dict[str, float]:
+        return {n: self.speedup(n) for n in self.drafts}
+
+    def to_dict(self) -> dict:
+        """JSON form: the raw stats plus the flat views reports and leaderboards read."""
+        return {
+            "k": self.k, "prompts": self.prompts, "max_new_tokens": self.max_new_tokens, "device": self.device,
+            "tok_per_s": self.tok_per_s,
+            "seconds": {n: st.seconds for n, st in self.stats.items()},
+            "tokens": {n: st.new_tokens for n, st in self.stats.items()},
+            "mean_tau": {n: st.mean_tau for n, st in self.stats.items()},
+            "acceptance_rate": {n: st.acceptance_rate for n, st in self.stats.items()},
+            "speedup_vs_target_only": self.speedup_vs_target_only,
+            "greedy_equal": self.greedy_equal,
+            "stats": {n: st.to_dict() for n, st in self.stats.items()},
+            "tau_definition": "tokens emitted per target forward, including the bonus/corrected token",
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Validation":
+        stats = {n: Stats.from_dict(s) for n, s in d["stats"].items()}
+        return cls(d["k"], list(d["prompts"]), d["max_new_tokens"], d["device"], stats, dict(d["greedy_equal"]))
 
 
-def run_bench(
-    target: str, draft: str, *, prompts: str = DEFAULT_PROMPTS, n_prompts: int | None = DEFAULT_N_PROMPTS,
-    max_new_tokens: int = 64, ks: tuple[int, ...] = (3,), draft_quant: str | None = "int8",
-    hf_modes: bool = True, out: Path | None = None, progress: bool = True,
-) -> dict:
+def validate_drafts(
+    target: Runner, drafts: dict[str, Runner], prompts: list[list[int]], *, k: int, max_new_tokens: int,
+    eos_ids: list[int], names: list[str] | None = None, greedy: bool = True, desc: str | None = "validate",
+    device: str | torch.device = "cpu",
+) -> Validation:
+    """The measured speedup: target alone and with each draft on the same prompts, side by side in one run.
+
+    The one home of validation: `pair --validate`, `distill` (before/after) and the recipe's validate stage call it.
+    `greedy=False` (sampled decoding) records greedy_equal as None: sampled outputs need not match."""
+    if not drafts:
+        raise DraftsmithError("validation needs at least one draft")
+    if "target_only" in drafts:
+        raise DraftsmithError("'target_only' is the baseline's name; give the drafts other names")
+    if not prompts:
+        raise DraftsmithError("validation needs at least one prompt")
+    runs = side_by_side(target, {"target_only": None, **drafts}, prompts, k=k, max_new_tokens=max_new_tokens,
+                        eos_ids=eos_ids, desc=desc, device=device)
+    reference = runs["target_only"][1]
+    equal = {n: (toks == reference if greedy else None) for n, (_, toks) in runs.items() if n != "target_only"}
+    return Validation(k, names or [str(i) for i in range(len(prompts))], max_new_tokens, str(device),
+                      {n: st for n, (st, _) in runs.items()}, equal)
+
+
+@dataclass
+class BenchConfig:
+    """The settings of `draftsmith bench` (its options are generated from these fields)."""
+
+    prompts: str = DEFAULT_PROMPTS  # suite names (code,json,...) or a JSONL/CSV/Parquet file
+    n_prompts: int = DEFAULT_N_PROMPTS  # the first N prompts (0 = all)
+    max_new_tokens: int = 64  # tokens decoded per prompt
+    k: list[int] = field(default_factory=lambda: [3])  # K values to time, e.g. 3,5 (3 measured best on a 2-core CPU)
+    draft_quant: str | None = "int8"  # int8 | null: draft weights on CPU (the target always runs as loaded)
+    hf_modes: bool = True  # also time transformers generate and assisted generation
+
+    def __post_init__(self) -> None:
+        if self.n_prompts < 0:
+            raise ValueError(f"n_prompts must be >= 0 (0 = all), got {self.n_prompts}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not self.k or any(k < 1 for k in self.k):
+            raise ValueError(f"k must be a non-empty list of integers >= 1, got {self.k}")
+        if self.draft_quant not in (None, "int8"):
+            raise ValueError(f"draft_quant must be int8 or null, got {self.draft_quant!r}")
+
+
+def run_bench(target: str, draft: str, cfg: BenchConfig | None = None, *, out: Path | None = None,
+              progress: bool = True) -> dict:
     """Time every mode on the same prompts; returns (and writes to `out`) the JSON report."""
+    cfg = cfg or BenchConfig()
+    prompts, n_prompts, max_new_tokens, ks = cfg.prompts, cfg.n_prompts, cfg.max_new_tokens, tuple(cfg.k)
+    draft_quant, hf_modes = cfg.draft_quant, cfg.hf_modes
     items: list[Prompt] = load_prompts(prompts)
     if n_prompts:
         items = items[:n_prompts]
@@ -155,7 +237,7 @@ def run_bench(
     report = {
         "target": pair.target.name,
         "draft": pair.draft.name,
-        "draft_quantization": draft_quant or "none",
+        "draft_quantization": effective_quant(pair.draft.model, draft_quant) or "none",  # as the draft ran
         "dtype": str(next(pair.target.model.parameters()).dtype).removeprefix("torch."),
         "device": "cpu",
         "max_new_tokens": max_new_tokens,

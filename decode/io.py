@@ -6,12 +6,15 @@
 
 Every writer goes through a temporary sibling (same folder, so the rename is atomic on POSIX) and
 `os.replace`; files end up 0644 (mkstemp makes them 0600, and results are for everyone to read); a failure
-(a full disk, Ctrl-C) removes the temporary and leaves the old file as it was.
+(a full disk, Ctrl-C) removes the temporary and leaves the old file as it was. `atomic_dir` does the same
+for a folder (`keep_existing=True` for a cache entry that another process may finish first).
+`folder_identity` names a model folder in cache keys (resolved path, hashes of its JSON files, weight sizes).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -54,10 +57,14 @@ def atomic_write_json(path: str | Path, data: Any) -> None:
     atomic_write_text(path, json.dumps(data, indent=2) + "\n")
 
 
-def replace_dir(tmp: Path, final: Path) -> None:
-    """Put the finished folder `tmp` at `final`, replacing what was there (the old one removed after the swap)."""
+def _share(tmp: Path) -> None:
     for p in (tmp, *tmp.rglob("*")):  # mkdtemp (and safetensors) make owner-only files; runs are shared
         os.chmod(p, 0o755 if p.is_dir() else 0o644)
+
+
+def replace_dir(tmp: Path, final: Path) -> None:
+    """Put the finished folder `tmp` at `final`, replacing what was there (the old one removed after the swap)."""
+    _share(tmp)
     old = None
     if final.exists():
         old = final.with_name(f".{final.name}.old-{os.getpid()}")
@@ -69,14 +76,28 @@ def replace_dir(tmp: Path, final: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_dir(final: str | Path) -> Iterator[Path]:
-    """A temporary sibling folder of `final` to fill; it replaces `final` only when the block succeeds."""
+def atomic_dir(final: str | Path, *, keep_existing: bool = False) -> Iterator[Path]:
+    """A temporary sibling folder of `final` to fill; it replaces `final` only when the block succeeds.
+
+    `keep_existing`: for a folder that any run builds the same (a cache entry): when another process put
+    `final` in place first, its folder is kept and this one dropped."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
     try:
         yield tmp
-        replace_dir(tmp, final)
+        if not keep_existing:
+            replace_dir(tmp, final)
+        elif final.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            _share(tmp)
+            try:
+                os.rename(tmp, final)
+            except OSError:  # another process finished the same folder in between
+                if not final.is_dir():
+                    raise
+                shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -100,5 +121,27 @@ def read_json(path: str | Path, *, missing_ok: bool = False, what: str = "file")
                               "remove it or rerun the step that writes it") from None
 
 
-__all__ = ["atomic_dir", "atomic_path", "atomic_write_bytes", "atomic_write_json", "atomic_write_text", "read_json",
-           "replace_dir"]
+# what names a model folder (`folder_identity`): its small JSON files are hashed, its weights stat'ed
+_IDENTITY_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin")
+
+
+def folder_identity(path: str | Path) -> dict[str, Any]:
+    """What names a model folder in a cache key: its resolved path, hashes of its small JSON files, and the
+    size and mtime of its weight files (hashing gigabytes of weights would cost more than many generations)."""
+    path = Path(path).expanduser().resolve()
+    files: dict[str, str] = {}
+    if path.is_dir():
+        for name in _IDENTITY_FILES:
+            f = path / name
+            if f.is_file():
+                files[name] = hashlib.sha256(f.read_bytes()).hexdigest()
+        for f in sorted(path.iterdir()):
+            if f.is_file() and f.name.endswith(_WEIGHT_SUFFIXES):
+                st = f.stat()
+                files[f.name] = f"{st.st_size}:{st.st_mtime_ns}"
+    return {"path": str(path), "files": files}
+
+
+__all__ = ["atomic_dir", "atomic_path", "atomic_write_bytes", "atomic_write_json", "atomic_write_text",
+           "folder_identity", "read_json", "replace_dir"]

@@ -13,7 +13,12 @@ cache back to that prefix: nothing before `pos` is recomputed.
 - `HFRunner`: any Hugging Face causal LM (Gemma3 and the rest) with HF's own DynamicCache, cropped on rollback.
 
 `make_runner` picks the lean one where it applies. `quantize="int8"` gives a draft with dynamically
-quantised int8 Linear weights: cheaper steps, and exactness is untouched since the target verifies.
+quantised int8 Linear weights: cheaper steps, and exactness is untouched since the target verifies;
+`draft_quant(model)` says whether a draft can take it (CPU, float32, lean).
+
+`runner.capture_layers = (i, j, k)` (both runners; a draft head's aux layers) makes every forward also keep
+`runner.last_hidden` (T, 3H): the residual stream entering those layers (HF's `output_hidden_states[i]`) for
+the T positions it computed, concatenated in that order; `()` (the default) keeps nothing.
 """
 
 from __future__ import annotations
@@ -115,6 +120,9 @@ class LeanLayer(nn.Module):
 class LeanLM(nn.Module):
     """Llama-family causal LM with a preallocated KV cache, running on the HF model's own weights."""
 
+    capture_layers: tuple[int, ...] = ()
+    last_hidden: Tensor | None = None  # (T, len(capture_layers) * d) of the last forward
+
     def __init__(self, hf_model, max_seq_len: int, *, fast_head: bool = True) -> None:
         super().__init__()
         config = hf_model.config
@@ -172,8 +180,13 @@ class LeanLM(nn.Module):
         self, tokens: Tensor, cos: Tensor, sin: Tensor, pos: int | Tensor, mask: Tensor | None, keep: int = 0
     ) -> Tensor:
         x = self.embed(tokens)  # (T, d)
+        seen = {}
         for i, layer in enumerate(self.layers):
+            if i in self.capture_layers:
+                seen[i] = x
             x = layer(x, cos, sin, self.cache, i, pos, mask)
+        if self.capture_layers:  # a head's features: no copy but the concatenation
+            self.last_hidden = torch.cat([seen[i] for i in self.capture_layers], dim=-1)  # (T, 3d)
         if keep:
             x = x[-keep:]
         h = _rms_norm(x, self.norm, self.eps)
@@ -186,6 +199,9 @@ class LeanLM(nn.Module):
 
 class HFRunner:
     """Any Hugging Face causal LM, with HF's DynamicCache cropped back to `pos` on rollback."""
+
+    capture_layers: tuple[int, ...] = ()
+    last_hidden: Tensor | None = None
 
     def __init__(self, hf_model, max_seq_len: int) -> None:
         from transformers import DynamicCache
@@ -210,7 +226,10 @@ class HFRunner:
         out = self.model(
             input_ids=tokens[None], cache=self.cache, use_cache=True,
             cache_position=positions, position_ids=positions[None], logits_to_keep=keep,
+            output_hidden_states=bool(self.capture_layers),
         )
+        if self.capture_layers:
+            self.last_hidden = torch.cat([out.hidden_states[i][0] for i in self.capture_layers], dim=-1)
         logits = out.logits[0]
         return logits if logits.dtype == torch.float64 else logits.float()
 
@@ -231,6 +250,16 @@ def quantize_int8(runner: Runner) -> Runner:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.ao's deprecation notices
         return torch.ao.quantization.quantize_dynamic(runner, {nn.Linear}, dtype=torch.qint8, inplace=True)
+
+
+def draft_quant(model, requested: str | None = "int8") -> str | None:
+    """The `quantize=` a draft runner gets: "int8" only when asked for and the model can take it (on the CPU,
+    float32, an architecture the lean runner runs: fbgemm's int8 is a CPU kernel), else None (as loaded)."""
+    if requested != "int8":
+        return None
+    param = next(model.parameters())
+    ok = param.device.type == "cpu" and param.dtype == torch.float32 and lean_supported(model.config)[0]
+    return "int8" if ok else None
 
 
 def make_runner(hf_model, max_seq_len: int, *, lean: bool | None = None, quantize: str | None = None) -> Runner:

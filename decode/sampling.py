@@ -36,6 +36,22 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+def fit_vocab(logits: Tensor, V: int) -> Tensor:
+    """Logits (..., Vd) -> (..., V): extra columns cut, missing ones padded with -inf (impossible tokens).
+
+    How a draft's logits meet its target's vocabulary (one tokenizer family pads its embedding table to
+    different sizes): any proposal distribution keeps speculative decoding exact, as long as sampling and
+    the acceptance ratio use the same q.
+    """
+    Vd = logits.shape[-1]
+    if Vd > V:
+        return logits[..., :V]
+    if Vd < V:
+        pad = logits.new_full((*logits.shape[:-1], V - Vd), float("-inf"))
+        return torch.cat([logits, pad], dim=-1)
+    return logits
+
+
 def greedy_token(logits: Tensor) -> Tensor:
     """argmax over the last dim; torch.argmax returns the first (lowest id) maximum, as the contract asks."""
     return torch.argmax(logits, dim=-1)

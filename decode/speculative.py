@@ -10,6 +10,11 @@ is fed next round). The draft cache holds seq[:d_len]; it may lag by one token a
 round (d_K was sampled, never fed), so the next round feeds it seq[d_len:] (one or two tokens).
 
 Temperature 0 never draws a random number: output equals the target's own greedy decode.
+
+A draft head (`decode.head.HeadDraft`, `reads_target`) reads the target instead of running on its own: the
+target keeps its hidden states at the head's layers, and after each target forward the accepted rows go to
+the head (`observe`); the head then drafts as any draft does, feeding itself past them. The first round of a
+one-token prompt drafts nothing (the target has not read a token yet).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import torch
 from torch import Tensor
 
 from decode.model import Runner
-from decode.sampling import SamplingParams, greedy_token, sample, to_probs, verify, verify_greedy
+from decode.sampling import SamplingParams, fit_vocab, greedy_token, sample, to_probs, verify, verify_greedy
 
 
 @dataclass(frozen=True)
@@ -105,25 +110,17 @@ class Stats:
             "tau_definition": "tokens emitted per target forward, including the bonus/corrected token",
         }
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "Stats":
+        """The inverse of `to_dict` (derived fields are recomputed, not read)."""
+        return cls({int(t): int(c) for t, c in d["tau_hist"].items()}, int(d["drafted"]), int(d["accepted"]),
+                   int(d["new_tokens"]), float(d["prefill_seconds"]), float(d["seconds"]))
+
 
 @dataclass
 class Result:
     tokens: list[int]  # the new tokens only
     stats: Stats
-
-
-def _fit_vocab(logits: Tensor, V: int) -> Tensor:
-    """Draft logits (..., Vd) -> (..., V) of the target: extra rows dropped, missing rows impossible (-inf).
-
-    Any proposal distribution keeps the output exact, as long as sampling and the ratio use the same q.
-    """
-    Vd = logits.shape[-1]
-    if Vd > V:
-        return logits[..., :V]
-    if Vd < V:
-        pad = logits.new_full((*logits.shape[:-1], V - Vd), float("-inf"))
-        return torch.cat([logits, pad], dim=-1)
-    return logits
 
 
 def _ids(tokens: list[int], device: torch.device) -> Tensor:
@@ -160,10 +157,15 @@ def generate(
     stats = Stats()
     t0 = time.perf_counter()
 
+    head = draft if getattr(draft, "reads_target", False) else None  # a draft head: it reads the target
+    if head is not None:
+        captured, target.capture_layers = getattr(target, "capture_layers", ()), head.capture_layers
     seq = list(prompt_ids)
     if len(seq) > 1:  # prefill: both caches take seq[:-1]
         target.forward(_ids(seq[:-1], device), 0, keep=1)
-        if draft is not None:
+        if head is not None:
+            head.observe(target.last_hidden, _ids(seq[:-1], device), 0)
+        elif draft is not None:
             draft.forward(_ids(seq[:-1], device), 0, keep=1)
     d_len = len(seq) - 1
     stats.prefill_seconds = time.perf_counter() - t0
@@ -172,13 +174,15 @@ def generate(
     n_new = 0
     while n_new < max_new_tokens:
         K = min(k, max_new_tokens - n_new - 1)  # never draft past the budget
+        if head is not None and len(seq) < 2:
+            K = 0  # a head needs the target's features of one token
         # -- draft phase: propose up to K tokens --
         drafts: list[int] = []
         qs: list[Tensor] = []
         if K > 0:
             feed = seq[d_len:]
             for _ in range(K):
-                logits = _fit_vocab(draft.forward(_ids(feed, device), d_len, keep=1)[-1], V)
+                logits = fit_vocab(draft.forward(_ids(feed, device), d_len, keep=1)[-1], V)
                 d_len += len(feed)
                 if sampling.greedy:
                     tok = int(greedy_token(logits))
@@ -194,13 +198,16 @@ def generate(
                     break
         # -- verify phase: one target forward over [current token, drafts] --
         pos = len(seq) - 1
-        p_logits = target.forward(_ids([seq[-1], *drafts], device), pos)  # (len(drafts)+1, V)
+        fed = _ids([seq[-1], *drafts], device)
+        p_logits = target.forward(fed, pos)  # (len(drafts)+1, V)
         d_tokens = _ids(drafts, p_logits.device)
         if sampling.greedy:
             n_acc, nxt = verify_greedy(p_logits, d_tokens)
         else:
             q_stack = torch.stack(qs) if qs else p_logits.new_zeros((0, V))
             n_acc, nxt = verify(to_probs(p_logits, sampling), q_stack, d_tokens, generator)
+        if head is not None:  # the accepted rows' features go to the head
+            head.observe(target.last_hidden[: n_acc + 1], fed[: n_acc + 1], pos)
         stats.tau_hist[n_acc + 1] = stats.tau_hist.get(n_acc + 1, 0) + 1
         stats.drafted += len(drafts)
         stats.accepted += n_acc
@@ -219,6 +226,8 @@ def generate(
         if stop:
             break
 
+    if head is not None:
+        target.capture_layers = captured
     stats.tau_hist = dict(sorted(stats.tau_hist.items()))
     stats.new_tokens = n_new
     stats.seconds = time.perf_counter() - t0

@@ -18,7 +18,7 @@ import torch
 
 from decode.errors import DraftsmithError
 from decode.loading import Loaded, load
-from decode.model import Runner, make_runner
+from decode.model import Runner, draft_quant as _draft_quant, make_runner
 from decode.sampling import SamplingParams
 from decode.speculative import KPolicy, generate
 
@@ -70,15 +70,15 @@ def load_pair(
     target: str, draft: str | None, *, max_seq_len: int = 2048, draft_quant: str | None = "int8",
     device: str = "cpu",
 ) -> Pair:
-    """Load target (as is, float32 on CPU) and draft (int8 weights by default), with their runners."""
+    """Load target (as is, float32 on CPU) and draft (int8 weights by default where it can: see
+    `decode.model.draft_quant`), with their runners."""
     t = load(target, device=device)
     d = load(draft, device=device) if draft else None
     if d is not None:
         check_vocab(t, d)
-    quant = draft_quant if device == "cpu" else None  # fbgemm int8 is a CPU kernel
     return Pair(
         t, d, make_runner(t.model, max_seq_len),
-        make_runner(d.model, max_seq_len, quantize=quant) if d is not None else None,
+        make_runner(d.model, max_seq_len, quantize=_draft_quant(d.model, draft_quant)) if d is not None else None,
     )
 
 
@@ -87,6 +87,8 @@ def decode_text(
     policy: KPolicy = KPolicy(), seed: int = 0, chat: bool = True,
 ) -> dict:
     """Decode one prompt; returns {"text", "tokens", "stats"}."""
+    if max_new_tokens < 1:
+        raise DraftsmithError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     ids = prompt_ids(pair.target.tokenizer, text, chat=chat)
     gen = torch.Generator().manual_seed(seed)
     result = generate(

@@ -34,6 +34,7 @@ from typing import Any
 
 from decode.errors import DraftsmithError
 from decode.gguf_check import check_gguf, gguf_chat_template
+from decode.io import atomic_dir, atomic_path
 
 _CHUNK = 1 << 20  # 1 MiB: copy/hash block
 _SPACE_MARGIN = 200 * 10**6  # bytes kept free beyond the estimate (tokenizer files, metadata, slack)
@@ -222,45 +223,19 @@ def _is_enospc(e: BaseException) -> bool:
     return (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "os error 28" in str(e)
 
 
-def _remove(path: Path) -> None:
-    if path.is_dir():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
-
-
-def _make_readable(path: Path) -> None:
-    """mkstemp/mkdtemp (and safetensors) create owner-only files; the cache is meant to be shared."""
-    os.chmod(path, 0o755 if path.is_dir() else 0o644)
-    if path.is_dir():
-        for child in path.rglob("*"):
-            os.chmod(child, 0o755 if child.is_dir() else 0o644)
-
-
 @contextlib.contextmanager
 def _atomic(final: Path, need: int, *, is_dir: bool = False) -> Iterator[Path]:
-    """Yield a temporary sibling of `final` to write; it replaces `final` only if the block succeeds.
+    """Yield a temporary sibling of `final` to write; it replaces `final` only if the block succeeds
+    (`decode.io.atomic_path`, or `atomic_dir` keeping a folder another process finished first).
 
     Checks for `need` bytes of free space first; on any failure the temporary is removed, and a
     full disk becomes a DraftsmithError saying how much space is needed where.
     """
     _require_space(final.parent, need)
-    prefix = f".{final.name}."
-    if is_dir:
-        tmp = Path(tempfile.mkdtemp(prefix=prefix, suffix=".tmp", dir=final.parent))
-    else:
-        fd, name = tempfile.mkstemp(prefix=prefix, suffix=".tmp", dir=final.parent)
-        os.close(fd)
-        tmp = Path(name)
     try:
-        yield tmp
-        _make_readable(tmp)
-        if is_dir and final.exists():  # another process finished the same conversion first
-            _remove(tmp)
-        else:
-            os.replace(tmp, final)
+        with atomic_dir(final, keep_existing=True) if is_dir else atomic_path(final) as tmp:
+            yield tmp
     except BaseException as e:
-        _remove(tmp)
         if _is_enospc(e):
             raise _no_space(final.parent, need) from None
         raise

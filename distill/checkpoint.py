@@ -6,17 +6,16 @@
 or the LoRA adapters), `state.pt` (optimizer, scheduler, grad scaler, RNG states; read back with
 `torch.load(weights_only=True)`), `trainer.json` (step, data position, best alpha, config), `log.jsonl`
 (the log up to this step). A folder under its final name is always complete: it is built under a temporary
-name in the same directory and swapped in by `os.replace`. `save_hf` writes a Hugging Face folder the same way.
+name in the same directory and swapped in by `os.replace` (`decode.io.atomic_dir`). `save_hf` writes a Hugging Face
+folder the same way.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
 import random
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from decode.errors import DraftsmithError
+from decode.io import atomic_dir
 
 MARKER = "draftsmith_distill.json"  # in every best/ folder: which step and alpha it holds, and the config
 
@@ -31,27 +31,6 @@ MARKER = "draftsmith_distill.json"  # in every best/ folder: which step and alph
 def trainable(model: nn.Module) -> dict[str, Tensor]:
     """The parameters a checkpoint holds: those that train (all of a full student, a LoRA student's adapters)."""
     return {name: p for name, p in model.named_parameters() if p.requires_grad}
-
-
-def replace_dir(tmp: Path, final: Path) -> None:
-    """Put the finished folder `tmp` at `final`, replacing what was there (old one removed after the swap)."""
-    for path in (tmp, *tmp.rglob("*")):  # mkdtemp (and safetensors) make owner-only files; runs are shared
-        os.chmod(path, 0o755 if path.is_dir() else 0o644)
-    old = None
-    if final.exists():
-        old = final.with_name(f".{final.name}.old-{os.getpid()}")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-    os.replace(tmp, final)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def write_text(path: Path, text: str) -> None:
-    """Write `path` through a temporary file and a rename: readers see the old text or the new, never half."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def list_checkpoints(out: Path) -> list[Path]:
@@ -66,24 +45,21 @@ def save_checkpoint(out: Path, step: int, model: nn.Module, optimizer, scheduler
     """Write checkpoints/step-N atomically, then drop the older ones. `order` is the run's DataOrder."""
     from safetensors.torch import save_file
 
-    root = out / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".step-{step}.", suffix=".tmp", dir=root))
-    weights = {k: v.detach().contiguous().cpu() for k, v in trainable(model).items()}
-    save_file(weights, str(tmp / "student.safetensors"))
-    rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "data": order.epoch_rng}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state_all()
-    blob = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng}
-    if scaler is not None:  # fp16's loss scale
-        blob["scaler"] = scaler.state_dict()
-    torch.save(blob, tmp / "state.pt")
-    log = out / "log.jsonl"
-    if log.is_file():
-        shutil.copyfile(log, tmp / "log.jsonl")
-    (tmp / "trainer.json").write_text(json.dumps(trainer, indent=2) + "\n", encoding="utf-8")
-    final = root / f"step-{step}"
-    replace_dir(tmp, final)
+    final = out / "checkpoints" / f"step-{step}"
+    with atomic_dir(final) as tmp:
+        weights = {k: v.detach().contiguous().cpu() for k, v in trainable(model).items()}
+        save_file(weights, str(tmp / "student.safetensors"))
+        rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "data": order.epoch_rng}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        blob = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng}
+        if scaler is not None:  # fp16's loss scale
+            blob["scaler"] = scaler.state_dict()
+        torch.save(blob, tmp / "state.pt")
+        log = out / "log.jsonl"
+        if log.is_file():
+            shutil.copyfile(log, tmp / "log.jsonl")
+        (tmp / "trainer.json").write_text(json.dumps(trainer, indent=2) + "\n", encoding="utf-8")
     for old in list_checkpoints(out):
         if old != final:
             shutil.rmtree(old, ignore_errors=True)
@@ -157,18 +133,12 @@ def _no_hf_bars():
 def save_hf(model: nn.Module, tokenizer: Any, dest: Path, info: dict) -> None:
     """A Hugging Face folder of `model` (a plain HF model: merge LoRA first) plus tokenizer and MARKER,
     replacing `dest` atomically."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent))
-    try:
+    with atomic_dir(dest) as tmp:
         with _no_hf_bars():
             model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         (tmp / MARKER).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
-        replace_dir(tmp, dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
-__all__ = ["MARKER", "list_checkpoints", "load_student", "replace_dir", "restore_checkpoint", "save_checkpoint",
-           "save_hf", "trainable", "write_text"]
+__all__ = ["MARKER", "list_checkpoints", "load_student", "restore_checkpoint", "save_checkpoint", "save_hf",
+           "trainable"]

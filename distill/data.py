@@ -38,9 +38,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import uuid
 from pathlib import Path
 
 import datasets
@@ -49,13 +46,15 @@ from tqdm.auto import tqdm
 
 from decode.batch import TargetVocab, generate_batch
 from decode.errors import DraftsmithError
+from decode.io import atomic_write_json, folder_identity, read_json
 from decode.loading import Loaded
-from decode.model import lean_supported, make_runner
+from decode.model import draft_quant, make_runner
 from decode.prompts import Prompt
+from decode.rows import append_rows, read_partial, save_rows
 from decode.sampling import SamplingParams
 from decode.speculative import generate
 from decode.textgen import check_vocab, eos_ids, prompt_ids
-from pairing.reference import _folder_identity, _read_partial, prompt_seed
+from pairing.reference import prompt_seed
 
 FORMAT_VERSION = 1  # bump when rows or generation change meaning: old folders are then refused, not mixed in
 SOURCES = ("target", "draft", "mixed")
@@ -103,8 +102,8 @@ def _settings(target: Loaded, draft: Loaded, prompts: list[Prompt], source: str,
         "speculative": bool(speculative) if sampled_target else None,
         "prompts": len(prompts),
         "prompts_sha256": hashlib.sha256(prompts_blob).hexdigest(),
-        "target": _folder_identity(target.path),
-        "draft": _folder_identity(draft.path) if draft_matters else None,
+        "target": folder_identity(target.path),
+        "draft": folder_identity(draft.path) if draft_matters else None,
     }
 
 
@@ -114,10 +113,7 @@ def _check_settings(out: Path, settings: dict) -> None:
     unchanged."""
     path = out / SETTINGS
     if path.is_file():
-        try:
-            old = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            old = None
+        old = read_json(path, what="settings file")  # a file that is not JSON: a one-line error naming it
         if isinstance(old, dict):
             differ = {k for k in settings if k in old and old[k] != settings[k]}
             changed = sorted(differ | (old.keys() - settings.keys()))
@@ -129,12 +125,10 @@ def _check_settings(out: Path, settings: dict) -> None:
                 "remove it or choose another folder"
             )
         return
-    tmp = out / f".{SETTINGS}.tmp"
-    tmp.write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write_json(path, settings)
 
 
-def _validate(source: str, mix: float, max_new_tokens: int, temperature: float, prompts: list[Prompt]) -> None:
+def _check_args(source: str, mix: float, max_new_tokens: int, temperature: float, prompts: list[Prompt]) -> None:
     if source not in SOURCES:
         raise DraftsmithError(f"source must be one of {', '.join(SOURCES)}, got {source!r}")
     if not 0.0 <= mix <= 1.0:
@@ -160,7 +154,7 @@ def generate_data(
     seed: int = 0,
     chat: bool = True,
     progress: bool = True,
-    speculative: bool = True,
+    speculative: bool = False,
     batch_size: int = 8,
 ) -> datasets.Dataset:
     """Prompt + continuation rows for distillation (see the module docstring); resumes or loads `out`.
@@ -168,7 +162,7 @@ def generate_data(
     `speculative=False` generates the target's rows with the target alone: the same text, and faster when the
     draft is still poor (a freshly derived draft is accepted a few percent of the time), more so batched.
     `batch_size` prompts are decoded together where a model decodes alone (1 = one at a time)."""
-    _validate(source, mix, max_new_tokens, temperature, prompts)
+    _check_args(source, mix, max_new_tokens, temperature, prompts)
     if batch_size < 1:
         raise DraftsmithError(f"batch_size must be >= 1, got {batch_size}")
     check_vocab(target, draft)
@@ -185,32 +179,15 @@ def generate_data(
         return datasets.load_from_disk(str(final))
 
     part = out / PARTIAL
-    rows = _read_partial(part, prompts)
+    rows = read_partial(part, prompts)
     from_draft = draft_prompts(len(prompts), source, mix, seed)
     if len(rows) < len(prompts):
         _generate_rows(target, draft, prompts, rows, part, from_draft, max_new_tokens, temperature, seed, chat,
                        progress, speculative, batch_size)
 
-    ds = datasets.Dataset.from_list(
-        [{name: r[name] for name in FEATURES} for r in rows], features=FEATURES,
-        info=datasets.DatasetInfo(description=json.dumps({"draftsmith_distill_data": settings}), features=FEATURES),
-    )
-    tmp = out / f".{DATASET_DIR}.tmp-{uuid.uuid4().hex[:8]}"
-    bars_were_on = datasets.is_progress_bar_enabled()
-    datasets.disable_progress_bars()  # "Saving the dataset" is noise after the generation bar
-    try:
-        ds.save_to_disk(str(tmp))
-    finally:
-        if bars_were_on:
-            datasets.enable_progress_bars()
-    try:
-        os.rename(tmp, final)
-    except OSError:  # another run finished the same folder first: its rows are the same
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not final.is_dir():
-            raise
+    ds = save_rows(rows, FEATURES, {"draftsmith_distill_data": settings}, final)
     part.unlink(missing_ok=True)
-    return datasets.load_from_disk(str(final))
+    return ds
 
 
 def _generate_rows(
@@ -241,10 +218,8 @@ def _generate_rows(
     need_draft = any(i in from_draft for i in todo)
     t_runner = make_runner(target.model, max_seq_len) if need_target and (speculative or not batched) else None
     proposer = None
-    if need_target and speculative:  # int8 where the lean runner applies: cheaper proposals, exact text
-        param = next(draft.model.parameters())
-        int8 = lean_supported(draft.model.config)[0] and param.device.type == "cpu" and param.dtype == torch.float32
-        proposer = make_runner(draft.model, max_seq_len, quantize="int8" if int8 else None)
+    if need_target and speculative:  # int8 where it can (decode.model.draft_quant): cheaper proposals, exact text
+        proposer = make_runner(draft.model, max_seq_len, quantize=draft_quant(draft.model))
     alone = None
     if need_draft and not batched:  # on-policy text comes from the draft itself, not from its int8 copy
         alone = make_runner(draft.model, max_seq_len)
@@ -280,10 +255,8 @@ def _generate_rows(
                 p = prompts[i]
                 row = {"index": i, "id": p.id, "domain": p.domain, "source": "draft" if i in from_draft else "target",
                        "prompt_ids": ids[i], "continuation_ids": outs[i]}
-                f.write(json.dumps(row) + "\n")
                 rows.append(row)
-            f.flush()  # a checkpoint per batch: a line costs nothing next to a generation
-            os.fsync(f.fileno())
+            append_rows(f, rows[-len(chunk):])  # a checkpoint per batch
             bar.update(len(chunk))
     bar.close()
 

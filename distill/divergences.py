@@ -1,6 +1,6 @@
 """Distillation divergences between the target (teacher) p and the draft (student) q: pure tensor functions.
 
-Names follow design.md: `p` is the target distribution, `q` the draft's, both `softmax(logits / T)` at the
+Names follow docs/design.md: `p` is the target distribution, `q` the draft's, both `softmax(logits / T)` at the
 same temperature T. Every divergence is named by its direction and returns its TRUE value (never a
 cross-entropy that differs from it by the teacher's entropy), so a logged 0 means the draft matches.
 
@@ -11,7 +11,7 @@ cross-entropy that differs from it by the teacher's entropy), so a logged 0 mean
 
 TVD is the speculative-decoding objective itself: the per-position acceptance is beta_t = 1 - TV(p_t, q_t),
 so the token mean of `tvd` over target-generated positions is exactly 1 - alpha (at that temperature).
-(design.md's acceptance beta_t is unrelated to `jsd`'s mixture weight `beta`, which follows TRL's GKD.)
+(docs/design.md's acceptance beta_t is unrelated to `jsd`'s mixture weight `beta`, which follows TRL's GKD.)
 
 Every function returns (total, n_tokens): the SUM over positions where `mask` is true and how many there are.
 Divide the summed totals of all micro-batches by their GLOBAL token count (`token_mean`) and gradient
@@ -28,12 +28,13 @@ import torch
 from torch import Tensor
 
 from decode.errors import DraftsmithError
+from decode.sampling import fit_vocab
 
 # log-probabilities on the side being divided by are floored here, so a draft holding mass where the target
 # has none (reverse KL against a top-k teacher: -inf outside the top k) costs a large finite penalty and a
 # finite gradient instead of inf / NaN. exp(-100) ~ 4e-44 is below anything float32 can matter for.
 LOG_FLOOR = -100.0
-# llama.cpp's rule (design.md, Compatibility): vocabularies of one tokenizer family may differ by padding rows.
+# llama.cpp's rule (docs/design.md, Compatibility): vocabularies of one tokenizer family may differ by padding rows.
 MAX_PADDING_ROWS = 128
 
 Divergence = Callable[..., tuple[Tensor, Tensor]]
@@ -62,7 +63,7 @@ def align_vocab(student_logits: Tensor, teacher_logits: Tensor) -> tuple[Tensor,
             "tokenizers; token-level distillation needs a draft from the target's family"
         )
     V = min(Vs, Vt)
-    return student_logits[..., :V], teacher_logits[..., :V]
+    return fit_vocab(student_logits, V), fit_vocab(teacher_logits, V)
 
 
 def topk_teacher_logits(values: Tensor, indices: Tensor, vocab_size: int) -> Tensor:

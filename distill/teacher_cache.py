@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
-import uuid
 from pathlib import Path
 from typing import Callable
 
@@ -36,10 +34,10 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from decode.errors import DraftsmithError
+from decode.io import atomic_path, atomic_write_json, atomic_write_text, folder_identity
 from decode.loading import Loaded
 from distill.data import collate
 from distill.divergences import topk_teacher_logits
-from pairing.reference import _folder_identity
 
 FORMAT_VERSION = 1
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
@@ -67,7 +65,7 @@ def cache_settings(target: Loaded, rows: Rows, k: int, dtype: str) -> dict:
     rows_blob = json.dumps([[list(p), list(c)] for p, c in rows], separators=(",", ":")).encode()
     return {
         "format": FORMAT_VERSION,
-        "target": _folder_identity(target.path),
+        "target": folder_identity(target.path),
         "target_weights": _weights_sample(target.model),
         "rows": len(rows),
         "rows_sha256": hashlib.sha256(rows_blob).hexdigest(),
@@ -170,9 +168,7 @@ def build_teacher_cache(
     if not (folder / DONE).is_file():
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            tmp = folder / f".settings.json.{uuid.uuid4().hex[:8]}"
-            tmp.write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
-            os.replace(tmp, folder / "settings.json")
+            atomic_write_json(folder / "settings.json", settings)
         except OSError as e:
             raise DraftsmithError(f"cannot write the teacher cache under {root}: {e.strerror}") from None
         n_shards = -(-len(rows) // ROWS_PER_SHARD)
@@ -194,9 +190,7 @@ def build_teacher_cache(
         if missing:
             raise DraftsmithError(f"teacher cache {folder} lacks shard(s) {missing[:5]} after building")
         if rank == 0:
-            tmp = folder / f".{DONE}.tmp"
-            tmp.write_text(json.dumps({"shards": n_shards, "rows": len(rows)}) + "\n", encoding="utf-8")
-            os.replace(tmp, folder / DONE)
+            atomic_write_text(folder / DONE, json.dumps({"shards": n_shards, "rows": len(rows)}) + "\n")
             _remove_stale(root, keep=folder)
         wait()
     return TeacherTopK(folder, V)
@@ -209,14 +203,8 @@ def _shard_name(j: int) -> str:
 def _write_shard(path: Path, tensors: dict[str, Tensor]) -> None:
     from safetensors.torch import save_file
 
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
+    with atomic_path(path) as tmp:
         save_file(tensors, str(tmp))
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def _remove_stale(root: Path, keep: Path) -> None:

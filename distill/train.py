@@ -64,11 +64,12 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from decode.errors import DraftsmithError
+from decode.io import atomic_write_json
 from decode.loading import Loaded
 from decode.sampling import SamplingParams
 from decode.textgen import check_vocab
-from distill.checkpoint import (MARKER, list_checkpoints, load_student, replace_dir, restore_checkpoint, save_checkpoint,
-                                save_hf, trainable, write_text)
+from distill.checkpoint import (MARKER, list_checkpoints, load_student, restore_checkpoint, save_checkpoint, save_hf,
+                                trainable)
 from distill.data import collate, training_rows
 from distill.divergences import DIVERGENCES, align_vocab, divergence_sum, token_mean
 from distill.teacher_cache import DTYPES as TEACHER_DTYPES
@@ -92,23 +93,23 @@ class TrainConfig:
     """Every training setting, typed and validated on construction (errors name the field)."""
 
     loss: str = "fkl"  # fkl | rkl | jsd | tvd (distill.divergences)
-    jsd_beta: float = 0.5
+    jsd_beta: float = 0.5  # the mixture weight of jsd (0.5 = the symmetric Jensen-Shannon divergence)
     temperature: float = 1.0  # both distributions are softmax(logits / temperature)
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    warmup_steps: int = 10
+    lr: float = 1e-4  # peak learning rate (AdamW)
+    weight_decay: float = 0.0  # AdamW weight decay
+    warmup_steps: int = 10  # linear warm-up steps before the schedule
     schedule: str = "cosine"  # cosine | linear | constant (after the warm-up)
     steps: int = 100  # optimizer steps
     batch_size: int = 4  # rows per micro-batch (per process)
     grad_accum: int = 1  # micro-batches per optimizer step
     max_grad_norm: float = 1.0  # 0 = no clipping
     lora_r: int = 0  # 0 = full fine-tuning; > 0 = LoRA rank (merged into best/)
-    lora_alpha: int = 16
-    eval_every: int = 25
+    lora_alpha: int = 16  # LoRA scaling (alpha / r)
+    eval_every: int = 25  # steps between held-out alpha measurements (best/ follows the best)
     early_stop_patience: int = 0  # 0 = off; else stop after this many evals without an alpha gain
-    save_every: int = 25
+    save_every: int = 25  # steps between checkpoints (a resume loses at most these)
     max_bad_steps: int = 10  # steps with a non-finite loss or gradient before the run stops
-    seed: int = 0
+    seed: int = 0  # data order, data sampling and initialisation
     mixed_precision: str = "no"  # no | fp16 | bf16 (accelerate)
     wandb: str = "disabled"  # disabled | offline | online
     teacher: str = "online"  # online (the target scores every batch) | cache (its top-k, computed once to disk)
@@ -470,7 +471,7 @@ def train(
     if cache is not None:
         summary["paths"]["teacher_cache"] = str(cache.folder)
     if main:
-        write_text(out / "summary.json", json.dumps(summary, indent=2) + "\n")
+        atomic_write_json(out / "summary.json", summary)
     return summary
 
 
@@ -508,16 +509,6 @@ def _step(cfg: TrainConfig, rows, order: DataOrder, model, teacher, cache: Teach
     max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
     grad_norm = accelerator.clip_grad_norm_(params, max_norm)
     return float(token_mean(total, tokens)), float(grad_norm), int(tokens.item())
-
-
-# the names these helpers had before distill.checkpoint / distill.data held them (distill.export uses one)
-_replace_dir, _write_text, _checkpoints, _trainable, _load_student = (replace_dir, write_text, list_checkpoints,
-                                                                      trainable, load_student)
-_rows, _collate = training_rows, collate
-
-
-def _save_hf(model: nn.Module, tokenizer: Any, dest: Path, info: dict) -> None:
-    save_hf(merged_model(model), tokenizer, dest, info)
 
 
 __all__ = ["MARKER", "DataOrder", "TrainConfig", "lora_target_modules", "lr_factor", "make_student", "merged_model",

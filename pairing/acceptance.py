@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 
 from decode.errors import DraftsmithError
 from decode.loading import Loaded
-from decode.sampling import SamplingParams, greedy_token, to_probs
+from decode.sampling import SamplingParams, fit_vocab, greedy_token, to_probs
 from decode.textgen import eos_ids, prompt_ids
 from pairing.cost import expected_tau
 
@@ -46,18 +46,8 @@ TAU_DEFINITION = "tokens emitted per target forward, including the bonus/correct
 # -- the math ------------------------------------------------------------------------------------------
 
 
-def _align_vocab(q_logits: Tensor, V: int) -> Tensor:
-    """Draft logits (..., Vd) -> (..., V) as the decoder aligns them: extra rows dropped, missing rows -inf."""
-    Vd = q_logits.shape[-1]
-    if Vd > V:
-        return q_logits[..., :V]
-    if Vd < V:
-        return torch.cat([q_logits, q_logits.new_full((*q_logits.shape[:-1], V - Vd), float("-inf"))], dim=-1)
-    return q_logits
-
-
 def _beta_given_p(p: Tensor, q_logits: Tensor, params: SamplingParams) -> Tensor:
-    q = to_probs(_align_vocab(q_logits, p.shape[-1]).to(p.device), params)
+    q = to_probs(fit_vocab(q_logits, p.shape[-1]).to(p.device), params)  # as the decoder aligns them
     return torch.minimum(p, q).sum(dim=-1)
 
 

@@ -4,7 +4,7 @@
     cost = measure_cost(target_runner, draft_runner)        # runners from decode.model.make_runner
     k, speedup = best_k(alpha, cost.c, cost.v)
 
-Definitions (../shared/design.md): `c` = one cached one-token draft forward / one cached one-token target
+Definitions (docs/design.md): `c` = one cached one-token draft forward / one cached one-token target
 forward; `v(K)` = one cached target forward over K+1 tokens / one cached one-token target forward;
 predicted speedup = E[tau] / (K*c + v(K)) with E[tau] = (1 - alpha^(K+1)) / (1 - alpha), tau counting the
 bonus/corrected token; best K = its argmax over K in 1..16.

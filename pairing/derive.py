@@ -17,16 +17,14 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import os
 import re
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from decode import zoo
 from decode.errors import DraftsmithError
+from decode.io import atomic_dir
 
 _SPEC = re.compile(r"derive:(?P<source>.+?)((?::(?:keep|layers)=[^:]*)+)")
 _LAYERS_PREFIX = "model.layers."
@@ -169,13 +167,6 @@ def slice_model(model: Any, layers: list[int]) -> Any:
     return draft.eval()
 
 
-def _make_readable(path: Path) -> None:
-    """mkdtemp and safetensors create owner-only files; the cache is meant to be shared."""
-    os.chmod(path, 0o755)
-    for child in path.rglob("*"):
-        os.chmod(child, 0o755 if child.is_dir() else 0o644)
-
-
 def derive(
     source: str, out: Path | None = None, *, layers: list[int] | None = None, keep: int | None = None,
     progress: bool = True,
@@ -212,19 +203,9 @@ def derive(
         raise DraftsmithError(f"derive: {source}: no decoder layers at model.layers ({type(loaded.model).__name__})")
     draft = slice_model(loaded.model, wanted)
 
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
-    try:
+    with atomic_dir(final, keep_existing=True) as tmp:  # another process may cache the same draft first
         draft.save_pretrained(tmp, safe_serialization=True)
         loaded.tokenizer.save_pretrained(tmp)
         marker = {"source": source, "source_path": str(source_path), "source_layers": n_source, "layers": wanted}
         (tmp / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
-        _make_readable(tmp)
-        if out is None and (final / "config.json").is_file():  # another process cached the same draft first
-            shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return final

@@ -18,14 +18,15 @@ import csv
 import html
 import io
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 
-from decode.bench import atomic_write_json, side_by_side
+from decode.bench import validate_drafts
 from decode.errors import DraftsmithError
+from decode.io import atomic_write_bytes, atomic_write_json, atomic_write_text
 from decode.loading import Loaded, load
-from decode.model import make_runner
+from decode.model import draft_quant, make_runner
 from decode.prompts import Prompt, load_prompts
 from decode.sampling import SamplingParams
 from decode.textgen import eos_ids, machine_info, versions
@@ -39,28 +40,33 @@ MAX_K = 16
 
 
 @dataclass
-class PairSettings:
-    """Everything `pair` takes besides the models; saved into leaderboard.json."""
+class PairConfig:
+    """The pair stage's settings (a recipe's `pair:` section and the options of `draftsmith pair`)."""
 
-    suite: str | None = "code,chat"
-    prompts_file: str | None = None
-    limit_per_domain: int | None = 8
-    max_new_tokens: int = 64
-    temperature: float = 0.0
-    validate: int = 0
-    validate_prompts: int = 4  # prompts per domain used for the measured speedup
-    draft_quant: str | None = "int8"
-    batch_size: int = 4
-    seed: int = 0
-    device: str = "cpu"  # cpu | cuda (int8 drafts are CPU-only: on cuda drafts run as loaded)
+    candidates: list[str] = field(default_factory=list)  # drafts: zoo names, HF folders, .gguf, derive:MODEL:keep=N
+    prompts_per_domain: int = 8  # prompts per domain for the acceptance measurement (0 = all)
+    max_new_tokens: int = 64  # length of the target's reference continuations
+    temperature: float = 0.0  # 0 = greedy acceptance (argmax agreement); > 0 = sum_x min(p, q) at that temperature
+    validate: int = 0  # also decode with the top N candidates for a measured speedup
+    validate_prompts: int = 4  # prompts per domain for the measured speedup
+    draft_quant: str | None = "int8"  # int8 | null: draft weights on CPU (exactness is unaffected)
+    batch_size: int = 4  # reference continuations scored together
+    seed: int = 0  # sampling seed of the reference continuations (temperature > 0)
 
     def __post_init__(self) -> None:
-        if not self.suite and not self.prompts_file:
-            raise DraftsmithError("pair needs prompts: --suite NAMES or --prompts FILE")
-        if self.max_new_tokens < 1:
-            raise DraftsmithError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not self.candidates:
+            raise ValueError("candidates: name at least one draft (zoo name, HF folder, derive:MODEL:keep=N)")
+        for name in ("max_new_tokens", "validate_prompts", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.prompts_per_domain < 0:
+            raise ValueError(f"prompts_per_domain must be >= 0 (0 = all), got {self.prompts_per_domain}")
         if self.validate < 0:
-            raise DraftsmithError(f"--validate must be >= 0, got {self.validate}")
+            raise ValueError(f"validate must be >= 0, got {self.validate}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.draft_quant not in (None, "int8"):
+            raise ValueError(f"draft_quant must be int8 or null, got {self.draft_quant!r}")
 
 
 @dataclass
@@ -75,25 +81,22 @@ def _params_million(model) -> float:
     return round(sum(p.numel() for p in model.parameters()) / 1e6, 1)
 
 
-def _quant(settings: PairSettings) -> str | None:
-    return settings.draft_quant if settings.device == "cpu" else None  # fbgemm int8 is a CPU kernel
-
-
-def _validate(target: Loaded, t_run, cand: Candidate, prompts: list[Prompt], refs, k: int, settings: PairSettings) -> dict:
-    """Measured speedup: our decoder with and without this draft, same prompts, same run, interleaved."""
+def _validate(target: Loaded, t_run, cand: Candidate, prompts: list[Prompt], refs, k: int, cfg: PairConfig,
+              device: str) -> dict:
+    """Measured speedup of one candidate (decode.bench.validate_drafts), with the per-round view of the breakdown."""
     by_id = {r["id"]: r for r in refs}
-    d_run = make_runner(cand.loaded.model, t_run.max_seq_len, quantize=_quant(settings))
-    runs = side_by_side(t_run, {"base": None, "spec": d_run}, [by_id[p.id]["prompt_ids"] for p in prompts], k=k,
-                        max_new_tokens=settings.max_new_tokens, eos_ids=eos_ids(target), desc=f"validate {cand.spec}",
-                        device=settings.device)
-    (base, base_toks), (spec, spec_toks) = runs["base"], runs["spec"]
+    d_run = make_runner(cand.loaded.model, t_run.max_seq_len, quantize=draft_quant(cand.loaded.model, cfg.draft_quant))
+    val = validate_drafts(t_run, {"speculative": d_run}, [by_id[p.id]["prompt_ids"] for p in prompts], k=k,
+                          max_new_tokens=cfg.max_new_tokens, eos_ids=eos_ids(target), names=[p.id for p in prompts],
+                          greedy=cfg.temperature == 0, desc=f"validate {cand.spec}", device=device)
+    base, spec = val.stats["target_only"], val.stats["speculative"]
     rounds = spec.target_forwards
     return {
         "k": k, "prompts": len(prompts), "target_only_tok_per_s": base.tokens_per_s,
         "speculative_tok_per_s": spec.tokens_per_s, "target_only_seconds": base.seconds,
         "speculative_seconds": spec.seconds, "tokens": spec.new_tokens,
-        "measured_speedup": spec.tokens_per_s / base.tokens_per_s,
-        "greedy_equal": base_toks == spec_toks or settings.temperature > 0,
+        "measured_speedup": val.speedup("speculative"),
+        "greedy_equal": val.greedy_equal["speculative"] is not False,
         "mean_tau": spec.mean_tau,
         "rounds": rounds,
         "spec_tokens_per_round": spec.new_tokens / rounds,
@@ -102,55 +105,60 @@ def _validate(target: Loaded, t_run, cand: Candidate, prompts: list[Prompt], ref
     }
 
 
-def _breakdown(row: dict, v: dict) -> dict:
+def _breakdown(row: dict, val: dict) -> dict:
     """Where predicted and measured speedup part ways: tokens per round (acceptance) or time per round (cost)."""
-    K, t = v["k"], row["timings"]
+    K, t = val["k"], row["timings"]
     modeled_round = K * t["draft_step_s"] + t["verify_s"][str(K)]
     return {
-        "expected_tau": row["expected_tau"][str(K)], "measured_tau": v["spec_tokens_per_round"],
-        "modeled_round_s": modeled_round, "measured_round_s": v["measured_round_s"],
-        "modeled_target_step_s": t["target_step_s"], "measured_target_step_s": v["measured_target_step_s"],
+        "expected_tau": row["expected_tau"][str(K)], "measured_tau": val["spec_tokens_per_round"],
+        "modeled_round_s": modeled_round, "measured_round_s": val["measured_round_s"],
+        "modeled_target_step_s": t["target_step_s"], "measured_target_step_s": val["measured_target_step_s"],
     }
 
 
-def run_pair(target_spec: str, candidate_specs: list[str], out: Path, settings: PairSettings, progress: bool = True) -> dict:
-    """The whole leaderboard run; returns the leaderboard dict (also written to `out`)."""
-    if not candidate_specs:
-        raise DraftsmithError("pair needs at least one candidate (--candidates A,B,...)")
+def run_pair(target_spec: str, out: Path, cfg: PairConfig, *, prompts: str = "code,chat",
+             limit_per_domain: int | None = None, device: str = "cpu", progress: bool = True) -> dict:
+    """The whole leaderboard run; returns the leaderboard dict (also written to `out`).
+
+    `prompts`: suite names or a file; `limit_per_domain` caps the prompts per domain before the pair's own
+    `prompts_per_domain` does (a recipe's shared limit)."""
+    candidate_specs = cfg.candidates
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    source = settings.prompts_file or settings.suite
-    prompts = load_prompts(source, limit_per_domain=settings.limit_per_domain)
-    params = SamplingParams(settings.temperature)
+    source = prompts
+    limits = [n for n in (cfg.prompts_per_domain, limit_per_domain) if n]
+    prompts = load_prompts(source, limit_per_domain=min(limits) if limits else None)
+    params = SamplingParams(cfg.temperature)
 
-    target = load(target_spec, device=settings.device)
+    target = load(target_spec, device=device)
     cands: list[Candidate] = []
     for spec in candidate_specs:
-        loaded = load(resolve_candidate(spec), device=settings.device)
+        loaded = load(resolve_candidate(spec), device=device)
         loaded.name = spec
         cands.append(Candidate(spec, loaded, check_pair(target, loaded)))
 
     # a same-tokenizer candidate speeds up the references (exactly); derived drafts start near alpha 0 and would
     # slow them down, so they never help
     helper = next((c.loaded for c in cands if c.compat.compatible and parse_derive_spec(c.spec) is None), None)
-    refs = reference_continuations(target, prompts, max_new_tokens=settings.max_new_tokens,
-                                   temperature=settings.temperature, seed=settings.seed, draft=helper,
+    refs = reference_continuations(target, prompts, max_new_tokens=cfg.max_new_tokens,
+                                   temperature=cfg.temperature, seed=cfg.seed, draft=helper,
                                    progress=progress)
     accs = measure_acceptance(target, [c.loaded for c in cands], refs, params=params,
-                              batch_size=settings.batch_size, progress=progress)
+                              batch_size=cfg.batch_size, progress=progress)
 
-    max_len = max(len(r) for r in refs["prompt_ids"]) + settings.max_new_tokens + MAX_K + 2
+    max_len = max(len(r) for r in refs["prompt_ids"]) + cfg.max_new_tokens + MAX_K + 2
     t_runner = make_runner(target.model, max(max_len, 64 + MAX_K + 2))
     v_ratios: dict[int, float] | None = None
     for cand, acc in zip(cands, accs):
-        d_runner = make_runner(cand.loaded.model, t_runner.max_seq_len, quantize=_quant(settings))
+        d_runner = make_runner(cand.loaded.model, t_runner.max_seq_len,
+                               quantize=draft_quant(cand.loaded.model, cfg.draft_quant))
         if v_ratios is None:  # v(K) is the target's alone: measure the whole curve once
             cost = measure_cost(t_runner, d_runner, ks=range(1, MAX_K + 1), repeats=3, warmup=1,
-                                device=settings.device)
+                                device=device)
             v_ratios = cost.v
         else:  # c side by side with the target step; v(K) reused as ratios to that step
-            quick = measure_cost(t_runner, d_runner, ks=[1], repeats=5, warmup=1, device=settings.device)
+            quick = measure_cost(t_runner, d_runner, ks=[1], repeats=5, warmup=1, device=device)
             cost = CostModel(quick.target_step_s, quick.draft_step_s,
                              {K: v * quick.target_step_s for K, v in v_ratios.items()}, quick.context, quick.repeats)
         del d_runner
@@ -184,17 +192,17 @@ def run_pair(target_spec: str, candidate_specs: list[str], out: Path, settings: 
         }
     cands.sort(key=lambda c: c.row["predicted_speedup"], reverse=True)
 
-    if settings.validate:
-        chosen = [c for c in cands if c.compat.compatible][: settings.validate]
-        val_prompts = load_prompts(source, limit_per_domain=settings.validate_prompts)
+    if cfg.validate:
+        chosen = [c for c in cands if c.compat.compatible][: cfg.validate]
+        val_prompts = load_prompts(source, limit_per_domain=cfg.validate_prompts)
         val_prompts = [p for p in val_prompts if p.id in set(refs["id"])]
         for cand in chosen:
-            v = _validate(target, t_runner, cand, val_prompts, refs, cand.row["best_k"], settings)
-            cand.row["validation"] = v
-            cand.row["measured_speedup"] = v["measured_speedup"]
-            gap = abs(v["measured_speedup"] - cand.row["predicted_speedup"]) / v["measured_speedup"]
+            val = _validate(target, t_runner, cand, val_prompts, refs, cand.row["best_k"], cfg, device)
+            cand.row["validation"] = val
+            cand.row["measured_speedup"] = val["measured_speedup"]
+            gap = abs(val["measured_speedup"] - cand.row["predicted_speedup"]) / val["measured_speedup"]
             cand.row["prediction_error"] = gap
-            cand.row["prediction_breakdown"] = _breakdown(cand.row, v)
+            cand.row["prediction_breakdown"] = _breakdown(cand.row, val)
         for cand in cands:
             if not cand.compat.compatible and cand.row["measured_speedup"] is None:
                 cand.row["validation_note"] = "cross-tokenizer: the token-level decoder cannot run it; not validated"
@@ -203,7 +211,8 @@ def run_pair(target_spec: str, candidate_specs: list[str], out: Path, settings: 
         "target": target_spec,
         "machine": machine_info(),
         "versions": versions(),
-        "settings": {**settings.__dict__, "prompts": source, "n_prompts": len(prompts),
+        "settings": {**asdict(cfg), "prompts": source, "limit_per_domain": limit_per_domain, "device": device,
+                     "n_prompts": len(prompts),
                      "domains": sorted({p.domain for p in prompts})},
         "definitions": {
             "alpha": "mean over positions of beta_t = sum_x min(p_t(x), q_t(x)), teacher-forced on the target's continuations",
@@ -342,13 +351,9 @@ def write_leaderboard(board: dict, out: Path) -> None:
     csv.writer(buf).writerows([head, *rows])
     texts["leaderboard.csv"] = buf.getvalue()
     for name, text in texts.items():
-        tmp = out / f".{name}.tmp"
-        tmp.write_text(text)
-        tmp.replace(out / name)
+        atomic_write_text(out / name, text)
     for name, data in pngs.items():
-        tmp = out / f".{name}.tmp"
-        tmp.write_bytes(data)
-        tmp.replace(out / name)
+        atomic_write_bytes(out / name, data)
 
 
 def split_candidates(text: str) -> list[str]:

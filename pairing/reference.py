@@ -10,18 +10,15 @@ Cache: `<cache>/reference/<key>/`, a `datasets.save_to_disk` folder with columns
 id, domain, prompt, prompt_ids, continuation_ids, text. The key (`reference_key`) covers the target folder,
 the prompts and the settings. While generating, finished rows are appended to
 `<key>.partial/rows.jsonl`; an interrupted run resumes after the last saved prompt. The finished folder
-appears in one rename, so a folder under its final name is always complete.
+appears in one rename, so a folder under its final name is always complete (`decode.rows`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
-import uuid
 from pathlib import Path
-from typing import Any
 
 import datasets
 import torch
@@ -29,16 +26,16 @@ from tqdm.auto import tqdm
 
 from decode import zoo
 from decode.errors import DraftsmithError
+from decode.io import atomic_write_json, folder_identity
 from decode.loading import Loaded
-from decode.model import lean_supported, make_runner
+from decode.model import draft_quant, make_runner
 from decode.prompts import Prompt
+from decode.rows import append_rows, read_partial, save_rows
 from decode.sampling import SamplingParams
 from decode.speculative import generate
 from decode.textgen import check_vocab, eos_ids, prompt_ids
 
 FORMAT_VERSION = 1  # bump when rows or generation change meaning: old caches are then never reused
-_IDENTITY_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
-_WEIGHT_SUFFIXES = (".safetensors", ".bin")
 
 FEATURES = datasets.Features(
     {
@@ -52,30 +49,13 @@ FEATURES = datasets.Features(
 )
 
 
-def _folder_identity(path: Path) -> dict[str, Any]:
-    """What names a model folder: its resolved path, hashes of its small JSON files, and the size and
-    mtime of its weight files (hashing gigabytes of weights would cost more than many generations)."""
-    path = Path(path).expanduser().resolve()
-    files: dict[str, str] = {}
-    if path.is_dir():
-        for name in _IDENTITY_FILES:
-            f = path / name
-            if f.is_file():
-                files[name] = hashlib.sha256(f.read_bytes()).hexdigest()
-        for f in sorted(path.iterdir()):
-            if f.is_file() and f.name.endswith(_WEIGHT_SUFFIXES):
-                st = f.stat()
-                files[f.name] = f"{st.st_size}:{st.st_mtime_ns}"
-    return {"path": str(path), "files": files}
-
-
 def reference_key(
     target_path: Path, prompts: list[Prompt], *, max_new_tokens: int, temperature: float, seed: int, chat: bool
 ) -> str:
     """sha256 over the target folder's identity, the prompts (id, domain, text), the settings and FORMAT_VERSION."""
     blob = {
         "format": FORMAT_VERSION,
-        "target": _folder_identity(target_path),
+        "target": folder_identity(target_path),
         "prompts": [[p.id, p.domain, p.prompt] for p in prompts],
         "max_new_tokens": int(max_new_tokens),
         "temperature": float(temperature),
@@ -92,40 +72,14 @@ def prompt_seed(seed: int, index: int) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def _read_partial(part: Path, prompts: list[Prompt]) -> list[dict]:
-    """The rows saved so far, in prompt order; a torn last line or a row that does not fit is dropped
-    (and the file rewritten without it) so that appending continues cleanly."""
-    if not part.is_file():
-        return []
-    rows: list[dict] = []
-    lines = part.read_text(encoding="utf-8").split("\n")
-    complete = lines[:-1]  # whatever follows the last newline was being written when the run stopped
-    for line in complete:
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            break
-        i = len(rows)
-        if not isinstance(row, dict) or i >= len(prompts) or row.get("index") != i or row.get("id") != prompts[i].id:
-            break
-        rows.append(row)
-    if len(rows) != len(complete) or lines[-1]:
-        tmp = part.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-        os.replace(tmp, part)
-    return rows
-
-
 def _runners(target: Loaded, draft: Loaded | None, max_seq_len: int, temperature: float):
     if draft is None or temperature > 0:
         # At temperature > 0 a draft changes which sample the generator yields (the law stays p's), so the
         # rows would depend on something outside the cache key: reference samples come from the target alone.
         return make_runner(target.model, max_seq_len), None
     check_vocab(target, draft)
-    t_runner = make_runner(target.model, max_seq_len)
-    param = next(draft.model.parameters())
-    int8_ok = lean_supported(draft.model.config)[0] and param.device.type == "cpu" and param.dtype == torch.float32
-    return t_runner, make_runner(draft.model, max_seq_len, quantize="int8" if int8_ok else None)
+    d_runner = make_runner(draft.model, max_seq_len, quantize=draft_quant(draft.model))  # int8 where it can
+    return make_runner(target.model, max_seq_len), d_runner
 
 
 def reference_continuations(
@@ -165,10 +119,10 @@ def reference_continuations(
         partial.mkdir(parents=True, exist_ok=True)
         settings = {"format": FORMAT_VERSION, "target": str(target.path), "max_new_tokens": max_new_tokens,
                     "temperature": temperature, "seed": seed, "chat": chat, "prompts": len(prompts)}
-        (partial / "settings.json").write_text(json.dumps(settings, indent=2), encoding="utf-8")
+        atomic_write_json(partial / "settings.json", settings)
     except OSError as e:
         raise DraftsmithError(f"cannot write the reference cache under {root}: {e.strerror}") from None
-    rows = _read_partial(part, prompts)
+    rows = read_partial(part, prompts)
 
     tok = target.tokenizer
     ids = [prompt_ids(tok, p.prompt, chat=chat) for p in prompts]
@@ -200,29 +154,14 @@ def reference_continuations(
                 p = prompts[i]
                 row = {"index": i, "id": p.id, "domain": p.domain, "prompt": p.prompt, "prompt_ids": ids[i],
                        "continuation_ids": out, "text": tok.decode(out, skip_special_tokens=True)}
-                f.write(json.dumps(row) + "\n")
-                f.flush()  # a checkpoint per prompt: a line costs nothing next to a generation
-                os.fsync(f.fileno())
+                append_rows(f, [row])  # a checkpoint per prompt
                 rows.append(row)
                 bar.update(1)
         bar.close()
 
-    ds = datasets.Dataset.from_list(
-        [{name: r[name] for name in FEATURES} for r in rows], features=FEATURES,
-        info=datasets.DatasetInfo(
-            description=json.dumps({"draftsmith_reference": settings, "key": key}), features=FEATURES
-        ),
-    )
-    tmp = root / f"{key}.tmp-{uuid.uuid4().hex[:8]}"
-    ds.save_to_disk(str(tmp))
-    try:
-        os.rename(tmp, final)
-    except OSError:  # another run finished the same key first: its folder is just as good
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not final.is_dir():
-            raise
+    ds = save_rows(rows, FEATURES, {"draftsmith_reference": settings, "key": key}, final)
     shutil.rmtree(partial, ignore_errors=True)
-    return datasets.load_from_disk(str(final))
+    return ds
 
 
 __all__ = ["FEATURES", "FORMAT_VERSION", "prompt_seed", "reference_continuations", "reference_key"]

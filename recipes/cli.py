@@ -7,6 +7,7 @@
     .venv/bin/draftsmith pair --target T --candidates D1,D2,derive:T:keep=8 --suite code,chat --validate 1 --out DIR
     .venv/bin/draftsmith derive --from T --keep 8 --out DIR
     .venv/bin/draftsmith distill --target T --draft derive:T:keep=4 --loss fkl --steps 150 --out DIR
+    .venv/bin/draftsmith gen-prompts --target T --n 2000 --domains code,json,summarize,chat --out DIR
     .venv/bin/draftsmith gen-data --target T --draft D --data mixed --mix 0.5 [--plain-data] --out DIR
     .venv/bin/draftsmith export --draft DIR/best --target T --format all --out DIR [--check-llama-cpp]
     .venv/bin/draftsmith run recipes/quickstart.yaml [distill.train.steps=200 ...] [--out runs/NAME]
@@ -97,13 +98,9 @@ def cmd_decode(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from decode.bench import run_bench
+    from decode.bench import BenchConfig, run_bench
 
-    quant = None if args.draft_quant == "none" else args.draft_quant
-    report = run_bench(
-        args.target, args.draft, prompts=args.prompts, n_prompts=args.n_prompts or None,
-        max_new_tokens=args.max_new_tokens, ks=args.k, draft_quant=quant, hf_modes=not args.no_hf, out=args.out,
-    )
+    report = run_bench(args.target, args.draft, _config(BenchConfig, args), out=args.out)
     fmt = lambda v: "-" if v is None else f"{v:.2f}"
     for mode in report["modes"]:
         m = report["modes"][mode]
@@ -117,18 +114,37 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _config(cls: type, args: argparse.Namespace, extra: dict | None = None):
+    from recipes.options import options_to_config
+
+    return options_to_config(cls, args, extra)
+
+
+def _common(args: argparse.Namespace) -> dict:
+    """target, prompts, limit_per_domain, device: the settings a recipe keeps at its top level."""
+    from recipes.config import DEVICES, Recipe, check_prompts
+    from recipes.options import given
+
+    defaults = {f.name: f.default for f in __import__("dataclasses").fields(Recipe)}
+    common = {k: v for k, v in given(args).items() if k in ("prompts", "limit_per_domain", "device")}
+    out = {k: common.get(k, defaults[k]) for k in ("prompts", "limit_per_domain", "device")}
+    if out["device"] not in DEVICES:
+        raise DraftsmithError(f"--device must be one of {', '.join(DEVICES)}, got {out['device']!r}")
+    if out["limit_per_domain"] is not None and (not isinstance(out["limit_per_domain"], int)
+                                                or out["limit_per_domain"] < 1):
+        raise DraftsmithError(f"--limit-per-domain must be an integer >= 1, got {out['limit_per_domain']!r}")
+    out["prompts"] = str(out["prompts"])
+    check_prompts(out["prompts"], "--prompts")
+    return out
+
+
 def cmd_pair(args: argparse.Namespace) -> int:
-    from pairing.leaderboard import PairSettings, run_pair, split_candidates
+    from pairing.leaderboard import PairConfig, markdown, run_pair, split_candidates
 
-    settings = PairSettings(
-        suite=None if args.prompts else args.suite, prompts_file=args.prompts,
-        limit_per_domain=args.limit_per_domain or None, max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature, validate=args.validate, validate_prompts=args.validate_prompts,
-        draft_quant=None if args.draft_quant == "none" else args.draft_quant, batch_size=args.batch_size,
-    )
-    board = run_pair(args.target, split_candidates(args.candidates), args.out, settings)
-    from pairing.leaderboard import markdown
-
+    cfg = _config(PairConfig, args, {"candidates": split_candidates(args.candidates)})
+    c = _common(args)
+    board = run_pair(args.target, args.out, cfg, prompts=c["prompts"], limit_per_domain=c["limit_per_domain"],
+                     device=c["device"])
     print(markdown(board))
     print(f"wrote {args.out}/leaderboard.{{json,md,csv,html}} in {board['seconds']:.0f} s")
     return 0
@@ -148,27 +164,40 @@ def cmd_derive(args: argparse.Namespace) -> int:
 
 
 def cmd_distill(args: argparse.Namespace) -> int:
-    from distill.run import run_distill
-    from distill.train import TrainConfig
+    from distill.pipeline import DistillConfig, run_distill
 
-    try:
-        cfg = TrainConfig(loss=args.loss, lr=args.lr, steps=args.steps, batch_size=args.batch_size,
-                          grad_accum=args.grad_accum, lora_r=args.lora, eval_every=args.eval_every,
-                          save_every=args.save_every or args.eval_every, early_stop_patience=args.early_stop,
-                          seed=args.seed, wandb=args.wandb)
-    except ValueError as e:
-        raise DraftsmithError(str(e)) from None
-    r = run_distill(args.target, args.draft, args.out, cfg, prompts=args.prompts, eval_per_domain=args.eval_per_domain,
-                    data_source=args.data, mix=args.mix, max_new_tokens=args.max_new_tokens, k=args.k,
-                    speed_prompts=args.speed_prompts, resume=not args.restart, speculative_data=not args.plain_data)
+    cfg = _config(DistillConfig, args)
+    c = _common(args)
+    r = run_distill(args.target, cfg.draft, args.out, cfg, prompts=c["prompts"], limit_per_domain=c["limit_per_domain"],
+                    resume=not args.restart, device=c["device"])
     print(f"alpha on {r['held_out_prompts']} held-out prompts: before {r['alpha_before']:.3f}, "
           f"after {r['alpha_after']:.3f} (gain {r['alpha_gain']:+.3f})")
+    if r.get("skipped_note"):
+        print(f"warning: {r['skipped_note']}")
     if "speed" in r:
-        sp = r["speed"]
-        print(f"tokens/s at K={sp['k']} on {sp['prompts']} held-out prompts: target-only {sp['tok_per_s']['target_only']:.2f}, "
-              f"draft before {sp['tok_per_s']['draft_before']:.2f} ({sp['speedup_vs_target_only']['draft_before']:.2f}x), "
-              f"after {sp['tok_per_s']['draft_after']:.2f} ({sp['speedup_vs_target_only']['draft_after']:.2f}x)")
+        from decode.bench import Validation
+
+        v = Validation.from_dict(r["speed"])
+        tps = v.tok_per_s
+        print(f"tokens/s at K={v.k} on {len(v.prompts)} held-out prompts: target-only {tps['target_only']:.2f}, "
+              f"draft before {tps['draft_before']:.2f} ({v.speedup('draft_before'):.2f}x), "
+              f"after {tps['draft_after']:.2f} ({v.speedup('draft_after'):.2f}x)")
     print(f"wrote {args.out}/distill.json; tuned draft in {args.out}/best")
+    return 0
+
+
+def cmd_gen_prompts(args: argparse.Namespace) -> int:
+    from decode.loading import load
+    from distill.prompt_gen import generate_prompts
+
+    domains = [d.strip() for d in args.domains.split(",") if d.strip()]
+    generate_prompts(load(args.target, device=args.device), args.n, domains, args.out, temperature=args.temperature,
+                     seed=args.seed, batch_size=args.batch_size, max_prompt_tokens=args.max_prompt_tokens,
+                     dedup_threshold=args.dedup_threshold)
+    stats = json.loads((args.out / "stats.json").read_text())
+    print(f"{stats['kept']} prompts ({', '.join(f'{d} {n}' for d, n in stats['kept_by_domain'].items())}) in "
+          f"{args.out}; unique fraction {stats['unique_fraction']:.3f}; rejected {stats['rejected']}; "
+          f"{stats['tokens_per_s']:.1f} tokens/s")
     return 0
 
 
@@ -176,13 +205,16 @@ def cmd_gen_data(args: argparse.Namespace) -> int:
     from decode.loading import load
     from decode.prompts import load_prompts
     from distill.data import generate_data
+    from distill.pipeline import DistillConfig
     from pairing.derive import resolve_candidate
 
-    prompts = load_prompts(args.prompts, limit_per_domain=args.limit_per_domain)
-    ds = generate_data(load(args.target), load(resolve_candidate(args.draft)), prompts, args.out,
-                       source=args.data, mix=args.mix, max_new_tokens=args.max_new_tokens,
-                       temperature=args.temperature, seed=args.seed, speculative=not args.plain_data,
-                       batch_size=args.batch_size)
+    cfg = _config(DistillConfig, args)
+    c = _common(args)
+    prompts = load_prompts(c["prompts"], limit_per_domain=c["limit_per_domain"])
+    ds = generate_data(load(args.target, device=c["device"]), load(resolve_candidate(cfg.draft), device=c["device"]),
+                       prompts, args.out, source=cfg.data, mix=cfg.mix, max_new_tokens=cfg.max_new_tokens,
+                       temperature=cfg.data_temperature, seed=cfg.train.seed, speculative=cfg.speculative_data,
+                       batch_size=cfg.gen_batch_size)
     print(f"{len(ds)} rows in {args.out}/dataset")
     return 0
 
@@ -202,12 +234,28 @@ def _add_pair_args(p: argparse.ArgumentParser) -> None:
                    help="draft weights on CPU (the target always runs as loaded; exactness is unaffected)")
 
 
-def cmd_export(args: argparse.Namespace) -> int:
-    from distill.export import export
-    from distill.model_card import llama_cpp_result
+def _add_common(p: argparse.ArgumentParser, taken: set[str], *, target_required: bool = True) -> None:
+    """--target (plain) and --prompts / --limit-per-domain / --device from the recipe's top-level fields."""
+    from recipes.config import Recipe
+    from recipes.options import add_options
 
-    summary = export(args.draft, args.target, args.out, fmt=args.format, gguf_type=args.gguf_type,
-                     best_k=args.best_k, check_llama_cpp=args.check_llama_cpp, target_gguf=args.target_gguf)
+    p.add_argument("--target", required=target_required, default=None if target_required else DEFAULT_TARGET,
+                   help="the target: zoo name, HF folder or .gguf file")
+    taken.add("target")
+    add_options(p, Recipe, only={"prompts", "limit_per_domain", "device"}, taken=taken,
+                title="shared settings (a recipe's top level)")
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from distill.export import ExportConfig, export
+    from distill.export.model_card import llama_cpp_result
+    from recipes.options import given
+
+    formats = given(args).get("formats")
+    extra = {"formats": ["hf", "gguf"]} if formats in ("all", ["all"]) else {}
+    if extra:
+        del args.__dict__["cfg:formats"]
+    summary = export(args.draft, args.target, args.out, _config(ExportConfig, args, extra))
     for name, line in (summary.get("serving") or {}).items():
         print(f"{name}: {line}")
     for t, lc in (summary.get("llama_cpp") or {}).items():
@@ -250,7 +298,18 @@ def cmd_leaderboard(args: argparse.Namespace) -> int:
     return 0
 
 
+# the DistillConfig settings `gen-data` takes (the rest are training settings)
+GEN_DATA_SETTINGS = {"draft", "data", "mix", "max_new_tokens", "data_temperature", "speculative_data", "gen_batch_size",
+                     "seed"}
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from decode.bench import BenchConfig
+    from distill.export import ExportConfig
+    from distill.pipeline import DistillConfig
+    from pairing.leaderboard import PairConfig
+    from recipes.options import add_options
+
     parser = argparse.ArgumentParser(prog="draftsmith", description="Make speculative decoding pay off.")
     sub = parser.add_subparsers(dest="verb", required=True)
 
@@ -276,27 +335,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_decode)
 
     p = sub.add_parser("bench", help="time target-only, speculative, HF generate and HF assisted side by side")
-    _add_pair_args(p)
-    p.add_argument("--prompts", default="code", help="suite names (code,json,...) or a JSONL/CSV/Parquet file")
-    p.add_argument("--n-prompts", type=int, default=4, help="first N prompts (0 = all)")
-    p.add_argument("--k", type=_int_list, default=(3,), help="K values to time, e.g. 3,5 (3 measured best on a 2-core CPU)")
-    p.add_argument("--no-hf", action="store_true", help="skip the two transformers modes")
+    p.add_argument("--target", default=DEFAULT_TARGET, help=f"zoo name, HF folder or .gguf file (default {DEFAULT_TARGET})")
+    p.add_argument("--draft", default=DEFAULT_DRAFT, help=f"zoo name, HF folder or .gguf, same tokenizer (default {DEFAULT_DRAFT})")
+    add_options(p, BenchConfig, taken={"target", "draft"})
     p.add_argument("--out", type=Path, default=None)
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("pair", help="rank candidate drafts for a target: alpha, cost, predicted/measured speedup")
-    p.add_argument("--target", default=DEFAULT_TARGET)
+    taken: set[str] = set()
+    _add_common(p, taken, target_required=False)
     p.add_argument("--candidates", required=True,
                    help="comma-separated: zoo names, HF folders, .gguf files, derive:MODEL:keep=N or derive:MODEL:layers=0,1,2")
-    p.add_argument("--suite", default="code,chat", help="built-in suites (code,json,summarize,chat)")
-    p.add_argument("--prompts", default=None, help="a JSONL/CSV/Parquet file or datasets folder instead of --suite")
-    p.add_argument("--limit-per-domain", type=int, default=8, help="prompts per domain (0 = all)")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="reference continuation length")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--validate", type=int, default=0, help="measure the real speedup of the top N candidates")
-    p.add_argument("--validate-prompts", type=int, default=4, help="prompts per domain for --validate")
-    p.add_argument("--draft-quant", choices=["int8", "none"], default="int8")
-    p.add_argument("--batch-size", type=int, default=4)
+    add_options(p, PairConfig, skip={"candidates"}, taken=taken)
     p.add_argument("--out", type=Path, required=True)
     p.set_defaults(func=cmd_pair)
 
@@ -307,60 +357,44 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=None, help="output folder (default: in the cache)")
     p.set_defaults(func=cmd_derive)
 
-    p = sub.add_parser("distill", help="distill a draft toward the target; alpha and tokens/s before and after")
-    p.add_argument("--target", required=True)
-    p.add_argument("--draft", required=True, help="zoo name, HF folder, or derive:MODEL:keep=N")
-    p.add_argument("--data", choices=["target", "draft", "mixed"], default="target")
-    p.add_argument("--mix", type=float, default=0.5, help="fraction of draft (on-policy) rows with --data mixed")
-    p.add_argument("--loss", choices=["fkl", "rkl", "jsd", "tvd"], default="fkl")
-    p.add_argument("--lora", type=int, default=0, help="LoRA rank (0 = full fine-tuning)")
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--grad-accum", type=int, default=1)
-    p.add_argument("--eval-every", type=int, default=50)
-    p.add_argument("--save-every", type=int, default=0, help="checkpoint interval (default: --eval-every)")
-    p.add_argument("--early-stop", type=int, default=0, help="stop after N evals without alpha gain (0 = off)")
-    p.add_argument("--prompts", default="code,json,summarize,chat")
-    p.add_argument("--eval-per-domain", type=int, default=6, help="held-out prompts per domain (never trained on)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--k", type=int, default=3, help="K for the before/after speed measurement")
-    p.add_argument("--speed-prompts", type=int, default=4)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--wandb", choices=["disabled", "offline", "online"], default="disabled")
+    p = sub.add_parser("distill", help="distill a draft toward the target; alpha (and tokens/s) before and after")
+    taken = set()
+    _add_common(p, taken)
+    add_options(p, DistillConfig, required={"draft"}, taken=taken,
+                aliases={"lora_r": ["--lora"], "early_stop_patience": ["--early-stop"]})
     p.add_argument("--restart", action="store_true", help="ignore checkpoints in --out (default: resume)")
-    p.add_argument("--plain-data", action="store_true",
-                   help="generate the target's data without the draft's proposals (faster while the draft is poor)")
     p.add_argument("--out", type=Path, required=True)
     p.set_defaults(func=cmd_distill)
 
-    p = sub.add_parser("gen-data", help="generate distillation data (resumable) without training")
-    p.add_argument("--target", required=True, help="zoo name, HF folder or .gguf file")
-    p.add_argument("--draft", required=True, help="zoo name, HF folder, or derive:MODEL:keep=N")
-    p.add_argument("--data", choices=["target", "draft", "mixed"], default="target",
-                   help="whose continuations: the target's, the draft's own (on-policy), or a seeded mix")
-    p.add_argument("--mix", type=float, default=0.5, help="fraction of draft (on-policy) rows with --data mixed")
-    p.add_argument("--prompts", default="code,json,summarize,chat",
-                   help="suite names, a .jsonl/.json/.csv/.parquet file, or a datasets save_to_disk folder")
-    p.add_argument("--limit-per-domain", type=int, default=None, help="keep the first N prompts of each domain")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    p = sub.add_parser("gen-prompts", help="prompts the target writes itself (pre-query template), deduplicated")
+    p.add_argument("--target", required=True, help="an instruct model with a chat template: zoo name, HF folder, .gguf")
+    p.add_argument("--n", type=int, required=True, help="prompts to keep, shared evenly across the domains")
+    p.add_argument("--domains", default="code,json,summarize,chat", help="comma-separated: code, json, summarize, chat")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the requests")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=8, help="prompts decoded together where a model decodes alone")
-    p.add_argument("--plain-data", action="store_true",
-                   help="generate the target's data without the draft's proposals (faster while the draft is poor)")
+    p.add_argument("--batch-size", type=int, default=16, help="requests decoded together")
+    p.add_argument("--max-prompt-tokens", type=int, default=256, help="a request longer than this is dropped")
+    p.add_argument("--dedup-threshold", type=float, default=0.7,
+                   help="word 3-gram Jaccard similarity at or above which a request is a near-duplicate")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--out", type=Path, required=True, help="a datasets folder; a rerun resumes it")
+    p.set_defaults(func=cmd_gen_prompts)
+
+    p = sub.add_parser("gen-data", help="generate distillation data (resumable) without training")
+    taken = set()
+    _add_common(p, taken)
+    add_options(p, DistillConfig, only=GEN_DATA_SETTINGS, required={"draft"}, taken=taken,
+                aliases={"gen_batch_size": ["--batch-size"]})
+    p.add_argument("--plain-data", dest="cfg:speculative_data", action="store_const", const=False,
+                   default=argparse.SUPPRESS, help="the same as --no-speculative-data")
     p.add_argument("--out", type=Path, required=True, help="folder; a rerun resumes it (other settings are refused)")
     p.set_defaults(func=cmd_gen_data)
 
     p = sub.add_parser("export", help="export a (distilled) draft: HF folder, GGUF for llama.cpp, vLLM/SGLang lines")
     p.add_argument("--draft", required=True, help="HF folder (e.g. a distill run's best/), zoo name or derive spec")
     p.add_argument("--target", required=True, help="the target the draft serves (its GGUF gives the tokenizer)")
-    p.add_argument("--format", choices=["hf", "gguf", "all"], default="all")
-    p.add_argument("--gguf-type", default="f16", help="f32, f16, q8_0, or several: f16,q8_0")
-    p.add_argument("--target-gguf", default=None, help="the target's GGUF (default: the zoo's, for a zoo target)")
-    p.add_argument("--best-k", type=int, default=None, help="K for the serving lines (default: from the run, or 3)")
-    p.add_argument("--check-llama-cpp", action="store_true",
-                   help="run llama-server with the GGUF as its draft and report its acceptance (builds llama.cpp once)")
+    add_options(p, ExportConfig, taken={"draft", "target"},
+                aliases={"formats": ["--format"], "gguf_types": ["--gguf-type"]})
     p.add_argument("--out", type=Path, required=True)
     p.set_defaults(func=cmd_export)
 

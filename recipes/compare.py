@@ -9,30 +9,20 @@ distilled draft with its alpha after training and its measured speedup. Written 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
-from decode.bench import atomic_write_json
 from decode.errors import DraftsmithError
+from decode.io import atomic_write_json, read_json
 from recipes.report import Doc, fmt
 
 COLUMNS = ["target", "draft", "kind", "alpha", "positions", "best K", "predicted", "measured", "run"]
 
 
-def _json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    except json.JSONDecodeError as e:
-        raise DraftsmithError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
-
-
 def rows_of_run(folder: Path) -> list[dict]:
     """The leaderboard rows one run folder contributes (empty when it holds no results yet)."""
     rows: list[dict] = []
-    board = _json(folder / "pairing" / "leaderboard.json") or _json(folder / "leaderboard.json")
+    board = (read_json(folder / "pairing" / "leaderboard.json", missing_ok=True, what="leaderboard")
+             or read_json(folder / "leaderboard.json", missing_ok=True, what="leaderboard"))
     if board:
         for c in board["candidates"]:
             rows.append({
@@ -41,9 +31,10 @@ def rows_of_run(folder: Path) -> list[dict]:
                 "predicted_speedup": c["predicted_speedup"], "measured_speedup": c["measured_speedup"],
                 "run": str(folder),
             })
-    distilled = _json(folder / "distill" / "distill.json") or _json(folder / "distill.json")
+    distilled = (read_json(folder / "distill" / "distill.json", missing_ok=True, what="distill result")
+                 or read_json(folder / "distill.json", missing_ok=True, what="distill result"))
     if distilled:
-        bench = _json(folder / "validate" / "bench.json") or {}
+        bench = read_json(folder / "validate" / "bench.json", missing_ok=True, what="bench result") or {}
         cfg = distilled["config"]
         steps = distilled.get("train_summary", {}).get("steps_done", cfg["steps"])
         rows.append({

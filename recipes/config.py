@@ -23,14 +23,17 @@ import yaml
 
 from decode import zoo
 from decode.errors import DraftsmithError
-from distill.train import TrainConfig
+from distill.export import ExportConfig
+from distill.export import ExportConfig
+from distill.pipeline import DistillConfig
+from distill.validate import ValidateConfig
 from pairing.derive import parse_derive_spec
+from pairing.leaderboard import PairConfig
 
 STAGES = ("pair", "distill", "validate", "export")
-EXPORT_FORMATS = ("hf", "gguf")
-GGUF_TYPES = ("f32", "f16", "q8_0")
-DATA_SOURCES = ("target", "draft", "mixed")
 DEVICES = ("cpu", "cuda")
+# recipe keys renamed since the first recipes: an old key gets a one-line error naming the new one
+RENAMED = {"pair.limit_per_domain": "pair.prompts_per_domain", "export.gguf_type": "export.gguf_types"}
 
 
 class RecipeError(DraftsmithError):
@@ -38,135 +41,36 @@ class RecipeError(DraftsmithError):
 
 
 @dataclass
-class PromptsConfig:
-    """Where prompts come from: built-in suites (code, json, summarize, chat) or a JSONL file."""
-
-    suite: str | None = "code,json,summarize,chat"
-    file: str | None = None
-    limit_per_domain: int | None = None  # the first N prompts of each domain (held-out ones included)
-
-    def __post_init__(self) -> None:
-        if not self.suite and not self.file:
-            raise ValueError("give prompts.suite (e.g. code,chat) or prompts.file (a JSONL file)")
-        if self.limit_per_domain is not None and self.limit_per_domain < 2:
-            raise ValueError(f"prompts.limit_per_domain must be >= 2 (some to train on, some held out), "
-                             f"got {self.limit_per_domain}")
-
-    @property
-    def source(self) -> str:
-        return self.file or self.suite or ""
-
-
-@dataclass
-class PairConfig:
-    """The leaderboard stage: candidates ranked by acceptance, measured cost and predicted speedup."""
-
-    candidates: list[str] = field(default_factory=list)
-    limit_per_domain: int = 8  # prompts per domain for the acceptance measurement
-    max_new_tokens: int = 64  # length of the target's reference continuations
-    validate: int = 0  # top N candidates also decoded for a measured speedup
-    validate_prompts: int = 4
-    draft_quant: str | None = "int8"
-    batch_size: int = 4
-
-    def __post_init__(self) -> None:
-        if not self.candidates:
-            raise ValueError("pair.candidates: name at least one draft (zoo name, HF folder, derive:MODEL:keep=N)")
-        _positive(self, "limit_per_domain", "max_new_tokens", "validate_prompts", "batch_size")
-        if self.validate < 0:
-            raise ValueError(f"pair.validate must be >= 0, got {self.validate}")
-        if self.draft_quant not in (None, "int8"):
-            raise ValueError(f"pair.draft_quant must be int8 or null, got {self.draft_quant!r}")
-
-
-@dataclass
-class DistillConfig:
-    """The distillation stage: data from the target (and the draft), then divergence training."""
-
-    draft: str = "best"  # 'best' = the top token-level candidate of the leaderboard; or any model spec
-    data: str = "target"  # target | draft | mixed
-    mix: float = 0.5  # fraction of draft (on-policy) rows when data = mixed
-    max_new_tokens: int = 64
-    data_temperature: float = 1.0
-    speculative_data: bool = False  # generate the target's data with the draft's proposals (pays once alpha is high)
-    eval_per_domain: int = 6  # held-out prompts per domain, never trained on
-    train: TrainConfig = field(default_factory=TrainConfig)
-
-    def __post_init__(self) -> None:
-        if self.data not in DATA_SOURCES:
-            raise ValueError(f"distill.data must be one of {', '.join(DATA_SOURCES)}, got {self.data!r}")
-        if not 0.0 <= self.mix <= 1.0:
-            raise ValueError(f"distill.mix must be in [0, 1], got {self.mix}")
-        if self.data_temperature < 0:
-            raise ValueError(f"distill.data_temperature must be >= 0, got {self.data_temperature}")
-        _positive(self, "max_new_tokens", "eval_per_domain")
-
-
-@dataclass
-class ValidateConfig:
-    """The validation stage: target alone vs un-distilled vs distilled draft, same prompts, same run."""
-
-    prompts_per_domain: int = 2  # held-out prompts per domain
-    max_new_tokens: int = 64
-    k: int = 0  # 0 = the best K predicted from the measured cost and the distilled draft's alpha
-    max_k: int = 8
-    draft_quant: str | None = "int8"
-
-    def __post_init__(self) -> None:
-        _positive(self, "prompts_per_domain", "max_new_tokens", "max_k")
-        if self.k < 0:
-            raise ValueError(f"validate.k must be >= 0 (0 = best measured), got {self.k}")
-        if self.draft_quant not in (None, "int8"):
-            raise ValueError(f"validate.draft_quant must be int8 or null, got {self.draft_quant!r}")
-
-
-@dataclass
-class ExportConfig:
-    """The export stage: HF folder and/or GGUF for llama.cpp, plus the vLLM / SGLang lines."""
-
-    formats: list[str] = field(default_factory=lambda: ["hf", "gguf"])
-    gguf_type: str = "f16"  # f32 | f16 | q8_0
-    check_llama_cpp: bool = False  # run llama-server with the exported GGUF as its draft (builds llama.cpp once)
-
-    def __post_init__(self) -> None:
-        bad = [f for f in self.formats if f not in EXPORT_FORMATS]
-        if bad or not self.formats:
-            raise ValueError(f"export.formats must be a non-empty list of {', '.join(EXPORT_FORMATS)}, got {self.formats}")
-        if self.gguf_type not in GGUF_TYPES:
-            raise ValueError(f"export.gguf_type must be one of {', '.join(GGUF_TYPES)}, got {self.gguf_type!r}")
-
-
-@dataclass
 class Recipe:
-    """A whole run: target, prompts and one config per stage."""
+    """A whole run: the target, its prompts, where it runs, and one config per stage."""
 
-    name: str
-    target: str
+    name: str  # the run folder's name: runs/<name>/
+    target: str  # zoo name, HF folder or .gguf file
     pair: PairConfig
-    prompts: PromptsConfig = field(default_factory=PromptsConfig)
+    prompts: str = "code,json,summarize,chat"  # built-in suite names, or a .jsonl/.csv/.parquet file or datasets folder
+    limit_per_domain: int | None = None  # keep the first N prompts of each domain (held-out ones included)
+    device: str = "cpu"  # cpu | cuda: where models run (training: where accelerate puts it)
     distill: DistillConfig = field(default_factory=DistillConfig)
     validate: ValidateConfig = field(default_factory=ValidateConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
-    stages: list[str] = field(default_factory=lambda: list(STAGES))
-    device: str = "cpu"  # cpu | cuda: where pair, data generation, validation run (training: where accelerate puts it)
+    stages: list[str] = field(default_factory=lambda: list(STAGES))  # pair, distill, validate, export (a subset)
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if not self.name or "/" in self.name:
             raise ValueError(f"name must be a plain folder name, got {self.name!r}")
+        if not self.prompts:
+            raise ValueError("prompts: give built-in suite names (e.g. code,chat) or a file")
+        if self.limit_per_domain is not None and self.limit_per_domain < 2:
+            raise ValueError(f"limit_per_domain must be >= 2 (some to train on, some held out), "
+                             f"got {self.limit_per_domain}")
         bad = [s for s in self.stages if s not in STAGES]
         if bad:
             raise ValueError(f"stages: unknown stage {bad[0]!r} (stages: {', '.join(STAGES)})")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-def _positive(obj: Any, *names: str) -> None:
-    for name in names:
-        if getattr(obj, name) < 1:
-            raise ValueError(f"{name} must be >= 1, got {getattr(obj, name)}")
 
 
 # --- building dataclasses from plain data, with errors that name the key -----------------------------
@@ -181,7 +85,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
-        if value is None and type(None) in args:
+        if type(None) in args and (value is None or (isinstance(value, str) and value.lower() in ("none", "null"))):
             return None
         inner = [a for a in args if a is not type(None)]
         if len(inner) == 1:
@@ -192,8 +96,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         return build(tp, value, key)
     if origin is list:
         (item,) = typing.get_args(tp)
-        if isinstance(value, str):  # 'a,b' on the command line is a list too
-            value = [v.strip() for v in value.split(",") if v.strip()]
+        if isinstance(value, str):  # 'a,b' on the command line is a list too (items parsed as YAML scalars)
+            value = [_scalar(v.strip()) for v in value.split(",") if v.strip()]
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = [value]  # '--k 3' is the list [3]
         if not isinstance(value, list):
             raise RecipeError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
         return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
@@ -209,6 +115,14 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return value
         raise RecipeError(f"{key}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
     raise RecipeError(f"{key}: unsupported setting type {_type_name(tp)}")
+
+
+def _scalar(text: str) -> Any:
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    return value if isinstance(value, (int, float, str, bool)) else text
 
 
 def build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
@@ -232,7 +146,11 @@ def build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     except (ValueError, DraftsmithError) as e:
         if isinstance(e, RecipeError):
             raise
-        raise RecipeError(f"{prefix or cls.__name__}: {e}") from None
+        msg = str(e)
+        first = msg.split(" ", 1)[0].split(":", 1)[0]
+        if first in known:  # 'data must be ...' from the config's own check: name the dotted key
+            raise RecipeError(f"{prefix + '.' if prefix else ''}{msg}") from None
+        raise RecipeError(f"{prefix or cls.__name__}: {msg}") from None
 
 
 # --- models named in a recipe ---------------------------------------------------------------------
@@ -264,8 +182,22 @@ def _check_models(recipe: Recipe) -> None:
         check_model_spec(spec, f"pair.candidates[{i}]")
     if recipe.distill.draft != "best":
         check_model_spec(recipe.distill.draft, "distill.draft")
-    if recipe.prompts.file and not Path(recipe.prompts.file).is_file():
-        raise RecipeError(f"prompts.file: no such file {recipe.prompts.file!r}")
+    check_prompts(recipe.prompts, "prompts")
+
+
+def check_prompts(source: str, key: str) -> None:
+    """Suite names, or an existing file / folder: anything else is a one-line error naming the key."""
+    from decode.prompts import suite_path
+
+    names = [n.strip() for n in source.split(",") if n.strip()]
+    try:
+        for n in names:
+            suite_path(n)
+        return
+    except DraftsmithError:
+        pass
+    if not Path(source).expanduser().exists():
+        raise RecipeError(f"{key}: no such file {source!r} (nor built-in suite names: code, json, summarize, chat)")
 
 
 # --- loading ----------------------------------------------------------------------------------------
@@ -292,10 +224,39 @@ def apply_override(data: dict[str, Any], override: str) -> None:
     node[parts[-1]] = value
 
 
+def _upgrade(data: dict[str, Any]) -> dict[str, Any]:
+    """Older recipes: `prompts: {suite|file, limit_per_domain}` becomes `prompts` + `limit_per_domain`; renamed keys
+    are one-line errors naming the new key."""
+    data = dict(data)
+    old = data.get("prompts")
+    if isinstance(old, dict):
+        old = dict(old)
+        file = old.pop("file", None)
+        if file is not None:
+            check_prompts(str(file), "prompts.file")
+        source = file or old.pop("suite", None)
+        if "limit_per_domain" in old:
+            data.setdefault("limit_per_domain", old.pop("limit_per_domain"))
+        old.pop("suite", None)
+        if old:
+            raise RecipeError(f"prompts.{next(iter(old))}: unknown key (prompts is now one setting: suite names "
+                              "or a file, with limit_per_domain beside it)")
+        if source is not None:
+            data["prompts"] = source
+        else:
+            data.pop("prompts")
+    for dotted, new in RENAMED.items():
+        section, key = dotted.split(".")
+        if isinstance(data.get(section), dict) and key in data[section]:
+            raise RecipeError(f"{dotted}: renamed to {new}")
+    return data
+
+
 def recipe_from_dict(data: dict[str, Any], overrides: list[str] = (), *, check_models: bool = True) -> Recipe:
     data = dict(data)
     for o in overrides:
         apply_override(data, o)
+    data = _upgrade(data)
     recipe = build(Recipe, data)
     if check_models:
         _check_models(recipe)

@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from distill.model_card import llama_cpp_result
+from decode.bench import Validation
+from decode.io import atomic_write_bytes, atomic_write_text, read_json
+from distill.export.model_card import llama_cpp_result
 from pairing.leaderboard import png_bytes, table_rows
 
 _STYLE = ("<style>body{font-family:sans-serif;margin:2em;max-width:70em}table{border-collapse:collapse}"
@@ -98,22 +100,9 @@ class Doc:
         if self.images:
             img_dir.mkdir(parents=True, exist_ok=True)
         for name, data in self.images.items():
-            _atomic(img_dir / name, data)
-        _atomic(folder / f"{stem}.md", self.markdown(stem).encode())
-        _atomic(folder / f"{stem}.html", self.html().encode())
-
-
-def _atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    tmp.replace(path)
-
-
-def _json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
+            atomic_write_bytes(img_dir / name, data)
+        atomic_write_text(folder / f"{stem}.md", self.markdown(stem))
+        atomic_write_text(folder / f"{stem}.html", self.html())
 
 
 def _jsonl(path: Path) -> list[dict]:
@@ -149,7 +138,7 @@ def _stages(doc: Doc, state: dict) -> None:
 
 
 def _pairing(doc: Doc, run: Path) -> None:
-    board = _json(run / "pairing" / "leaderboard.json")
+    board = read_json(run / "pairing" / "leaderboard.json", missing_ok=True, what="leaderboard")
     if not board:
         return
     doc.h("Pairing leaderboard")
@@ -163,7 +152,7 @@ def _pairing(doc: Doc, run: Path) -> None:
 
 def _distill(doc: Doc, run: Path) -> None:
     log = _jsonl(run / "distill" / "log.jsonl")
-    result = _json(run / "distill" / "distill.json")
+    result = read_json(run / "distill" / "distill.json", missing_ok=True, what="distill result")
     if not log and not result:
         return
     doc.h("Distillation")
@@ -175,6 +164,8 @@ def _distill(doc: Doc, run: Path) -> None:
               f"{'LoRA r=' + str(cfg['lora_r']) if cfg['lora_r'] else 'full fine-tuning'}. alpha on "
               f"{result['held_out_prompts']} held-out prompts (never trained on): {fmt(result['alpha_before'])} -> "
               f"{fmt(result['alpha_after'])} (gain {fmt(result['alpha_gain'])}).")
+        if result.get("skipped_note"):
+            doc.p(f"Warning: {result['skipped_note']}.")
     evals = [r for r in log if r.get("eval")]
     train = [r for r in log if "loss" in r and not r.get("eval")]
     if evals:
@@ -212,36 +203,38 @@ def _distill(doc: Doc, run: Path) -> None:
 _DECODERS = {"target_only": "target alone", "draft_before": "un-distilled draft", "draft_after": "distilled draft"}
 
 
-def _validate(doc: Doc, run: Path) -> None:
-    b = _json(run / "validate" / "bench.json")
+def _validation(doc: Doc, run: Path) -> None:
+    b = read_json(run / "validate" / "bench.json", missing_ok=True, what="bench result")
     if not b:
         return
+    val = Validation.from_dict(b)  # the typed result of decode.bench.validate_drafts; the rest is the stage's context
     doc.h("Validation: tokens/s of our decoder")
-    doc.p(f"{len(b['prompts'])} held-out prompts x {b['max_new_tokens']} new tokens, greedy, all decoders interleaved "
-          f"in one run on {b['machine']['cpu']} ({b['machine']['cpu_count']} cores). K = {b['k']} ({b['k_reason']}); "
+    doc.p(f"{len(val.prompts)} held-out prompts x {val.max_new_tokens} new tokens, greedy, all decoders interleaved "
+          f"in one run on {b['machine']['cpu']} ({b['machine']['cpu_count']} cores). K = {val.k} ({b['k_reason']}); "
           f"draft weights {b['draft_quant'] or 'float32'}; measured c = {fmt(b['cost_ratio'])}. tau = tokens per "
           "target forward, bonus token included.")
-    base = b["tok_per_s"]["target_only"]
+    tps = val.tok_per_s
     rows = []
     for name, label in _DECODERS.items():
-        if name in b["tok_per_s"]:
-            rows.append([label, b["tok_per_s"][name], f"{b['tok_per_s'][name] / base:.2f}x",
-                         b["mean_tau"][name], b["acceptance_rate"].get(name),
-                         "-" if name == "target_only" else fmt(b["greedy_equal"][name])])
+        if name in val.stats:
+            st = val.stats[name]
+            rows.append([label, tps[name], "1.00x" if name == "target_only" else f"{val.speedup(name):.2f}x",
+                         st.mean_tau, st.acceptance_rate,
+                         "-" if name == "target_only" else fmt(val.greedy_equal[name])])
     doc.table(["decoder", "tok/s", "vs target alone", "mean tau", "accepted/drafted", "greedy equal"], rows)
-    if "speedup_after_vs_before" in b:
-        doc.p(f"Distilled vs un-distilled draft: {b['speedup_after_vs_before']:.2f}x tokens/s.")
+    if "draft_after" in val.stats:
+        doc.p(f"Distilled vs un-distilled draft: {tps['draft_after'] / tps['draft_before']:.2f}x tokens/s.")
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 2.8))
     names = [r[0] for r in rows]
     ax.barh(names, [r[1] for r in rows])
-    ax.set_xlabel("tokens/s"), ax.set_title(f"decoders, K={b['k']}")
+    ax.set_xlabel("tokens/s"), ax.set_title(f"decoders, K={val.k}")
     doc.image("speed.png", png_bytes(fig))
     plt.close(fig)
 
 
 def _export(doc: Doc, run: Path) -> None:
-    e = _json(run / "export" / "export.json")
+    e = read_json(run / "export" / "export.json", missing_ok=True, what="export result")
     if not e:
         return
     doc.h("Export")
@@ -272,11 +265,11 @@ def write_report(run: Path) -> Path:
     recipe_text = (run / "recipe.yaml").read_text() if (run / "recipe.yaml").is_file() else ""
     name = run.name
     doc = Doc(f"draftsmith run: {name}")
-    state = (_json(run / "state.json") or {}).get("stages", {})
+    state = (read_json(run / "state.json", missing_ok=True, what="run state") or {}).get("stages", {})
     _stages(doc, state)
     _pairing(doc, run)
     _distill(doc, run)
-    _validate(doc, run)
+    _validation(doc, run)
     _export(doc, run)
     if recipe_text:
         doc.h("Resolved recipe")

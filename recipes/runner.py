@@ -29,30 +29,16 @@ from typing import Any
 
 import torch
 
-from decode.bench import atomic_write_json, side_by_side
 from decode.errors import DraftsmithError
-from decode.loading import load
-from decode.model import make_runner
+from decode.io import atomic_write_json, read_json
 from decode.prompts import load_prompts
-from decode.textgen import eos_ids, machine_info, prompt_ids, versions
-from distill.run import run_distill, split_prompts
-from pairing.cost import best_k, measure_cost
-from pairing.derive import resolve_candidate
-from pairing.leaderboard import PairSettings, run_pair
+from distill.pipeline import run_distill, split_prompts
+from distill.validate import validate_distilled
+from pairing.leaderboard import run_pair
 from recipes.config import STAGES, Recipe, dump_recipe
 from recipes.report import write_report
 
-COST_CONTEXT = 64  # tokens of context when timing c and v(K), as the pair stage does
 STAGE_DIRS = {"pair": "pairing", "distill": "distill", "validate": "validate", "export": "export"}
-
-
-def _read_json(path: Path) -> dict | None:
-    import json
-
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
 
 
 def _now() -> str:
@@ -78,7 +64,7 @@ def _diff(old: Any, new: Any, prefix: str = "") -> list[str]:
 
 def stage_settings(recipe: Recipe, stage: str, state: dict) -> dict:
     """What a stage's result depends on: if this changes, the stage's output is stale."""
-    base = {"target": recipe.target, "prompts": asdict(recipe.prompts)}
+    base = {"target": recipe.target, "prompts": recipe.prompts, "limit_per_domain": recipe.limit_per_domain}
     if stage == "pair":
         return {**base, "pair": asdict(recipe.pair)}
     if stage == "distill":
@@ -96,7 +82,8 @@ class RunFolder:
 
     def __init__(self, out: Path) -> None:
         self.out = Path(out)
-        self.state: dict[str, dict] = (_read_json(self.out / "state.json") or {}).get("stages", {})
+        self.state: dict[str, dict] = (read_json(self.out / "state.json", missing_ok=True, what="run state")
+                                       or {}).get("stages", {})
 
     def path(self, stage: str) -> Path:
         return self.out / STAGE_DIRS[stage]
@@ -116,7 +103,7 @@ def choose_draft(recipe: Recipe, run: RunFolder) -> str:
     """The draft to distill: the recipe's, or the leaderboard's top token-level candidate."""
     if recipe.distill.draft != "best":
         return recipe.distill.draft
-    board = _read_json(run.path("pair") / "leaderboard.json")
+    board = read_json(run.path("pair") / "leaderboard.json", missing_ok=True, what="leaderboard")
     if board is None:
         raise DraftsmithError("distill.draft is 'best' but the pair stage has not run here: add pair to --stages, "
                               "or name the draft (distill.draft=MODEL)")
@@ -131,14 +118,8 @@ def choose_draft(recipe: Recipe, run: RunFolder) -> str:
 
 
 def stage_pair(recipe: Recipe, run: RunFolder) -> dict:
-    p = recipe.pair
-    limits = [n for n in (p.limit_per_domain, recipe.prompts.limit_per_domain) if n is not None]
-    settings = PairSettings(
-        suite=recipe.prompts.suite, prompts_file=recipe.prompts.file, limit_per_domain=min(limits),
-        max_new_tokens=p.max_new_tokens, validate=p.validate, validate_prompts=p.validate_prompts,
-        draft_quant=p.draft_quant, batch_size=p.batch_size, seed=recipe.distill.train.seed, device=recipe.device,
-    )
-    board = run_pair(recipe.target, p.candidates, run.path("pair"), settings)
+    board = run_pair(recipe.target, run.path("pair"), recipe.pair, prompts=recipe.prompts,
+                     limit_per_domain=recipe.limit_per_domain, device=recipe.device)
     top = board["candidates"][0]
     return {"best": top["draft"], "alpha": top["alpha"], "predicted_speedup": top["predicted_speedup"]}
 
@@ -149,111 +130,51 @@ def _log_recipe_to_wandb(recipe: Recipe, run: RunFolder) -> None:
         return
     import wandb
 
-    r = wandb.init(mode=mode, dir=str(run.out), project="draftsmith", name=f"{recipe.name}-recipe",
-                   job_type="recipe", config=recipe.to_dict())
-    r.finish()
+    wandb_run = wandb.init(mode=mode, dir=str(run.out), project="draftsmith", name=f"{recipe.name}-recipe",
+                           job_type="recipe", config=recipe.to_dict())
+    wandb_run.finish()
 
 
 def stage_distill(recipe: Recipe, run: RunFolder) -> dict:
-    d = recipe.distill
     draft = choose_draft(recipe, run)
     _log_recipe_to_wandb(recipe, run)
-    result = run_distill(
-        recipe.target, draft, run.path("distill"), d.train, prompts=recipe.prompts.source,
-        eval_per_domain=d.eval_per_domain, data_source=d.data, mix=d.mix, max_new_tokens=d.max_new_tokens,
-        data_temperature=d.data_temperature, speed_prompts=0, resume=True, speculative_data=d.speculative_data,
-        limit_per_domain=recipe.prompts.limit_per_domain, device=recipe.device,
-    )
+    result = run_distill(recipe.target, draft, run.path("distill"), recipe.distill, prompts=recipe.prompts,
+                         limit_per_domain=recipe.limit_per_domain, resume=True, device=recipe.device)
     return {"draft": draft, "alpha_before": result["alpha_before"], "alpha_after": result["alpha_after"],
-            "alpha_gain": result["alpha_gain"]}
-
-
-def _validation_prompts(recipe: Recipe) -> list:
-    """Held-out prompts (never trained on): the first few of each domain's held-out share."""
-    prompts = load_prompts(recipe.prompts.source, limit_per_domain=recipe.prompts.limit_per_domain)
-    _, held = split_prompts(prompts, recipe.distill.eval_per_domain)
-    seen: dict[str, int] = {}
-    chosen = []
-    for p in held:
-        if seen.get(p.domain, 0) < recipe.validate.prompts_per_domain:
-            chosen.append(p)
-            seen[p.domain] = seen.get(p.domain, 0) + 1
-    return chosen
+            "alpha_gain": result["alpha_gain"], "skipped_steps": result["skipped_steps"]}
 
 
 def stage_validate(recipe: Recipe, run: RunFolder) -> dict:
-    v = recipe.validate
-    distilled = _read_json(run.path("distill") / "distill.json")
-    draft_spec = distilled["draft"] if distilled else choose_draft(recipe, run)
-    best_dir = run.path("distill") / "best"
-    torch.set_grad_enabled(False)
-    dev = recipe.device
-    quant = v.draft_quant if dev == "cpu" else None  # fbgemm int8 is a CPU kernel
-    target = load(recipe.target, device=dev)
-    before = load(resolve_candidate(draft_spec), device=dev)
-    after = load(str(best_dir), device=dev) if distilled and best_dir.is_dir() else None
-    prompts = _validation_prompts(recipe)
-    ids = [prompt_ids(target.tokenizer, p.prompt) for p in prompts]
-    k_room = max(v.k, v.max_k) + 2
-    max_len = max(max(len(i) for i in ids) + v.max_new_tokens, COST_CONTEXT) + k_room
-    t_run = make_runner(target.model, max_len)
-    drafts: dict[str, Any] = {"target_only": None,
-                              "draft_before": make_runner(before.model, max_len, quantize=quant)}
-    if after is not None:
-        drafts["draft_after"] = make_runner(after.model, max_len, quantize=quant)
-
-    # K: the recipe's, or the best predicted from the cost measured here and the draft's teacher-forced alpha
-    tuned = "draft_after" if after is not None else "draft_before"
-    cost = measure_cost(t_run, drafts[tuned], ks=range(1, v.max_k + 1), context=COST_CONTEXT, repeats=3, warmup=1,
-                        device=dev)
-    alpha = (distilled or {}).get("alpha_after" if after is not None else "alpha_before")
-    if alpha is None:  # no distillation here: the leaderboard measured this draft's alpha
-        board = _read_json(run.path("pair") / "leaderboard.json") or {"candidates": []}
-        alpha = next((c["alpha"] for c in board["candidates"] if c["draft"] == draft_spec), None)
-    if v.k:
-        k, why = v.k, "set by the recipe"
-    elif alpha is not None:
-        k, why = best_k(alpha, cost.c, cost.v)[0], f"best predicted for alpha {alpha:.3f} and the measured cost"
-    else:
-        k, why = 3, "default (no alpha measured: neither the pair nor the distill stage has run)"
-
-    runs = side_by_side(t_run, drafts, ids, k=k, max_new_tokens=v.max_new_tokens, eos_ids=eos_ids(target),
-                        desc="validate", device=dev)
-    reference = runs["target_only"][1]
-    tps = {name: st.tokens_per_s for name, (st, _) in runs.items()}
-    result = {
-        "target": recipe.target, "draft": draft_spec, "distilled": str(best_dir) if after is not None else None,
-        "k": k, "k_reason": why, "prompts": [p.id for p in prompts], "max_new_tokens": v.max_new_tokens,
-        "draft_quant": quant, "device": dev, "alpha": alpha, "cost_ratio": cost.c,
-        "verify_cost": {str(K): x for K, x in cost.v.items()},
-        "tok_per_s": tps,
-        "seconds": {name: st.seconds for name, (st, _) in runs.items()},
-        "tokens": {name: st.new_tokens for name, (st, _) in runs.items()},
-        "mean_tau": {name: st.mean_tau for name, (st, _) in runs.items()},
-        "acceptance_rate": {name: st.acceptance_rate for name, (st, _) in runs.items()},
-        "speedup_vs_target_only": {n: tps[n] / tps["target_only"] for n in drafts if n != "target_only"},
-        "greedy_equal": {n: toks == reference for n, (_, toks) in runs.items() if n != "target_only"},
-        "tau_definition": "tokens emitted per target forward, including the bonus/corrected token",
-        "machine": machine_info(), "versions": versions(),
-    }
-    if after is not None:
-        result["speedup_after_vs_before"] = tps["draft_after"] / tps["draft_before"]
-    atomic_write_json(run.path("validate") / "bench.json", result)
-    if not all(result["greedy_equal"].values()):
-        raise DraftsmithError("validate: speculative output differs from the target's greedy output "
-                              f"({result['greedy_equal']}); see {run.path('validate') / 'bench.json'}")
-    return {"k": k, "speedup_vs_target_only": result["speedup_vs_target_only"], "greedy_equal": True}
+    distilled = read_json(run.path("distill") / "distill.json", missing_ok=True, what="distillation result")
+    draft = distilled["draft"] if distilled else choose_draft(recipe, run)
+    if distilled:  # the tuned draft's alpha, else the un-distilled one's (best/ is absent)
+        alpha = distilled["alpha_after"] if (run.path("distill") / "best").is_dir() else distilled["alpha_before"]
+    else:  # no distillation here: the leaderboard measured this draft's alpha
+        board = read_json(run.path("pair") / "leaderboard.json", missing_ok=True, what="leaderboard") or {}
+        alpha = next((c["alpha"] for c in board.get("candidates", []) if c["draft"] == draft), None)
+    held_out = split_prompts(load_prompts(recipe.prompts, limit_per_domain=recipe.limit_per_domain),
+                             recipe.distill.eval_per_domain)[1]
+    result = validate_distilled(recipe.target, draft, run.path("distill") / "best" if distilled else None, held_out,
+                                recipe.validate, alpha=alpha, out=run.path("validate") / "bench.json",
+                                device=recipe.device)
+    return {"k": result["k"], "speedup_vs_target_only": result["speedup_vs_target_only"], "greedy_equal": True}
 
 
 def stage_export(recipe: Recipe, run: RunFolder) -> dict:
     from distill.export import export
 
-    e = recipe.export
     best_dir = run.path("distill") / "best"
     if not best_dir.is_dir():
         raise DraftsmithError(f"export: no distilled draft at {best_dir}; run the distill stage first")
-    bench = _read_json(run.path("validate") / "bench.json") or {}
-    info: dict[str, Any] = {"recipe": recipe.name}  # the rest comes from distill/distill.json next to best/
+    bench = read_json(run.path("validate") / "bench.json", missing_ok=True, what="validation result") or {}
+    info = {"recipe": recipe.name, **run_info(bench)}  # the rest comes from distill/distill.json next to best/
+    summary = export(str(best_dir), recipe.target, run.path("export"), recipe.export, info=info)
+    return {"formats": recipe.export.formats, "serving": summary.get("serving")}
+
+
+def run_info(bench: dict) -> dict:
+    """What the validate stage measured, for the model card: K and the distilled draft's speedup."""
+    info: dict[str, Any] = {}
     if bench.get("k"):
         info["best_k"] = bench["k"]  # chosen by validate: measured cost and the distilled draft's alpha
     after = (bench.get("speedup_vs_target_only") or {}).get("draft_after")
@@ -263,10 +184,7 @@ def stage_export(recipe: Recipe, run: RunFolder) -> dict:
         info["speedup_detail"] = (f"draftsmith's decoder on {bench.get('device', 'cpu')}, K={bench['k']}, "
                                   f"{len(bench['prompts'])} held-out prompts: {tps['draft_after']:.2f} tok/s with the "
                                   f"draft vs {tps['target_only']:.2f} target alone (validate/bench.json)")
-    fmt = "all" if set(e.formats) == {"hf", "gguf"} else e.formats[0]
-    summary = export(str(best_dir), recipe.target, run.path("export"), fmt=fmt, gguf_type=e.gguf_type,
-                     info=info, check_llama_cpp=e.check_llama_cpp)
-    return {"formats": e.formats, "serving": summary.get("serving")}
+    return info
 
 
 def _report(run: RunFolder, say: Callable[[str], None]) -> None:

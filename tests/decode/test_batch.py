@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decode.batch import TargetVocab, generate_batch, to_vocab
+from decode.batch import TargetVocab, generate_batch
 from decode.model import make_runner
-from decode.sampling import SamplingParams
+from decode.sampling import SamplingParams, fit_vocab
 from decode.speculative import generate
 from tests import helpers
 
@@ -46,9 +46,9 @@ def test_each_row_equals_its_decode_alone(model, temperature) -> None:
 
 def test_vocab_fit_cuts_or_pads_with_impossible_tokens() -> None:
     logits = torch.randn(2, 5, dtype=torch.float64)
-    assert torch.equal(to_vocab(logits, 5), logits)
-    assert torch.equal(to_vocab(logits, 3), logits[:, :3])
-    padded = to_vocab(logits, 8)
+    assert torch.equal(fit_vocab(logits, 5), logits)
+    assert torch.equal(fit_vocab(logits, 3), logits[:, :3])
+    padded = fit_vocab(logits, 8)
     assert padded.shape == (2, 8) and torch.equal(padded[:, :5], logits) and torch.isinf(padded[:, 5:]).all()
     assert torch.softmax(padded, -1)[:, 5:].sum() == 0  # padded rows have probability exactly 0
 

@@ -77,19 +77,11 @@ def write_tiny_gguf(path: Path, hidden: int = 16, heads: int = 2, kv_heads: int 
 
 def write_tiny_hf_folder(path: Path) -> Path:
     """A random-init two-layer Llama and a word-level tokenizer saved as a Hugging Face folder."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from tests import helpers
 
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "hello": 3, "world": 4}
-    config = LlamaConfig(vocab_size=len(vocab), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)  # fmt: skip
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(path)
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    tokenizer.save_pretrained(path)
-    return path
+    tokenizer = helpers.word_tokenizer(["<unk>", "<s>", "</s>", "hello", "world"], unk="<unk>", bos="<s>", eos="</s>",
+                                       split_punctuation=True)
+    return helpers.save_tiny(path, tokenizer, 0, hidden=16, heads=2, kv_heads=1, max_positions=64, head_scale=1.0)
 
 
 def _one_line_invalid(path: Path) -> str:

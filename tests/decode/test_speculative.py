@@ -4,24 +4,16 @@ import itertools
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from decode.model import LeanLM, make_runner
 from decode.sampling import SamplingParams
 from decode.speculative import KPolicy, Stats, generate
+from tests import helpers
 
 
 def tiny_hf(seed: int, vocab: int = 61, layers: int = 2, dtype=torch.float64, arch: str = "llama", scale: float = 1.0):
-    torch.manual_seed(seed)
-    cls = LlamaConfig if arch == "llama" else Qwen2Config
-    cfg = cls(
-        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
-    )
-    model = AutoModelForCausalLM.from_config(cfg).to(dtype).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(scale)  # sharper distributions: more structure for the tests to see
-    return model
+    """`scale` > 1 sharpens the distributions: more structure for the tests to see."""
+    return helpers.tiny_llama(seed, vocab, layers=layers, max_positions=512, head_scale=scale, arch=arch, dtype=dtype)
 
 
 class Disagree:

@@ -106,14 +106,14 @@ def test_each_source_decodes_with_its_model(pair, tmp_path, calls) -> None:
 
     calls.reset()
     sampled = generate_data(target, draft, PROMPTS, tmp_path / "t1", source="target", max_new_tokens=8,
-                            temperature=1.0, seed=3, progress=False)
+                            temperature=1.0, seed=3, speculative=True, progress=False)
     assert calls.speculative == len(PROMPTS)  # target text comes from the speculative decoder
     on_policy = generate_data(target, draft, PROMPTS, tmp_path / "d1", source="draft", max_new_tokens=8,
                               temperature=1.0, seed=3, progress=False)
     for i, row in enumerate(on_policy):  # the draft alone, full precision, one generator per prompt
         assert row["continuation_ids"] == _alone(draft, row, 1.0, 3, i)
     again = generate_data(target, draft, PROMPTS, tmp_path / "t2", source="target", max_new_tokens=8,
-                          temperature=1.0, seed=3, progress=False)
+                          temperature=1.0, seed=3, speculative=True, progress=False)
     assert again.to_list() == sampled.to_list()
     assert all(1 <= len(c) <= 8 and max(c) <= EOS for c in sampled["continuation_ids"])
 
@@ -208,18 +208,18 @@ def test_plain_and_speculative_sampled_folders_are_not_mixed(pair, tmp_path) -> 
     folder records which; a folder from before the key existed is still accepted."""
     target, draft = pair
     kw = dict(source="target", max_new_tokens=6, temperature=1.0, seed=1, progress=False)
-    spec = generate_data(target, draft, PROMPTS, tmp_path / "s", **kw)
+    spec = generate_data(target, draft, PROMPTS, tmp_path / "s", speculative=True, **kw)
     with pytest.raises(DraftsmithError, match="other settings.*speculative"):
         generate_data(target, draft, PROMPTS, tmp_path / "s", speculative=False, **kw)
     settings = json.loads((tmp_path / "s" / data_mod.SETTINGS).read_text())
     assert settings["speculative"] is True
     del settings["speculative"]  # as an older draftsmith wrote it
     (tmp_path / "s" / data_mod.SETTINGS).write_text(json.dumps(settings))
-    assert generate_data(target, draft, PROMPTS, tmp_path / "s", **kw).to_list() == spec.to_list()
+    assert generate_data(target, draft, PROMPTS, tmp_path / "s", speculative=True, **kw).to_list() == spec.to_list()
     settings["unknown_key"] = 1  # a key this draftsmith does not write: made by something else, refused
     (tmp_path / "s" / data_mod.SETTINGS).write_text(json.dumps(settings))
     with pytest.raises(DraftsmithError, match="unknown_key"):
-        generate_data(target, draft, PROMPTS, tmp_path / "s", **kw)
+        generate_data(target, draft, PROMPTS, tmp_path / "s", speculative=True, **kw)
     greedy = generate_data(target, draft, PROMPTS, tmp_path / "g", **{**kw, "temperature": 0.0})
     assert json.loads((tmp_path / "g" / data_mod.SETTINGS).read_text())["speculative"] is None  # same text
     assert generate_data(target, draft, PROMPTS, tmp_path / "g", speculative=False,

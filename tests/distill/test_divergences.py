@@ -17,6 +17,7 @@ from distill.divergences import (
     token_mean,
     topk_teacher_logits,
 )
+from pairing import acceptance
 
 F64 = torch.float64
 B, T, V = 2, 3, 7
@@ -174,7 +175,6 @@ def test_tvd_is_one_minus_acceptance(temp):
 
 
 def test_tvd_agrees_with_pairing_beta():
-    acceptance = pytest.importorskip("pairing.acceptance")
     s, t = rand_logits(20).view(-1, V), rand_logits(21).view(-1, V)
     beta_t = acceptance.beta(t, s, SamplingParams(temperature=1.0))  # (N,)
     total, count = divergence_sum("tvd", s, t, torch.ones(B * T, dtype=torch.bool))

@@ -7,12 +7,12 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
 from decode.loading import Loaded
 from decode.sampling import SamplingParams, to_probs
 from pairing.acceptance import THROUGH_TEXT, TOKEN_LEVEL, _TextRow, beta, expected_tau, measure_acceptance
+from tests import helpers
 
 WORDS = [f"w{i}" for i in range(48)]
 EOS = len(WORDS)  # "<eos>" = 48; "[UNK]" = 49 lies outside the models' 49 rows, so no model emits it
@@ -20,25 +20,12 @@ EOS = len(WORDS)  # "<eos>" = 48; "[UNK]" = 49 lies outside the models' 49 rows,
 
 def word_tokenizer(order: list[str] = WORDS) -> PreTrainedTokenizerFast:
     """Words split on whitespace, one id each (in `order`), then <eos> and [UNK]; no chat template."""
-    vocab = {w: i for i, w in enumerate(order)}
-    vocab.update({"<eos>": len(order), "[UNK]": len(order) + 1})
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="[UNK]")
+    return helpers.word_tokenizer([*order, "<eos>", "[UNK]"], eos="<eos>")
 
 
 def tiny(seed: int, vocab: int = EOS + 1, layers: int = 2, dtype=torch.float64):
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
-        bos_token_id=None, eos_token_id=EOS, pad_token_id=None,
-    )
-    model = AutoModelForCausalLM.from_config(cfg).to(dtype).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)  # sharper distributions, so drafts visibly disagree
-    model.generation_config.eos_token_id = EOS
-    return model
+    """Head scaled by 8 (the helper's default): sharper distributions, so drafts visibly disagree."""
+    return helpers.tiny_llama(seed, vocab, eos_id=EOS, layers=layers, dtype=dtype)
 
 
 def loaded(model, name: str, tokenizer=None) -> Loaded:

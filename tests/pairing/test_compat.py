@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
 from decode.errors import DraftsmithError
 from decode.loading import Loaded
 from pairing.compat import check_pair, llama_cpp_rule, loaded_meta, same_tokenizer, tokenizer_meta
+from tests import helpers
 
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>", "<sep>"]  # ids 0..4: below llama.cpp's check start
 
@@ -35,9 +36,8 @@ def make_tokenizer(vocab: list[str], *, bos: str = "<s>", eos: str = "</s>", add
 
 def loaded(tokenizer, rows: int | None = None, name: str = "tiny") -> Loaded:
     """A Loaded with a one-layer model whose embedding has `rows` rows (default: the tokenizer's size)."""
-    cfg = LlamaConfig(vocab_size=rows or len(tokenizer), hidden_size=8, intermediate_size=16, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
-    return Loaded(model=LlamaForCausalLM(cfg).eval(), tokenizer=tokenizer, path=Path("."), name=name)
+    model = helpers.tiny_llama(0, rows or len(tokenizer), layers=1, hidden=8, heads=2, kv_heads=1, head_scale=1.0)
+    return Loaded(model=model, tokenizer=tokenizer, path=Path("."), name=name)
 
 
 def meta(n: int = 100, **overrides) -> dict:

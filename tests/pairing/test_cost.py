@@ -7,10 +7,10 @@ import time
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 from decode.model import make_runner
 from pairing.cost import CostModel, best_k, expected_tau, measure_cost, predicted_speedup, speedup_curve
+from tests import helpers
 
 KS = range(1, 17)
 
@@ -120,12 +120,7 @@ def test_cost_model_ratios_and_dict() -> None:
 
 
 def tiny_hf(seed: int, layers: int = 2, hidden: int = 32):
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=61, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
-    )
-    return AutoModelForCausalLM.from_config(cfg).float().eval()
+    return helpers.tiny_llama(seed, 61, layers=layers, hidden=hidden, head_scale=1.0)
 
 
 class Slow:

@@ -11,13 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
 
 from decode.errors import DraftsmithError
 from decode.loading import load
 from pairing import derive as derive_mod
 from pairing.derive import derive, parse_derive_spec, resolve_candidate
+from tests import helpers
 
 VOCAB = 100
 N_LAYERS = 4
@@ -25,22 +24,12 @@ N_LAYERS = 4
 
 def save_source(folder: Path, arch: str = "llama", tied: bool = False, sliding: bool = False) -> Path:
     """A tiny random-init model and a word-level tokenizer, saved as an HF folder."""
-    torch.manual_seed(0)
-    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=N_LAYERS,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                  tie_word_embeddings=tied)  # fmt: skip
-    if arch == "llama":
-        cfg = LlamaConfig(**common)
-    else:  # sliding: layers 2 and 3 see a 4-token window, so layer order matters for the masks
-        extra = dict(use_sliding_window=True, sliding_window=4, max_window_layers=2) if sliding else {}
-        cfg = Qwen2Config(**common, **extra)
-    model = AutoModelForCausalLM.from_config(cfg).eval()
-    model.save_pretrained(folder)
-    vocab = {"<s>": 0, "</s>": 1, **{f"w{i}": i for i in range(2, VOCAB)}}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="</s>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(folder)
-    return folder
+    # sliding (qwen2): layers 2 and 3 see a 4-token window, so layer order matters for the masks
+    extra = dict(use_sliding_window=True, sliding_window=4, max_window_layers=2) if sliding else {}
+    tok = helpers.word_tokenizer(["<s>", "</s>", *(f"w{i}" for i in range(2, VOCAB))], unk="</s>", bos="<s>",
+                                 eos="</s>")
+    return helpers.save_tiny(folder, tok, 0, layers=N_LAYERS, max_positions=128, head_scale=1.0, tied=tied,
+                             arch=arch, **extra)
 
 
 def reference_logits(model, layers: list[int], ids: torch.Tensor) -> torch.Tensor:

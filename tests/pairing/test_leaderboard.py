@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pairing.leaderboard import PairSettings, run_pair, split_candidates
+from pairing.leaderboard import PairConfig, run_pair, split_candidates
 from tests import helpers
 
 WORDS = "the a of to and in is it that for on with as was be by this are or at from code data list sort print".split()
@@ -19,10 +19,8 @@ def tiny_tokenizer():
 
 
 def save_tiny(path: Path, seed: int, layers: int, vocab: int) -> Path:
-    helpers.tiny_llama(seed, vocab, eos_id=2, bos_id=1, layers=layers, max_positions=512,
-                       head_scale=4.0).save_pretrained(path)
-    tiny_tokenizer().save_pretrained(path)
-    return path
+    return helpers.save_tiny(path, tiny_tokenizer(), seed, vocab_size=vocab, eos_id=2, bos_id=1, layers=layers,
+                             max_positions=512, head_scale=4.0)
 
 
 @pytest.fixture
@@ -40,9 +38,9 @@ def setup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 def test_pair_end_to_end_writes_all_files_with_the_schema(setup, tmp_path: Path) -> None:
     target, other, prompts = setup
     out = tmp_path / "board"
-    settings = PairSettings(suite=None, prompts_file=str(prompts), limit_per_domain=2, max_new_tokens=8,
-                            validate=2, validate_prompts=1, draft_quant=None)
-    board = run_pair(str(target), [str(target), str(other), f"derive:{target}:keep=1"], out, settings, progress=False)
+    cfg = PairConfig(candidates=[str(target), str(other), f"derive:{target}:keep=1"], prompts_per_domain=2,
+                     max_new_tokens=8, validate=2, validate_prompts=1, draft_quant=None)
+    board = run_pair(str(target), out, cfg, prompts=str(prompts), progress=False)
     for name in ("leaderboard.json", "leaderboard.md", "leaderboard.csv", "leaderboard.html",
                  "alpha_by_domain.png", "speedup_vs_k.png", "alpha_by_position.png"):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name

@@ -6,8 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models
-from transformers import PreTrainedTokenizerFast
 
 import pairing.reference as reference
 from decode.errors import DraftsmithError
@@ -126,9 +124,7 @@ def test_speculative_reference_equals_target_alone(target, tmp_path, calls) -> N
 
 def test_draft_with_another_tokenizer_is_refused(target, tmp_path) -> None:
     draft = tiny_loaded(1, tmp_path / "draft", layers=1)
-    draft.tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")), unk_token="[UNK]"
-    )
+    draft.tokenizer = helpers.word_tokenizer(["a", "[UNK]"], eos=None)
     with pytest.raises(DraftsmithError, match="different tokenizers"):
         reference_continuations(target, PROMPTS, max_new_tokens=4, draft=draft, cache_root=tmp_path, progress=False)
 

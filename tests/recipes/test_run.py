@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,27 +17,16 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+
+from tests import helpers
 
 DRAFTSMITH = Path(sys.executable).parent / "draftsmith"
 WORDS = "the a of to and in is it that for on with as was be by this are or at from code data list sort print".split()
 
 
 def save_tiny(path: Path, seed: int, layers: int) -> Path:
-    vocab = {"[UNK]": 0, "<s>": 1, "</s>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-    model = AutoModelForCausalLM.from_config(cfg)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(4.0)
-    model.save_pretrained(path)
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", bos_token="<s>", eos_token="</s>").save_pretrained(path)
-    return path
+    tok = helpers.word_tokenizer(["[UNK]", "<s>", "</s>", *WORDS], eos="</s>", bos="<s>", split_punctuation=True)
+    return helpers.save_tiny(path, tok, seed, eos_id=2, bos_id=1, layers=layers, head_scale=4.0)
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +39,8 @@ def world(tmp_path_factory) -> dict:
             for i in range(6) for d in ("code", "chat")]
     prompts.write_text("".join(json.dumps({"prompt": p, "domain": d}) + "\n" for d, p in rows))
     recipe = {
-        "name": "tiny", "target": str(target), "prompts": {"suite": None, "file": str(prompts)},
-        "pair": {"candidates": [f"derive:{target}:keep=1", str(other)], "limit_per_domain": 2, "max_new_tokens": 8,
+        "name": "tiny", "target": str(target), "prompts": str(prompts),
+        "pair": {"candidates": [f"derive:{target}:keep=1", str(other)], "prompts_per_domain": 2, "max_new_tokens": 8,
                  "draft_quant": None},
         "distill": {"draft": "best", "max_new_tokens": 12, "eval_per_domain": 2,
                     "train": {"steps": 80, "batch_size": 2, "lr": 1e-3, "warmup_steps": 2, "eval_every": 40,
@@ -145,15 +135,14 @@ def test_killed_mid_distill_then_rerun_ends_with_the_same_weights(world: dict, w
     assert all(torch.equal(best_a[k], best_b[k]) for k in best_a)
 
 
-def test_leaderboard_merges_two_runs_into_one_table(world: dict, whole: Path) -> None:
-    other = world["root"] / "runs" / "killed"
-    if not (other / "distill" / "distill.json").is_file():
-        other = whole  # still two arguments; rows are per run
-    out = world["root"] / "board"
-    r = draftsmith(world, "leaderboard", str(whole), str(other), "--out", str(out))
+def test_leaderboard_merges_two_runs_into_one_table(world: dict, whole: Path, tmp_path: Path) -> None:
+    # two run folders of its own, whichever tests ran before: the finished run under two names
+    first, other = shutil.copytree(whole, tmp_path / "first"), shutil.copytree(whole, tmp_path / "other")
+    out = tmp_path / "board"
+    r = draftsmith(world, "leaderboard", str(first), str(other), "--out", str(out))
     assert r.returncode == 0, r.stderr
     merged = json.loads((out / "leaderboard.json").read_text())
-    assert {row["run"] for row in merged["rows"]} == {str(whole), str(other)}
+    assert {row["run"] for row in merged["rows"]} == {str(first), str(other)}
     assert any(row["kind"] == "distilled" for row in merged["rows"])
     md = (out / "leaderboard.md").read_text()
     assert md.count("| target | draft |") == 1 and (out / "leaderboard.html").is_file()

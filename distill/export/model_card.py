@@ -1,8 +1,8 @@
 """What an exported draft says about itself: the serving command lines and the model card (README.md).
 
-    from distill.model_card import model_card, serving_lines
+    from distill.export.model_card import model_card, serving_lines
     lines = serving_lines("/m/target", "/out/hf", "/m/t.gguf", "/out/draft-f16.gguf", k=3)
-    text = model_card(summary)  # summary: the dict distill.export writes as export.json
+    text = model_card(summary)  # summary: the dict distill.export.export writes as export.json
 
 Pure text from measured numbers: nothing here loads a model or touches a file.
 """

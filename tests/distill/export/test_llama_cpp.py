@@ -1,10 +1,10 @@
 """llama.cpp as the judge of an exported GGUF draft: llama-server serves SmolLM2 with the draft and accepts tokens.
 
-    .venv/bin/python -m pytest tests/distill/test_llama_cpp.py -q            # fast parts
-    .venv/bin/python -m pytest tests/distill/test_llama_cpp.py -q -m slow    # the real engine (needs the built wheel)
+    .venv/bin/python -m pytest tests/distill/export/test_llama_cpp.py -q            # fast parts
+    .venv/bin/python -m pytest tests/distill/export/test_llama_cpp.py -q -m slow    # the real engine (needs the built wheel)
 
 The slow test skips, saying why, unless llama.cpp's wheel is cached (building it takes ~25 minutes:
-`distill.llama_cpp.build_wheel()`). Its draft is the target itself, exported as Q8_0: a draft that must be
+`distill.export.llama_cpp.build_wheel()`). Its draft is the target itself, exported as Q8_0: a draft that must be
 accepted most of the time whatever training did, so the assertion tests the export and the engine, not luck.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import distill.llama_cpp as lc
+import distill.export.llama_cpp as lc
 from decode import zoo
 from decode.errors import DraftsmithError
 
@@ -61,7 +61,7 @@ def _llama_cpp_available() -> bool:
 def test_llama_server_accepts_an_exported_draft(tmp_path: Path) -> None:
     from decode.loading import load
     from decode.textgen import prompt_ids
-    from distill.gguf_export import write_gguf
+    from distill.export.gguf import write_gguf
 
     zoo.pull(NAME, progress=False)
     torch.set_num_threads(2)

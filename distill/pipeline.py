@@ -1,0 +1,126 @@
+"""One distillation: held-out split -> data from the target -> training -> alpha (and tokens/s) before and after.
+
+    .venv/bin/draftsmith distill --target smollm2-135m-instruct --draft derive:smollm2-135m-instruct:keep=4 \
+        --data target --loss fkl --steps 300 --eval-every 50 --speed-prompts 4 --out runs/distill-smollm2
+
+Prompts: the built-in suites (or a file). The first `eval_per_domain` prompts of every domain are held out
+for evaluation (reference continuations of the target, teacher-forced alpha); training data comes only from
+the rest. Everything lands in `--out`: `data/` (resumable), `checkpoints/`, `best/` (an HF folder),
+`log.jsonl`, `summary.json`, and `distill.json` (this run's result; with `speed_prompts > 0` also the
+speculative speedup of the draft before and after, measured side by side by `decode.bench.validate_drafts`).
+`DistillConfig` is both a recipe's `distill:` section and the options of `draftsmith distill` / `gen-data`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from decode.bench import Validation, validate_drafts
+from decode.errors import DraftsmithError
+from decode.io import atomic_write_json
+from decode.loading import load
+from decode.model import draft_quant, make_runner
+from decode.prompts import Prompt, load_prompts
+from decode.textgen import eos_ids
+from distill.data import generate_data
+from distill.train import TrainConfig, train
+from pairing.derive import resolve_candidate
+from pairing.reference import reference_continuations
+
+DATA_SOURCES = ("target", "draft", "mixed")
+
+
+@dataclass
+class DistillConfig:
+    """The distill stage's settings: data from the target (and the draft), then divergence training."""
+
+    draft: str = "best"  # the draft to distil: a model spec; in a recipe 'best' = the leaderboard's top candidate
+    data: str = "target"  # whose continuations: target | draft (on-policy) | mixed
+    mix: float = 0.5  # fraction of draft (on-policy) rows when data = mixed
+    max_new_tokens: int = 64  # continuation length of each data row
+    data_temperature: float = 1.0  # sampling temperature of the data rows (0 = greedy)
+    speculative_data: bool = False  # generate the target's rows with the draft's proposals (pays once alpha is high)
+    gen_batch_size: int = 8  # prompts decoded together where a model decodes alone
+    eval_per_domain: int = 6  # held-out prompts per domain, never trained on
+    speed_prompts: int = 0  # held-out prompts timed before/after distillation (0 = leave it to the validate stage)
+    speed_k: int = 3  # K for that before/after timing
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self) -> None:
+        if self.data not in DATA_SOURCES:
+            raise ValueError(f"data must be one of {', '.join(DATA_SOURCES)}, got {self.data!r}")
+        if not 0.0 <= self.mix <= 1.0:
+            raise ValueError(f"mix must be in [0, 1], got {self.mix}")
+        if self.data_temperature < 0:
+            raise ValueError(f"data_temperature must be >= 0, got {self.data_temperature}")
+        for name in ("max_new_tokens", "eval_per_domain", "gen_batch_size", "speed_k"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.speed_prompts < 0:
+            raise ValueError(f"speed_prompts must be >= 0, got {self.speed_prompts}")
+
+
+def split_prompts(prompts: list[Prompt], eval_per_domain: int) -> tuple[list[Prompt], list[Prompt]]:
+    """(train, held_out): the first `eval_per_domain` prompts of each domain are held out."""
+    seen: dict[str, int] = {}
+    train_p, held = [], []
+    for p in prompts:
+        n = seen.get(p.domain, 0)
+        (held if n < eval_per_domain else train_p).append(p)
+        seen[p.domain] = n + 1
+    if not train_p or not held:
+        raise DraftsmithError(f"need prompts both to train on and to hold out (eval_per_domain={eval_per_domain})")
+    return train_p, held
+
+
+def skipped_note(summary: dict) -> str | None:
+    """What a user must know when steps were skipped for a non-finite loss or gradient (None when none were)."""
+    n = summary.get("skipped_steps", 0)
+    if not n:
+        return None
+    best = summary.get("best_step")
+    kept = (f"best/ is the draft of step {best}, the best alpha measured" if best is not None
+            else "best/ is the final student")
+    return (f"{n} step(s) had a non-finite loss or gradient and were skipped (their updates were not applied); "
+            f"{kept}, before the loss diverged; lower lr if this repeats")
+
+
+def run_distill(target_spec: str, draft_spec: str, out: Path, cfg: DistillConfig, *,
+                prompts: str = "code,json,summarize,chat", limit_per_domain: int | None = None, resume: bool = True,
+                device: str = "cpu") -> dict:
+    """The whole distillation into `out`; returns (and writes to out/distill.json) its result."""
+    out = Path(out)
+    target = load(target_spec, device=device)
+    draft = load(resolve_candidate(draft_spec), device=device)
+    draft.name = draft_spec
+    train_p, held = split_prompts(load_prompts(prompts, limit_per_domain=limit_per_domain), cfg.eval_per_domain)
+    data = generate_data(target, draft, train_p, out / "data", source=cfg.data, mix=cfg.mix,
+                         max_new_tokens=cfg.max_new_tokens, temperature=cfg.data_temperature, seed=cfg.train.seed,
+                         speculative=cfg.speculative_data, batch_size=cfg.gen_batch_size)
+    refs = reference_continuations(target, held, max_new_tokens=cfg.max_new_tokens)
+    summary = train(target, draft, data, refs, out, cfg.train, resume=resume)
+    tuned = load(summary["paths"]["best"], device=device) if "best" in summary.get("paths", {}) else None
+    result = {
+        "target": target_spec, "draft": draft_spec, "config": asdict(cfg.train), "distill": asdict(cfg),
+        "data_source": cfg.data, "train_prompts": len(train_p), "held_out_prompts": len(held), "data_rows": len(data),
+        "alpha_before": summary["alpha_before"], "alpha_after": summary["alpha_after"],
+        "alpha_gain": summary["alpha_after"] - summary["alpha_before"] if summary["alpha_before"] is not None else None,
+        "skipped_steps": summary.get("skipped_steps", 0),
+        "skipped_note": skipped_note(summary),
+        "train_summary": summary,
+    }
+    if tuned is not None and cfg.speed_prompts:
+        torch.set_grad_enabled(False)
+        rows = list(refs)[: cfg.speed_prompts]
+        max_len = max(len(r["prompt_ids"]) for r in rows) + cfg.max_new_tokens + cfg.speed_k + 2
+        runners = {name: make_runner(m.model, max_len, quantize=draft_quant(m.model))
+                   for name, m in (("draft_before", draft), ("draft_after", tuned))}
+        val: Validation = validate_drafts(make_runner(target.model, max_len), runners, [r["prompt_ids"] for r in rows],
+                                          k=cfg.speed_k, max_new_tokens=cfg.max_new_tokens, eos_ids=eos_ids(target),
+                                          names=[r["id"] for r in rows], desc="before/after", device=device)
+        result["speed"] = val.to_dict()
+    atomic_write_json(out / "distill.json", result)
+    return result

@@ -1,0 +1,63 @@
+"""decode.bench.side_by_side on tiny models: every decoder gives the target's greedy tokens on every prompt, and
+each decoder's stats are the merge of its per-prompt runs (the warm-up left out)."""
+
+from __future__ import annotations
+
+import pytest
+
+from decode.bench import side_by_side
+from decode.model import make_runner
+from decode.speculative import KPolicy, Stats, generate
+from tests import helpers
+
+V = 40
+EOS = V - 1
+PROMPTS = [[1, 5, 7, 9, 11, 2, 3, 4, 8, 13, 21, 34, 6, 10, 12, 14, 16, 18], [3], [2, 2, 2, 2, 2, 2, 8]]
+N_NEW = 12
+
+
+@pytest.fixture(scope="module")
+def target_model():
+    return helpers.tiny_llama(0, V, eos_id=EOS, layers=2)
+
+
+@pytest.fixture(scope="module")
+def results(target_model):
+    target = make_runner(target_model, 64)
+    drafts = {
+        "target_only": None,
+        "same": make_runner(target_model, 64),  # the target as its own draft: every token accepted
+        "other": make_runner(helpers.tiny_llama(1, V, eos_id=EOS, layers=1), 64),
+    }
+    out = side_by_side(target, drafts, PROMPTS, k=3, max_new_tokens=N_NEW, eos_ids=[EOS])
+    return target, drafts, out
+
+
+def test_greedy_tokens_equal_the_target_alone_for_every_draft(results, target_model) -> None:
+    _, _, out = results
+    assert list(out) == ["target_only", "same", "other"]
+    fresh = make_runner(target_model, 64)
+    reference = [generate(fresh, p, max_new_tokens=N_NEW, eos_ids=[EOS]).tokens for p in PROMPTS]
+    assert all(len(t) == N_NEW or t[-1] == EOS for t in reference) and any(len(t) > 1 for t in reference)
+    for name, (_, tokens) in out.items():
+        assert tokens == reference, name
+
+
+def test_stats_are_the_merge_of_the_per_prompt_runs(results) -> None:
+    target, drafts, out = results
+    for name, draft in drafts.items():
+        stats, tokens = out[name]
+        alone = [generate(target, p, draft=draft, max_new_tokens=N_NEW, eos_ids=[EOS], policy=KPolicy(k=3)).stats
+                 for p in PROMPTS]
+        merged = Stats()
+        for s in alone:
+            merged = merged.merge(s)
+        assert stats.new_tokens == sum(len(t) for t in tokens) == merged.new_tokens
+        assert (stats.tau_hist, stats.drafted, stats.accepted) == (merged.tau_hist, merged.drafted, merged.accepted)
+        assert stats.seconds > 0 and stats.tokens_per_s > 0
+    only, same, other = (out[n][0] for n in ("target_only", "same", "other"))
+    assert only.drafted == 0 and only.acceptance_rate is None and only.mean_tau == 1.0
+    assert only.target_forwards == only.new_tokens  # one token per target forward without a draft
+    assert same.drafted > 0 and same.acceptance_rate == 1.0 and same.mean_tau > 2.0
+    assert same.target_forwards < only.target_forwards
+    assert other.drafted > 0 and 0 <= other.accepted <= other.drafted

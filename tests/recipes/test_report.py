@@ -1,0 +1,54 @@
+"""The run folder's report (`recipes.report.write_report`), rebuilt from whatever stages have written results:
+each finished stage gets its section in report.md and the self-contained report.html; a missing result leaves
+its section out; a corrupt one is a one-line error naming the file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from decode.errors import DraftsmithError
+from recipes.report import write_report
+from tests.helpers import write_run_folder
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_has_a_section_per_finished_stage(tmp_path: Path) -> None:
+    run = write_run_folder(tmp_path / "tiny-run", candidates={"d1": 0.4, "d2": 0.6}, distilled=("d2", 0.6, 0.75))
+    assert write_report(run) == run / "report.md"
+    md = (run / "report.md").read_text()
+    assert md.startswith("# draftsmith run: tiny-run\n")
+    assert "| pair | done | 12 |" in md and "| distill | done | 30 |" in md and "| validate |" not in md
+    assert "## Pairing leaderboard" in md and "Target `tiny-target`" in md
+    assert "| d1 |" in md and "| d2 |" in md and "0.600" in md
+    assert "## Distillation" in md and "0.600 -> 0.750 (gain 0.150)" in md
+    # alpha by domain, before (step 0) and after (the best step, 40): overall +/- 0.05 per domain
+    assert "| chat | 0.550 | 0.700 | 0.150 |" in md and "| code | 0.650 | 0.800 | 0.150 |" in md
+    assert "| all | 0.600 | 0.750 | 0.150 |" in md
+    assert "## Validation" not in md and "## Export" not in md  # those stages have not written anything
+    assert "## Resolved recipe" in md and "name: tiny-run" in md
+    for png in ("alpha_by_domain.png", "training.png"):
+        assert f"![{png}](report/{png})" in md
+        assert (run / "report" / png).read_bytes().startswith(PNG)
+    html = (run / "report.html").read_text()
+    assert "<h2>Pairing leaderboard</h2>" in html and "<h2>Distillation</h2>" in html
+    assert html.count('src="data:image/png;base64,') == 2 and "report/" not in html  # self-contained
+
+
+def test_report_of_a_run_with_only_the_pair_stage(tmp_path: Path) -> None:
+    run = write_run_folder(tmp_path / "paired", candidates={"d3": 0.5})
+    md = write_report(run).read_text()
+    assert "## Pairing leaderboard" in md and "| d3 |" in md
+    assert "## Distillation" not in md and not (run / "report" / "training.png").exists()
+
+
+def test_a_corrupt_result_is_a_one_line_error_naming_the_file(tmp_path: Path) -> None:
+    run = write_run_folder(tmp_path / "broken", candidates={"d1": 0.4}, distilled=("d1", 0.4, 0.5))
+    result = run / "distill" / "distill.json"
+    result.write_text('{"target": "tiny-target", "alpha_before"')  # cut short by an interruption
+    with pytest.raises(DraftsmithError) as e:
+        write_report(run)
+    assert str(result) in str(e.value) and "\n" not in str(e.value)
+    assert not (run / "report.md").exists()  # no report that silently drops the stage
