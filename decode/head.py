@@ -21,7 +21,6 @@ wants d2t as absolute ids, d2t + arange).
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -29,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from decode.io import atomic_path, atomic_write_json
+from decode.io import atomic_path, atomic_write_json, read_json
 from decode.kv_cache import KVCache
 from decode.model import _linear, _rms_norm, _rotate_half
 
@@ -48,7 +47,7 @@ class HeadConfig:
     head_dim: int
     vocab_size: int  # the target's
     draft_vocab_size: int
-    aux_layers: tuple[int, ...] = (2, 2, 2)  # target layers whose input hidden states the head reads
+    aux_layers: tuple[int, ...]  # the target layers whose input hidden states the head reads (low, mid, high)
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
 
@@ -65,7 +64,10 @@ class HeadConfig:
     def for_target(cls, config, *, draft_vocab_size: int | None = None, aux_layers=None,
                    intermediate_size: int | None = None) -> "HeadConfig":
         """A head shaped like one layer of the target (HF config), over its full vocabulary unless told."""
-        n_heads = config.num_attention_heads
+        n_heads, L = config.num_attention_heads, config.num_hidden_layers
+        aux_layers = tuple(aux_layers) if aux_layers is not None else default_aux_layers(L)
+        if max(aux_layers) >= L:
+            raise ValueError(f"aux_layers {aux_layers}: the target has {L} layers")
         rope = getattr(config, "rope_parameters", None) or {}
         return cls(
             hidden_size=config.hidden_size,
@@ -75,7 +77,7 @@ class HeadConfig:
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // n_heads,
             vocab_size=config.vocab_size,
             draft_vocab_size=draft_vocab_size or config.vocab_size,
-            aux_layers=tuple(aux_layers) if aux_layers is not None else default_aux_layers(config.num_hidden_layers),
+            aux_layers=aux_layers,
             rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", None) or 10000.0)),
             rms_norm_eps=config.rms_norm_eps,
         )
@@ -259,11 +261,11 @@ class HeadDraft:
         self.tokens[pos : pos + T] = tokens
         if pos == 0:
             self.h_len = self.e_len = 0
-            self.feats = features
-        elif self.h_len <= pos <= self.h_len + len(self.feats):
-            self.feats = torch.cat([self.feats[: pos - self.h_len], features.to(self.feats.dtype)])
-        else:
+            self.feats = self.feats[:0]
+        if not self.h_len <= pos <= self.h_len + len(self.feats):
             raise ValueError(f"features at {pos} do not continue the {self.h_len + len(self.feats)} the head holds")
+        # a copy: the runner may reuse its buffer (CUDA graphs) before the head reads them
+        self.feats = torch.cat([self.feats[: pos - self.h_len], features.to(self.feats.dtype)])
 
     @torch.inference_mode()
     def forward(self, tokens: Tensor, pos: int, keep: int = 0) -> Tensor:
@@ -312,7 +314,7 @@ def load_head(folder: str | Path, embed: nn.Embedding | Tensor) -> Eagle3Head:
     from safetensors.torch import load_file
 
     folder = Path(folder)
-    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    config = read_json(folder / "config.json", what="head config")
     config.pop("architectures", None)
     head = Eagle3Head(HeadConfig(**config), embed)
     head.load_state_dict(load_file(str(folder / "model.safetensors"), device=str(head.embed.device)))

@@ -169,7 +169,7 @@ class LeanLM(nn.Module):
         cos, sin = self.cos[pos : pos + T], self.sin[pos : pos + T]
         return self._run(tokens, cos, sin, pos, mask, keep)
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: torch.compile cannot trace it (views of inference tensors)
     def forward_static(self, tokens: Tensor, positions: Tensor) -> Tensor:
         """Fixed-shape variant (tokens (T,), positions (T,) on device) for CUDA graphs / torch.compile."""
         S = self.max_seq_len

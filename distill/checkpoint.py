@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from decode.errors import DraftsmithError
-from decode.io import atomic_dir
+from decode.io import atomic_dir, read_json
 
 MARKER = "draftsmith_distill.json"  # in every best/ folder: which step and alpha it holds, and the config
 
@@ -86,7 +86,7 @@ def restore_checkpoint(checkpoint: Path, config: dict[str, Any], n_rows: int, st
     The saved config must equal `config` but for the `resumable` fields; a field the checkpoint predates
     counts as its default (`defaults`), so adding a setting does not orphan older checkpoints.
     Returns the trainer state (step, alphas, counters)."""
-    trainer = json.loads((checkpoint / "trainer.json").read_text(encoding="utf-8"))
+    trainer = read_json(checkpoint / "trainer.json", what="checkpoint state")
     saved = {**defaults, **trainer.get("config", {})}
     changed = sorted(k for k, v in config.items() if saved.get(k) != v and k not in resumable)
     if changed:

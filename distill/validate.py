@@ -22,10 +22,8 @@ from decode.loading import load
 from decode.model import draft_quant, make_runner
 from decode.prompts import Prompt
 from decode.textgen import eos_ids, machine_info, prompt_ids, versions
-from pairing.cost import best_k, measure_cost
+from pairing.cost import COST_CONTEXT, best_k, measure_cost
 from pairing.derive import resolve_candidate
-
-COST_CONTEXT = 64  # tokens of context when timing c and v(K), as the pair stage does
 
 
 @dataclass

@@ -37,6 +37,7 @@ from tqdm import tqdm
 from decode.model import Runner
 
 K_RANGE = range(1, 17)
+COST_CONTEXT = 64  # tokens of context when timing c and v(K): pair and validate time at the same point
 
 
 @dataclass
@@ -144,7 +145,7 @@ def measure_cost(
     draft_runner: Runner,
     *,
     ks: Iterable[int] = K_RANGE,
-    context: int = 64,
+    context: int = COST_CONTEXT,
     repeats: int = 5,
     warmup: int = 2,
     progress: bool = False,

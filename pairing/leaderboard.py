@@ -2,7 +2,7 @@
 
     .venv/bin/draftsmith pair --target qwen2.5-coder-1.5b-instruct \
         --candidates qwen2.5-coder-0.5b-instruct,smollm2-135m-instruct,derive:qwen2.5-coder-1.5b-instruct:keep=8 \
-        --suite code,chat --validate 1 --out runs/pair-qwen
+        --prompts code,chat --validate 1 --out runs/pair-qwen
 
 Steps: compatibility check per candidate -> the target's reference continuations (generated once, cached)
 -> teacher-forced acceptance of every candidate in one pass over the target -> measured cost c and v(K)
@@ -32,7 +32,7 @@ from decode.sampling import SamplingParams
 from decode.textgen import eos_ids, machine_info, versions
 from pairing.acceptance import measure_acceptance
 from pairing.compat import check_pair
-from pairing.cost import CostModel, best_k, measure_cost, speedup_curve
+from pairing.cost import COST_CONTEXT, CostModel, best_k, measure_cost, speedup_curve
 from pairing.derive import parse_derive_spec, resolve_candidate
 from pairing.reference import reference_continuations
 
@@ -148,7 +148,7 @@ def run_pair(target_spec: str, out: Path, cfg: PairConfig, *, prompts: str = "co
                               batch_size=cfg.batch_size, progress=progress)
 
     max_len = max(len(r) for r in refs["prompt_ids"]) + cfg.max_new_tokens + MAX_K + 2
-    t_runner = make_runner(target.model, max(max_len, 64 + MAX_K + 2))
+    t_runner = make_runner(target.model, max(max_len, COST_CONTEXT + MAX_K + 2))
     v_ratios: dict[int, float] | None = None
     for cand, acc in zip(cands, accs):
         d_runner = make_runner(cand.loaded.model, t_runner.max_seq_len,

@@ -194,7 +194,9 @@ def cmd_gen_prompts(args: argparse.Namespace) -> int:
     generate_prompts(load(args.target, device=args.device), args.n, domains, args.out, temperature=args.temperature,
                      seed=args.seed, batch_size=args.batch_size, max_prompt_tokens=args.max_prompt_tokens,
                      dedup_threshold=args.dedup_threshold)
-    stats = json.loads((args.out / "stats.json").read_text())
+    from decode.io import read_json
+
+    stats = read_json(args.out / "stats.json", what="prompt statistics")
     print(f"{stats['kept']} prompts ({', '.join(f'{d} {n}' for d, n in stats['kept_by_domain'].items())}) in "
           f"{args.out}; unique fraction {stats['unique_fraction']:.3f}; rejected {stats['rejected']}; "
           f"{stats['tokens_per_s']:.1f} tokens/s")
@@ -232,6 +234,11 @@ def _add_pair_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--draft-quant", choices=["int8", "none"], default="int8",
                    help="draft weights on CPU (the target always runs as loaded; exactness is unaffected)")
+
+
+def _add_plain_data(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--plain-data", dest="cfg:speculative_data", action="store_const", const=False,
+                   default=argparse.SUPPRESS, help="the same as --no-speculative-data (the default)")
 
 
 def _add_common(p: argparse.ArgumentParser, taken: set[str], *, target_required: bool = True) -> None:
@@ -362,6 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(p, taken)
     add_options(p, DistillConfig, required={"draft"}, taken=taken,
                 aliases={"lora_r": ["--lora"], "early_stop_patience": ["--early-stop"]})
+    _add_plain_data(p)
     p.add_argument("--restart", action="store_true", help="ignore checkpoints in --out (default: resume)")
     p.add_argument("--out", type=Path, required=True)
     p.set_defaults(func=cmd_distill)
@@ -385,8 +393,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(p, taken)
     add_options(p, DistillConfig, only=GEN_DATA_SETTINGS, required={"draft"}, taken=taken,
                 aliases={"gen_batch_size": ["--batch-size"]})
-    p.add_argument("--plain-data", dest="cfg:speculative_data", action="store_const", const=False,
-                   default=argparse.SUPPRESS, help="the same as --no-speculative-data")
+    _add_plain_data(p)
     p.add_argument("--out", type=Path, required=True, help="folder; a rerun resumes it (other settings are refused)")
     p.set_defaults(func=cmd_gen_data)
 

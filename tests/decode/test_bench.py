@@ -61,3 +61,30 @@ def test_stats_are_the_merge_of_the_per_prompt_runs(results) -> None:
     assert same.drafted > 0 and same.acceptance_rate == 1.0 and same.mean_tau > 2.0
     assert same.target_forwards < only.target_forwards
     assert other.drafted > 0 and 0 <= other.accepted <= other.drafted
+
+
+def test_validate_drafts_is_one_typed_result_that_round_trips(target_model) -> None:
+    """The one validation function: baseline first, greedy equality per draft, speedups from the same stats, and
+    the JSON form reads back into the same result; a bad call is a one-line error."""
+    from decode.bench import Validation, validate_drafts
+    from decode.errors import DraftsmithError
+
+    target = make_runner(target_model, 64)
+    wrong = make_runner(helpers.tiny_llama(2, V, eos_id=EOS, layers=1), 64)
+    val = validate_drafts(target, {"same": make_runner(target_model, 64)}, PROMPTS, k=2, max_new_tokens=N_NEW,
+                          eos_ids=[EOS], names=["a", "b", "c"], desc=None)
+    assert list(val.stats) == ["target_only", "same"] and val.drafts == ["same"] and val.prompts == ["a", "b", "c"]
+    assert val.greedy_equal == {"same": True}
+    assert val.stats["same"].acceptance_rate == 1.0  # the target drafting for itself
+    assert val.speedup("same") == val.tok_per_s["same"] / val.tok_per_s["target_only"]
+    assert Validation.from_dict(val.to_dict()) == val
+    d = val.to_dict()
+    assert d["speedup_vs_target_only"] == {"same": val.speedup("same")} and d["tokens"]["same"] == val.stats[
+        "same"].new_tokens
+    sampled = validate_drafts(target, {"other": wrong}, PROMPTS[:1], k=2, max_new_tokens=4, eos_ids=[EOS],
+                              greedy=False, desc=None)
+    assert sampled.greedy_equal == {"other": None} and sampled.prompts == ["0"]
+    for drafts, prompts, needle in (({}, PROMPTS, "at least one draft"), ({"target_only": wrong}, PROMPTS, "baseline"),
+                                    ({"x": wrong}, [], "at least one prompt")):
+        with pytest.raises(DraftsmithError, match=needle):
+            validate_drafts(target, drafts, prompts, k=2, max_new_tokens=4, eos_ids=[EOS], desc=None)

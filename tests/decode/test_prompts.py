@@ -123,7 +123,7 @@ def test_jsonl_file_round_trip(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("kind", ["csv", "parquet", "json", "disk", "dict-train", "dict-single"])
 def test_datasets_sources_round_trip(tmp_path: Path, kind: str) -> None:
-    datasets = pytest.importorskip("datasets")
+    import datasets
     expected = _sample()
     ds = datasets.Dataset.from_list(_rows(expected))
     if kind == "csv":
@@ -205,7 +205,7 @@ def test_no_prompt_column_lists_columns(tmp_path: Path) -> None:
 
 
 def test_no_prompt_column_in_saved_dataset(tmp_path: Path) -> None:
-    datasets = pytest.importorskip("datasets")
+    import datasets
     datasets.Dataset.from_list([{"text": "hi"}]).save_to_disk(str(tmp_path / "saved"))
     message = _error(tmp_path / "saved")
     assert "'prompt'" in message and "text" in message
@@ -241,7 +241,7 @@ def test_malformed_json_line_gives_line_number(tmp_path: Path) -> None:
 
 
 def test_malformed_json_and_csv_via_datasets(tmp_path: Path) -> None:
-    pytest.importorskip("datasets")
+    import datasets  # noqa: F401
     path = tmp_path / "p.json"
     path.write_text('[{"prompt": "a"}, {"prompt": ', encoding="utf-8")
     message = _error(path)
@@ -268,14 +268,14 @@ def test_unsupported_extension(tmp_path: Path) -> None:
 
 
 def test_folder_that_is_not_a_dataset(tmp_path: Path) -> None:
-    pytest.importorskip("datasets")
+    import datasets  # noqa: F401
     (tmp_path / "junk").mkdir()
     message = _error(tmp_path / "junk")
     assert str(tmp_path / "junk") in message and "save_to_disk" in message
 
 
 def test_dataset_dict_without_train_split(tmp_path: Path) -> None:
-    datasets = pytest.importorskip("datasets")
+    import datasets
     ds = datasets.Dataset.from_list([{"prompt": "x"}])
     datasets.DatasetDict({"test": ds, "validation": ds}).save_to_disk(str(tmp_path / "saved"))
     message = _error(tmp_path / "saved")

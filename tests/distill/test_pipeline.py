@@ -19,3 +19,30 @@ def test_split_holds_out_the_first_n_of_every_domain() -> None:
 def test_split_needs_both_sides() -> None:
     with pytest.raises(DraftsmithError):
         split_prompts([Prompt("a", "x", "hi")], 1)
+
+
+def test_a_diverging_short_run_skips_its_steps_says_so_and_keeps_the_earlier_best(tmp_path) -> None:
+    """lr 1e12 makes the loss non-finite after the first update: those steps are skipped (fewer than max_bad_steps),
+    the run ends normally, and distill.json says how many were skipped and which draft was kept."""
+    import json
+
+    from distill.pipeline import DistillConfig, run_distill
+    from distill.train import TrainConfig
+    from tests import helpers
+
+    words = "the a of to and in is it that for on with as was be by this are or at from code data".split()
+    tok = helpers.word_tokenizer(["[UNK]", "<s>", "</s>", *words], eos="</s>", bos="<s>")
+    target = helpers.save_tiny(tmp_path / "target", tok, 0, eos_id=2, bos_id=1, layers=2)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": " ".join(words[i:i + 3]), "domain": d}) + "\n"
+                               for i in range(4) for d in ("code", "chat")))
+    cfg = DistillConfig(draft=f"derive:{target}:keep=1", max_new_tokens=4, eval_per_domain=1, gen_batch_size=4,
+                        train=TrainConfig(lr=1e12, steps=3, warmup_steps=0, batch_size=2, eval_every=1, save_every=1,
+                                          max_grad_norm=0.0))
+    r = run_distill(str(target), cfg.draft, tmp_path / "out", cfg, prompts=str(prompts))
+    on_disk = json.loads((tmp_path / "out" / "distill.json").read_text())
+    assert on_disk["skipped_steps"] == r["skipped_steps"] >= 1
+    assert f"{r['skipped_steps']} step(s) had a non-finite loss" in on_disk["skipped_note"]
+    best = r["train_summary"]["best_step"]
+    assert f"best/ is the draft of step {best}" in on_disk["skipped_note"] and best < 3
+    assert r["alpha_after"] >= r["alpha_before"]
