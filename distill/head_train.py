@@ -1,0 +1,222 @@
+"""Train an EAGLE-3 draft head on the target's own text and features (`distill.head_data`), with the
+training-time test: the head is unrolled on its own outputs for `ttt_steps` depths, as decoding will run it.
+
+    from distill.head_train import HeadTrainConfig, train_head
+    summary = train_head(target, load_head_data(data_dir), held_out_rows, Path("runs/head"), HeadTrainConfig())
+
+Depth 1 of entry e reads fc(features_e) and the embedding of token e+1; depth j >= 2 reads the head's own
+output hidden of entry e-1 at depth j-1, and attends to the depth-1 entries before the round (keys < e-j+2)
+plus its own chain (depth s at entry e-j+s, s = 2..j): exactly what `decode.head.HeadDraft` computes when a
+round starts after token e-j+2. Every depth of entry e predicts token e+2: the label is the target's
+distribution at position e+1 over the draft vocabulary (its logits recomputed from the stored final hidden
+state with the target's own lm_head rows), the loss forward KL(p || q), depth j weighted 0.8^(j-1).
+
+The draft vocabulary is the `draft_vocab_size` ids the target predicts most often in the training data; the
+head's lm_head starts as the target's rows for those ids and its final norm as the target's. The best head
+by held-out depth-1 agreement (greedy, continuation positions only) is kept in `out/best/`; `out/checkpoint/`
+(weights, optimizer, step; safetensors + torch.load(weights_only=True)) lets a rerun resume.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from decode.errors import DraftsmithError
+from decode.head import Eagle3Head, HeadConfig, rope_tables, save_head, vocab_map
+from decode.io import atomic_dir, atomic_write_json, read_json
+from decode.loading import Loaded
+from decode.model import _rotate_half
+
+
+@dataclass
+class HeadTrainConfig:
+    """How a head is trained."""
+
+    draft_vocab_size: int = 8192  # ids the head can propose: the target's most frequent predictions
+    ttt_steps: int = 3  # depths unrolled in training (EAGLE-3's training-time test)
+    lr: float = 1e-3  # peak AdamW learning rate
+    warmup_steps: int = 20  # linear warm-up, then cosine to 0
+    epochs: float = 2.0  # passes over the training rows
+    rows_per_step: int = 8  # sequences per optimizer step
+    eval_every: int = 50  # steps between held-out evaluations
+    max_minutes: float = 0.0  # stop (and keep the best) after this much training; 0 = no limit
+    seed: int = 0
+
+
+def _qkv(head: Eagle3Head, emb: Tensor, g: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    layer, c = head.midlayer, head.config
+    x = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(g)], dim=-1)  # (E, 2H)
+    E, D = x.shape[0], c.head_dim
+    q = layer.self_attn.q_proj(x).view(E, c.num_attention_heads, D).transpose(0, 1)  # (Hq, E, D)
+    k = layer.self_attn.k_proj(x).view(E, c.num_key_value_heads, D).transpose(0, 1)  # (Hkv, E, D)
+    v = layer.self_attn.v_proj(x).view(E, c.num_key_value_heads, D).transpose(0, 1)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+
+
+def ttt_mask(E: int, j: int, device=None) -> Tensor:
+    """(E, j*E) bool: depth j of entry e sees depth-1 keys c <= e-j+1 and, for s = 2..j, depth-s key e-j+s."""
+    e = torch.arange(E, device=device)[:, None]
+    c = torch.arange(E, device=device)[None, :]
+    blocks = [c <= e - j + 1] + [c == e - j + s for s in range(2, j + 1)]
+    return torch.cat(blocks, dim=1)
+
+
+def ttt_logits(head: Eagle3Head, features: Tensor, tokens: Tensor, steps: int) -> list[Tensor]:
+    """Draft-vocabulary logits (E, N) of every entry at depths 1..steps (E = len(tokens) - 1)."""
+    c, layer = head.config, head.midlayer
+    E = tokens.shape[0] - 1
+    dtype = head.fc.weight.dtype
+    emb = F.embedding(tokens[1:], head.embed).to(dtype)  # token e+1 for entry e
+    cos, sin = rope_tables(c, E, dtype, tokens.device)
+    g = head.fc(features[:E].to(dtype))  # (E, H)
+    keys, values, out = [], [], []
+    for j in range(1, steps + 1):
+        if j > 1:  # entry e reads the output hidden of entry e-1 at the previous depth
+            g = torch.cat([torch.zeros_like(h[:1]), h[:-1]])
+        q, k, v = _qkv(head, emb, g, cos, sin)
+        keys.append(k), values.append(v)
+        o = F.scaled_dot_product_attention(q[None], torch.cat(keys, 1)[None], torch.cat(values, 1)[None],
+                                           attn_mask=ttt_mask(E, j, tokens.device),
+                                           enable_gqa=c.num_key_value_heads != c.num_attention_heads)[0]
+        h = g + layer.self_attn.o_proj(o.transpose(0, 1).reshape(E, -1))
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        out.append(head.lm_head(head.norm(h)))
+    return out
+
+
+def _row_loss(head: Eagle3Head, row: dict, w_draft: Tensor, steps: int) -> tuple[Tensor, int, list[tuple[int, int]]]:
+    """Summed weighted KL over the row's valid entries, their count, and (correct, counted) per depth."""
+    tokens, final = row["tokens"], row["final"].float()
+    with torch.no_grad():  # the target's logits over the draft vocabulary at positions 1..T-1
+        p_log = F.log_softmax(final[1:] @ w_draft.T, dim=-1)  # (E, N); final is already after the target's norm
+    target_ids = head.draft_ids
+    label = row["next"][1:]  # the target's greedy next token after position e+1
+    total, n, acc = 0.0, 0, []
+    for j, logits in enumerate(ttt_logits(head, row["features"], tokens, steps), start=1):
+        valid = torch.arange(len(label)) >= j - 1
+        logq = F.log_softmax(logits.float(), dim=-1)
+        kl = (p_log.exp() * (p_log - logq)).sum(-1)
+        total = total + 0.8 ** (j - 1) * kl[valid].sum()
+        n += int(valid.sum()) if j == 1 else 0
+        cont = valid & (torch.arange(len(label)) + 1 >= row["prompt_len"])
+        hit = target_ids[logits.argmax(-1)] == label
+        acc.append((int((hit & cont).sum()), int(cont.sum())))
+    return total, n, acc
+
+
+def evaluate(head: Eagle3Head, rows: list[dict], w_draft: Tensor, steps: int) -> dict:
+    """Held-out agreement with the target's greedy token per depth (continuation positions, teacher-forced)."""
+    tot = [[0, 0] for _ in range(steps)]
+    kl, n = 0.0, 0
+    with torch.no_grad():
+        for row in rows:
+            loss, cnt, acc = _row_loss(head, row, w_draft, steps)
+            kl, n = kl + float(loss), n + cnt
+            for j, (a, b) in enumerate(acc):
+                tot[j][0] += a
+                tot[j][1] += b
+    return {"agreement_by_depth": [a / b if b else None for a, b in tot], "kl": kl / max(n, 1)}
+
+
+def train_head(target: Loaded, rows: list[dict], held_out: list[dict], out: Path, cfg: HeadTrainConfig, *,
+               aux_layers: tuple[int, ...], progress: bool = True) -> dict:
+    """Train from scratch (or resume from out/checkpoint); returns the summary (also out/summary.json)."""
+    out = Path(out)
+    torch.manual_seed(cfg.seed)
+    hf = target.model
+    counts = torch.bincount(torch.cat([r["next"] for r in rows]), minlength=hf.config.vocab_size)
+    head = Eagle3Head(HeadConfig.for_target(hf.config, draft_vocab_size=cfg.draft_vocab_size,
+                                            aux_layers=aux_layers), hf.get_input_embeddings())
+    head.set_vocab(*vocab_map(counts, cfg.draft_vocab_size))
+    w_draft = hf.get_output_embeddings().weight.detach()[head.draft_ids].float()  # (N, H): the target's rows
+    with torch.no_grad():
+        head.lm_head.weight.copy_(w_draft)
+        head.norm.weight.copy_(hf.model.norm.weight.detach())
+    coverage = float(counts[head.draft_ids].sum() / counts.sum())
+    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
+    total_steps = max(1, math.ceil(cfg.epochs * len(rows) / cfg.rows_per_step))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / (cfg.warmup_steps + 1), 0.5 * (
+        1 + math.cos(math.pi * min(1.0, max(0, s - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))))))
+    state = {"step": 0, "best": -1.0, "best_step": None, "log": [], "seconds": 0.0}
+    ckpt = out / "checkpoint"
+    if (ckpt / "trainer.json").is_file():
+        from safetensors.torch import load_file
+
+        head.load_state_dict(load_file(str(ckpt / "head.safetensors")), strict=False)
+        blob = torch.load(ckpt / "optim.pt", weights_only=True)
+        opt.load_state_dict(blob["opt"]), sched.load_state_dict(blob["sched"])
+        state = read_json(ckpt / "trainer.json", what="head checkpoint")
+    gen = torch.Generator().manual_seed(cfg.seed)
+    order = torch.cat([torch.randperm(len(rows), generator=gen) for _ in range(math.ceil(cfg.epochs) + 1)])
+    log_path = out / "log.jsonl"
+    out.mkdir(parents=True, exist_ok=True)
+    bar = tqdm(total=total_steps, initial=state["step"], desc="head", unit="step", disable=not progress)
+    t_start = time.perf_counter() - state["seconds"]
+    if state["step"] == 0:
+        _eval_and_keep(head, held_out, w_draft, cfg, state, out, log_path, tokens=0)
+    while state["step"] < total_steps:
+        if cfg.max_minutes and time.perf_counter() - t_start > 60 * cfg.max_minutes:
+            break
+        s = state["step"]
+        batch = [rows[int(i)] for i in order[s * cfg.rows_per_step : (s + 1) * cfg.rows_per_step]]
+        opt.zero_grad(set_to_none=True)
+        n_tok = sum(len(r["tokens"]) - 1 for r in batch)
+        loss_sum = 0.0
+        for row in batch:
+            loss, _, _ = _row_loss(head, row, w_draft, cfg.ttt_steps)
+            (loss / n_tok).backward()
+            loss_sum += float(loss)
+        if not math.isfinite(loss_sum):
+            raise DraftsmithError(f"head training: non-finite loss at step {s}; lower lr")
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        opt.step(), sched.step()
+        state["step"] = s + 1
+        state["tokens"] = state.get("tokens", 0) + n_tok
+        state["seconds"] = time.perf_counter() - t_start
+        with log_path.open("a") as f:
+            f.write(json.dumps({"step": state["step"], "loss": loss_sum / n_tok, "lr": sched.get_last_lr()[0],
+                                "tokens": state["tokens"]}) + "\n")
+        bar.update(1), bar.set_postfix(loss=f"{loss_sum / n_tok:.3f}")
+        if state["step"] % cfg.eval_every == 0 or state["step"] == total_steps:
+            _eval_and_keep(head, held_out, w_draft, cfg, state, out, log_path, tokens=state["tokens"])
+            _checkpoint(head, opt, sched, state, ckpt)
+    bar.close()
+    if state["log"] and state["log"][-1]["step"] != state["step"]:
+        _eval_and_keep(head, held_out, w_draft, cfg, state, out, log_path, tokens=state.get("tokens", 0))
+    summary = {"steps": state["step"], "total_steps": total_steps, "seconds": state["seconds"],
+               "tokens_seen": state.get("tokens", 0), "best_step": state["best_step"],
+               "best_agreement_depth1": state["best"], "evals": state["log"], "config": asdict(cfg),
+               "draft_vocab_coverage": coverage, "train_rows": len(rows), "held_out_rows": len(held_out),
+               "train_tokens": sum(len(r["tokens"]) for r in rows)}
+    atomic_write_json(out / "summary.json", summary)
+    return summary
+
+
+def _eval_and_keep(head, held_out, w_draft, cfg, state, out, log_path, *, tokens: int) -> None:
+    ev = evaluate(head, held_out, w_draft, cfg.ttt_steps)
+    entry = {"step": state["step"], "eval": True, "tokens": tokens, **ev}
+    state["log"].append(entry)
+    with log_path.open("a") as f:
+        f.write(json.dumps(entry) + "\n")
+    a1 = ev["agreement_by_depth"][0] or 0.0
+    if a1 > state["best"]:
+        state["best"], state["best_step"] = a1, state["step"]
+        save_head(head, out / "best")
+
+
+def _checkpoint(head, opt, sched, state, ckpt: Path) -> None:
+    from safetensors.torch import save_file
+
+    with atomic_dir(ckpt) as tmp:
+        save_file({k: v.contiguous() for k, v in head.state_dict().items()}, str(tmp / "head.safetensors"))
+        torch.save({"opt": opt.state_dict(), "sched": sched.state_dict()}, tmp / "optim.pt")
+        (tmp / "trainer.json").write_text(json.dumps(state))

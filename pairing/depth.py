@@ -1,0 +1,192 @@
+"""Acceptance by depth: E[tau] and the predicted speedup without assuming that positions are independent.
+
+    a = depth_rates(beta_rows, 16)                  # a_j, j = 1..16, from teacher-forced beta rows
+    k, speedup = best_k_from_depth(a, cost.c, cost.v)
+
+Definitions (docs/design.md, "Acceptance by depth"): a_j = P(depth j accepted | depths 1..j-1 accepted),
+E[tau] = 1 + a_1 + a_1 a_2 + ... + a_1...a_K (tau counts the bonus/corrected token); the i.i.d. formula
+of `pairing.cost.expected_tau` is the case a_j = alpha.
+
+**From teacher-forced rows.** A row is beta_0..beta_{T-1} of one sequence (the target's own continuation,
+read by target and draft): 0/1 at temperature 0, probabilities when sampled. Imagine a speculative round
+starting at every position t. It reaches depth j only if depths 1..j-1 were accepted, and then accepts
+depth j with probability beta_{t+j-1}, so P(first j drafts accepted | start t) = prod_{i<=j} beta_{t+i-1}
+and E[accepted at K | t] = sum_{j=1..K} prod_{i<=j} beta_{t+i-1}. For a standalone draft at temperature 0
+this is exact: the j-th proposal is compared with the target's token t+j-1 only when every earlier one
+matched, and then the matched prefix *is* the target's text that the draft was teacher-forced on. When
+sampling it is an approximation (an accepted sampled token need not be the reference token), and it does
+not hold for heads, whose depths >= 2 read their own output: measure a_j in the decoder and use
+`expected_tau_from_depth_rates`.
+
+**Rounds near the end of a row.** A round from t needs positions t..t+H-1; near the end of a row they do not
+exist. Two ways to handle it, both tested:
+
+- `horizon` (the estimators `depth_survival`, `expected_tau_from_runs`, `depth_rates`): only starts with
+  room for a whole round of `horizon` tokens count, t = 0..T-horizon; shorter rows contribute nothing.
+  Every depth is averaged over the same rounds, so a_j = mean(prod_{i<=j}) / mean(prod_{i<j}) lies in
+  [0, 1] and 1 + a_1 + a_1 a_2 + ... equals `expected_tau_from_runs` exactly (same horizon). Positions past
+  the end are never counted as rejections, so all-ones rows give K + 1 and there is no end-of-row bias
+  in a stationary sequence; the price is the last horizon-1 starts of each row.
+- `depth_rates_censored`: every start counts, a round is cut ("censored") at the end of its row and depth
+  j is judged only on the starts where position t+j-1 exists: a_j = sum prod_{i<=j} / sum prod_{i<j} over
+  those starts. At 0/1 this is the Kaplan-Meier product-limit estimator of the accepted run length; it
+  uses every position (shallow depths see short rows too), which matters for 64-token continuations.
+
+Everything is computed in float64.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+BetaRows = Tensor | Sequence[Tensor | Sequence[float]]
+
+
+# -- estimating a_j from teacher-forced rows --
+
+
+def _rows(beta_rows: BetaRows) -> list[Tensor]:
+    """float64 1-D rows, checked to lie in [0, 1]; a 2-D tensor is read as equal-length rows."""
+    if isinstance(beta_rows, Tensor):
+        if beta_rows.dim() != 2:
+            raise ValueError(f"a tensor of beta rows must be 2-D (rows, positions), got shape {tuple(beta_rows.shape)}")
+        beta_rows = list(beta_rows)
+    out = []
+    for i, r in enumerate(beta_rows):
+        b = r.detach().to("cpu", torch.float64) if isinstance(r, Tensor) else torch.tensor(list(r), dtype=torch.float64)
+        if b.dim() != 1:
+            raise ValueError(f"beta row {i} must be 1-D, got shape {tuple(b.shape)}")
+        if not bool(((b >= 0) & (b <= 1)).all()):  # also rejects NaN
+            raise ValueError(f"beta row {i} has values outside [0, 1]")
+        out.append(b)
+    return out
+
+
+def _check_k(K: int, name: str = "K") -> None:
+    if K < 1:
+        raise ValueError(f"{name} must be >= 1, got {K}")
+
+
+def _horizon_sums(beta_rows: BetaRows, depth: int, horizon: int | None) -> tuple[list[float], int]:
+    """S_j = sum over starts t of prod_{i<=j} beta_{t+i-1}, j = 0..depth (S_0 = number of starts), over the
+    starts with room for `horizon` tokens (default: depth)."""
+    _check_k(depth)
+    horizon = depth if horizon is None else horizon
+    if horizon < depth:
+        raise ValueError(f"horizon must be >= {depth} (the deepest depth asked for), got {horizon}")
+    S = [0.0] * (depth + 1)
+    for b in _rows(beta_rows):
+        n = b.numel() - horizon + 1  # starts t = 0..n-1
+        if n <= 0:
+            continue
+        w = torch.ones(n, dtype=torch.float64)
+        S[0] += n
+        for j in range(1, depth + 1):
+            w = w * b[j - 1 : j - 1 + n]
+            S[j] += float(w.sum())
+    if S[0] == 0:
+        raise ValueError(f"no round start: no beta row has the {horizon} positions one round needs")
+    return S, int(S[0])
+
+
+def depth_survival(beta_rows: BetaRows, K: int, *, horizon: int | None = None) -> list[float]:
+    """P_j = mean over round starts of prod_{i<=j} beta_{t+i-1} (P(first j drafts accepted)), j = 1..K.
+
+    Starts: those with room for `horizon` tokens (default K); see the module docstring."""
+    S, n = _horizon_sums(beta_rows, K, horizon)
+    return [s / n for s in S[1:]]
+
+
+def expected_tau_from_runs(beta_rows: BetaRows, K: int, *, horizon: int | None = None) -> float:
+    """E[tau] at K drafts per round = 1 + mean_t sum_{j<=K} prod_{i<=j} beta_{t+i-1}, over the starts with room
+    for `horizon` tokens (default K). Counts the bonus token."""
+    return 1.0 + sum(depth_survival(beta_rows, K, horizon=horizon))
+
+
+def depth_rates(beta_rows: BetaRows, K_max: int, *, horizon: int | None = None) -> list[float]:
+    """a_j = mean(prod_{i<=j}) / mean(prod_{i<j}), j = 1..K_max, over the starts with room for `horizon`
+    tokens (default K_max). In [0, 1]; 0 where no round reached depth j (it then does not affect E[tau])."""
+    S, _ = _horizon_sums(beta_rows, K_max, horizon)
+    return [S[j] / S[j - 1] if S[j - 1] > 0 else 0.0 for j in range(1, K_max + 1)]
+
+
+def depth_rates_censored(beta_rows: BetaRows, K_max: int) -> list[float]:
+    """a_j with every start counted and rounds censored at the end of their row (Kaplan-Meier at 0/1):
+    a_j = sum prod_{i<=j} / sum prod_{i<j} over the starts t where position t+j-1 exists.
+
+    Returns j = 1..min(K_max, longest row); 0 where no observed round reached depth j."""
+    _check_k(K_max, "K_max")
+    rows = _rows(beta_rows)
+    depth = min(K_max, max((b.numel() for b in rows), default=0))
+    if depth == 0:
+        raise ValueError("no beta positions: every row is empty")
+    num, den = [0.0] * (depth + 1), [0.0] * (depth + 1)
+    for b in rows:
+        T = b.numel()
+        w = torch.ones(T, dtype=torch.float64)  # prod_{i<j} for starts 0..T-j+1
+        for j in range(1, min(depth, T) + 1):
+            n = T - j + 1  # starts whose depth j lies in the row
+            prev = w[:n]
+            w = prev * b[j - 1 : j - 1 + n]
+            den[j] += float(prev.sum())
+            num[j] += float(w.sum())
+    return [num[j] / den[j] if den[j] > 0 else 0.0 for j in range(1, depth + 1)]
+
+
+# -- from a_j to E[tau] and the predicted speedup (mirrors pairing.cost) --
+
+
+def _check_rates(a: Sequence[float], K: int) -> None:
+    _check_k(K)
+    if K > len(a):
+        raise ValueError(f"K={K} needs a_j for j = 1..{K}, got {len(a)} rate(s)")
+    bad = [x for x in a[:K] if not 0.0 <= x <= 1.0]  # also rejects NaN
+    if bad:
+        raise ValueError(f"depth rates a_j must be in [0, 1], got {bad[0]}")
+
+
+def expected_tau_from_depth_rates(a: Sequence[float], K: int) -> float:
+    """E[tau] = 1 + a_1 + a_1 a_2 + ... + a_1...a_K (counts the bonus token); a_j = alpha gives the i.i.d. value."""
+    _check_rates(a, K)
+    total, prod = 1.0, 1.0
+    for x in a[:K]:
+        prod *= x
+        total += prod
+    return total
+
+
+def predicted_speedup_from_depth(a: Sequence[float], K: int, c: float, v_K: float) -> float:
+    """E[tau] / (K*c + v(K)) with E[tau] from depth rates; cf. `pairing.cost.predicted_speedup`."""
+    _check_rates(a, K)
+    if not c >= 0.0:
+        raise ValueError(f"cost ratio c must be >= 0, got {c}")
+    if not v_K > 0.0:
+        raise ValueError(f"verify cost v(K) must be > 0, got {v_K} at K={K}")
+    return expected_tau_from_depth_rates(a, K) / (K * c + v_K)
+
+
+def speedup_curve_from_depth(a: Sequence[float], c: float, v: dict[int, float]) -> dict[int, float]:
+    """K -> predicted speedup, for every K in v with K <= len(a) (a_j known up to that depth)."""
+    ks = sorted(K for K in v if K <= len(a))
+    if not ks:
+        raise ValueError(f"no K in v ({sorted(v)}) is covered by the {len(a)} depth rate(s)")
+    return {K: predicted_speedup_from_depth(a, K, c, v[K]) for K in ks}
+
+
+def best_k_from_depth(a: Sequence[float], c: float, v: dict[int, float]) -> tuple[int, float]:
+    """(K, predicted speedup) maximising the speedup over the K in v covered by a; ties go to the smaller K."""
+    if not v:
+        raise ValueError("v is empty: need v(K) for at least one K")
+    curve = speedup_curve_from_depth(a, c, v)
+    K = max(curve, key=lambda k: (curve[k], -k))
+    return K, curve[K]
+
+
+__all__ = [
+    "BetaRows", "best_k_from_depth", "depth_rates", "depth_rates_censored", "depth_survival",
+    "expected_tau_from_depth_rates", "expected_tau_from_runs", "predicted_speedup_from_depth",
+    "speedup_curve_from_depth",
+]

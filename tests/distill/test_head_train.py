@@ -1,0 +1,88 @@
+"""Training a draft head: the training-time unroll computes, for every entry and depth, exactly the logits the
+decoder's HeadDraft computes when a round starts there; the data folder resumes; training lowers the loss."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from decode.head import HeadDraft
+from decode.loading import Loaded
+from distill.head_data import HeadDataConfig, build_head_data, load_head_data, target_features
+from distill.head_train import HeadTrainConfig, train_head, ttt_logits, ttt_mask
+from tests import helpers
+from tests.decode.test_head import random_head, target_hf
+
+
+def test_ttt_mask_is_what_a_round_sees() -> None:
+    m = ttt_mask(5, 3)  # depth 3 of entry e: depth-1 keys < e-1, depth-2 key e-1, depth-3 key e
+    assert m.shape == (5, 15)
+    e = 4
+    assert m[e, :5].tolist() == [True, True, True, False, False]
+    assert m[e, 5:10].tolist() == [False, False, False, True, False]
+    assert m[e, 10:].tolist() == [False, False, False, False, True]
+    assert ttt_mask(4, 1).equal(torch.ones(4, 4, dtype=torch.bool).tril())
+
+
+@pytest.mark.parametrize("N", [None, 40])
+def test_unrolled_logits_equal_the_decoders_at_every_entry_and_depth(N) -> None:
+    hf = target_hf(3, layers=4)
+    head = random_head(hf, N=N, seed=1, scale=4.0)
+    tokens = torch.tensor([1, 5, 7, 9, 11, 3, 4, 8, 13, 21, 34, 6])
+    aux = head.config.aux_layers
+    feats = target_features(hf, [tokens.tolist()], aux)[0]["features"].double()
+    # float64 features straight from HF (target_features stores float16; recompute at full precision here)
+    with torch.no_grad():
+        hs = hf(input_ids=tokens[None], output_hidden_states=True).hidden_states
+        feats = torch.cat([hs[i][0] for i in aux], dim=-1)
+        steps = 3
+        unrolled = ttt_logits(head, feats, tokens, steps)  # per depth: (E, N)
+    E = len(tokens) - 1
+    for j in range(1, steps + 1):
+        for e in range(j - 1, E):
+            L = e - j + 3  # the accepted length when entry e is the round's depth-j draft
+            if L < 2:
+                continue
+            draft = HeadDraft(head, 64)  # the target has read tokens[:L-1]; token L-1 is its bonus token
+            draft.observe(feats[: L - 1], tokens[: L - 1], 0)
+            logits = draft.forward(tokens[L - 1 : L], L - 1, keep=1)
+            for d in range(2, j + 1):  # the round's later depths read the drafted tokens (teacher-forced here)
+                logits = draft.forward(tokens[L + d - 2 : L + d - 1], L + d - 2, keep=1)
+            expected = head.to_target_vocab(unrolled[j - 1][e : e + 1])
+            # RMSNorm runs in float32 inside (as HF), so float64 paths agree to ~1e-6, not to rounding
+            torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5, msg=f"entry {e} depth {j}")
+
+
+def test_head_data_resumes_and_training_lowers_the_loss(tmp_path) -> None:
+    words = "the a of to and in is it that for on with as was be by this are or at from code data".split()
+    tok = helpers.word_tokenizer(["[UNK]", "<s>", "</s>", *words], eos="</s>", bos="<s>")
+    folder = helpers.save_tiny(tmp_path / "target", tok, 0, eos_id=2, bos_id=1, layers=4, head_scale=4.0)
+    from decode.loading import load
+    from decode.prompts import Prompt
+
+    target: Loaded = load(str(folder))
+    prompts = [Prompt(f"p{i}", "code", " ".join(words[i : i + 4])) for i in range(6)]
+    cfg = HeadDataConfig(samples=2, max_new_tokens=8, batch_size=4, aux_layers=(1, 2, 3))
+    stats = build_head_data(target, prompts, tmp_path / "data", cfg, progress=False)
+    rows = load_head_data(tmp_path / "data")
+    assert len(rows) == 12 == stats["rows"] and stats["tokens"] == sum(len(r["tokens"]) for r in rows)
+    first = sorted((tmp_path / "data").glob("shard-*"))[0]
+    first.unlink()  # as if killed before the first shard was written
+    build_head_data(target, prompts, tmp_path / "data", cfg, progress=False)
+    again = load_head_data(tmp_path / "data")
+    assert all(torch.equal(a["tokens"], b["tokens"]) and torch.equal(a["features"], b["features"])
+               for a, b in zip(rows, again))
+    from decode.errors import DraftsmithError
+
+    with pytest.raises(DraftsmithError, match="other settings"):
+        build_head_data(target, prompts, tmp_path / "data", HeadDataConfig(samples=3, max_new_tokens=8,
+                                                                          aux_layers=(1, 2, 3)), progress=False)
+    tcfg = HeadTrainConfig(draft_vocab_size=20, lr=3e-3, epochs=6, rows_per_step=4, eval_every=6, warmup_steps=2)
+    summary = train_head(target, rows[:10], rows[10:], tmp_path / "head", tcfg, aux_layers=(1, 2, 3), progress=False)
+    losses = [json.loads(x)["loss"] for x in (tmp_path / "head" / "log.jsonl").read_text().splitlines()
+              if '"loss"' in x]
+    assert summary["steps"] == 15 and losses[-1] < losses[0]
+    assert (tmp_path / "head" / "best" / "model.safetensors").is_file()
+    assert 0.0 < summary["draft_vocab_coverage"] <= 1.0

@@ -1,0 +1,275 @@
+"""Acceptance by depth: the estimators against rounds walked one by one on 0/1 rows (and against exact
+enumeration for probability rows), clustered acceptance where the i.i.d. formula is wrong, i.i.d. rows where
+both agree, and the speedup functions against their i.i.d. counterparts in pairing.cost."""
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from pairing.cost import best_k, expected_tau, speedup_curve
+from pairing.depth import (
+    best_k_from_depth, depth_rates, depth_rates_censored, depth_survival, expected_tau_from_depth_rates,
+    expected_tau_from_runs, predicted_speedup_from_depth, speedup_curve_from_depth,
+)
+
+KS = range(1, 17)
+
+
+# -- brute force: walk a round from every start --
+
+
+def walk(row: list[int], t: int, K: int) -> tuple[int, bool]:
+    """Drafts accepted by a round of K from t, and whether it was cut by the end of the row."""
+    n = 0
+    while n < K and t + n < len(row) and row[t + n] == 1:
+        n += 1
+    return n, n < K and t + n == len(row)
+
+
+def brute_rounds(rows: list[list[int]], K: int, horizon: int) -> list[int]:
+    """Accepted count of every round from a start with room for `horizon` tokens."""
+    return [walk(r, t, K)[0] for r in rows for t in range(len(r) - horizon + 1)]
+
+
+def brute_tau(rows: list[list[int]], K: int, horizon: int | None = None) -> float:
+    ns = brute_rounds(rows, K, horizon or K)
+    return sum(n + 1 for n in ns) / len(ns)
+
+
+def brute_rates(rows: list[list[int]], K_max: int, horizon: int | None = None) -> list[float]:
+    ns = brute_rounds(rows, K_max, horizon or K_max)
+    reach = [sum(n >= j for n in ns) for j in range(K_max + 1)]
+    return [reach[j] / reach[j - 1] if reach[j - 1] else 0.0 for j in range(1, K_max + 1)]
+
+
+def brute_kaplan_meier(rows: list[list[int]], K_max: int) -> list[float]:
+    """At risk at depth j: rounds that accepted j-1 drafts and whose depth j lies inside the row."""
+    at_risk, accepted = [0] * (K_max + 1), [0] * (K_max + 1)
+    for r in rows:
+        for t in range(len(r)):
+            n, _ = walk(r, t, K_max)
+            for j in range(1, K_max + 1):
+                if n >= j - 1 and t + j - 1 < len(r):
+                    at_risk[j] += 1
+                    accepted[j] += n >= j
+    depth = min(K_max, max(len(r) for r in rows))
+    return [accepted[j] / at_risk[j] if at_risk[j] else 0.0 for j in range(1, depth + 1)]
+
+
+def random_rows(seed: int, n: int, lengths: tuple[int, int], p: float = 0.6) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[int(rng.random() < p) for _ in range(rng.randint(*lengths))] for _ in range(n)]
+
+
+# -- the estimators against brute force --
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_tau_and_rates_equal_walked_rounds(seed: int) -> None:
+    rows = random_rows(seed, 12, (0, 40), p=[0.3, 0.6, 0.85][seed % 3])
+    for K in (1, 2, 3, 5, 8, 16):
+        for horizon in (K, K + 3):
+            got = expected_tau_from_runs(rows, K, horizon=horizon)
+            assert got == pytest.approx(brute_tau(rows, K, horizon), rel=1e-12)
+        assert depth_rates(rows, K) == pytest.approx(brute_rates(rows, K), rel=1e-12)
+        assert depth_survival(rows, K) == pytest.approx(
+            [sum(n >= j for n in brute_rounds(rows, K, K)) / len(brute_rounds(rows, K, K)) for j in range(1, K + 1)],
+            rel=1e-12,
+        )
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_rates_give_back_tau_at_every_k(seed: int) -> None:
+    """E[tau] = 1 + a_1 + a_1 a_2 + ... equals the mean over rounds, for every K up to the horizon."""
+    rows = random_rows(100 + seed, 10, (5, 60))
+    a = depth_rates(rows, 16)
+    assert all(0.0 <= x <= 1.0 for x in a)
+    for K in KS:
+        want = expected_tau_from_runs(rows, K, horizon=16)
+        assert expected_tau_from_depth_rates(a, K) == pytest.approx(want, rel=1e-12)
+    for K in (1, 4, 9):  # same start set by default
+        want = expected_tau_from_runs(rows, K)
+        assert expected_tau_from_depth_rates(depth_rates(rows, K), K) == pytest.approx(want, rel=1e-12)
+
+
+def test_probability_rows_equal_the_expectation_over_accept_reject_draws() -> None:
+    """Sampled beta: the estimator on probabilities = the exact mean of the walked estimate over every 0/1
+    realisation of independent Bernoulli(beta_t) outcomes."""
+    rows = [[0.9, 0.2, 0.7, 1.0, 0.5, 0.35, 0.8], [0.6, 0.95, 0.1, 0.45, 0.99, 0.3]]
+    for K in (1, 2, 3, 5):
+        want = 0.0
+        outcomes = [list(itertools.product([0, 1], repeat=len(r))) for r in rows]
+        for real in itertools.product(*outcomes):
+            w = 1.0
+            for r, o in zip(rows, real):
+                for b, x in zip(r, o):
+                    w *= b if x else 1 - b
+            want += w * brute_tau([list(o) for o in real], K)
+        assert expected_tau_from_runs(rows, K) == pytest.approx(want, rel=1e-12)
+        a = depth_rates(rows, K)
+        assert all(0.0 <= x <= 1.0 for x in a)
+        assert expected_tau_from_depth_rates(a, K) == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_censored_rates_are_kaplan_meier(seed: int) -> None:
+    rows = random_rows(200 + seed, 15, (0, 30))
+    rows.append([1, 1])  # short rows count at the depths they reach
+    a = depth_rates_censored(rows, 16)
+    assert a == pytest.approx(brute_kaplan_meier(rows, 16), rel=1e-12)
+    assert all(0.0 <= x <= 1.0 for x in a)
+
+
+def test_censored_uses_rows_too_short_for_a_whole_round() -> None:
+    rows = [[1, 1, 0], [1, 0, 1, 1], [0]]
+    with pytest.raises(ValueError, match="no round start"):
+        depth_rates(rows, 5)
+    assert depth_rates_censored(rows, 5) == pytest.approx([5 / 8, 2 / 4, 0.0, 0.0])  # only 4 depths exist
+    assert depth_rates_censored([[1] * 3], 16) == [1.0, 1.0, 1.0]
+    # a short row of rejections does not make a deeper depth look better than a shallower one
+    a = depth_rates_censored([[1] * 10, [0]], 3)
+    assert a == pytest.approx([10 / 11, 1.0, 1.0])
+
+
+# -- correlation: where the i.i.d. formula fails --
+
+
+def clustered(period_ones: int, period_zeros: int, periods: int, extra: int) -> list[int]:
+    block = [1] * period_ones + [0] * period_zeros
+    return block * periods + block[:extra]
+
+
+def test_clustered_acceptance_by_hand() -> None:
+    """Runs of 8 accepts then 8 rejects, alpha = 1/2: a round from a 1 usually runs on."""
+    row = clustered(8, 8, 20, 3)  # 20*16 + 3 positions: at K = 4, 320 starts = 20 whole periods
+    alpha = sum(row[: 320]) / 320
+    assert alpha == 0.5
+    want = 1 + (4 * 5 + 3 + 2 + 1) / 16  # from a 1 at offset o: min(4, 8-o) accepted; from a 0: none
+    assert expected_tau_from_runs([row], 4) == want == 2.625
+    assert depth_rates([row], 4) == [1 / 2, 7 / 8, 6 / 7, 5 / 6]
+    assert expected_tau(alpha, 4) == 1.9375  # i.i.d.: clearly wrong
+    assert expected_tau_from_runs([row], 4) - expected_tau(alpha, 4) > 0.6
+
+
+def test_clustered_acceptance_moves_best_k() -> None:
+    rows = [clustered(8, 8, 10, 15), clustered(12, 4, 8, 15), clustered(3, 13, 10, 15)]
+    alpha = sum(map(sum, rows)) / sum(map(len, rows))
+    c, v = 0.05, {K: 1.0 + 0.02 * K for K in KS}
+    a = depth_rates(rows, 16)
+    brute = {K: brute_tau(rows, K, 16) / (K * c + v[K]) for K in KS}
+    K_brute = max(brute, key=lambda k: (brute[k], -k))
+    assert speedup_curve_from_depth(a, c, v) == pytest.approx(brute, rel=1e-12)
+    assert best_k_from_depth(a, c, v) == (K_brute, pytest.approx(brute[K_brute], rel=1e-12))
+    K_iid, s_iid = best_k(alpha, c, v)
+    assert K_iid < K_brute
+    assert abs(s_iid - brute[K_brute]) > 0.3
+    # once a round is under way it tends to continue: deeper depths accept far more often than depth 1
+    assert a[0] == pytest.approx(0.5, abs=0.05) and min(a[1:8]) > 0.7
+
+
+def test_iid_rows_agree_with_the_iid_formula() -> None:
+    g = torch.Generator().manual_seed(0)
+    for alpha in (0.3, 0.7, 0.9):
+        rows = (torch.rand(300, 160, generator=g, dtype=torch.float64) < alpha).double()
+        a_hat = float(rows.mean())
+        a = depth_rates(rows, 8)
+        deep = 8 if alpha >= 0.7 else 4  # at alpha 0.3 only ~10 rounds of 45k reach depth 8
+        assert a[:deep] == pytest.approx([alpha] * deep, abs=0.02)
+        for K in (1, 4, 8):
+            assert expected_tau_from_runs(rows, K, horizon=8) == pytest.approx(expected_tau(a_hat, K), rel=0.02)
+        # the censored estimate agrees too on long rows
+        assert depth_rates_censored(rows, 8)[:deep] == pytest.approx(a[:deep], abs=0.005)
+
+
+# -- edge cases --
+
+
+def test_all_zero_and_all_one_rows() -> None:
+    zeros, ones = [[0.0] * 20] * 3, [[1.0] * 20] * 3
+    for K in (1, 5, 16):
+        assert expected_tau_from_runs(zeros, K) == 1.0
+        assert expected_tau_from_runs(ones, K) == K + 1.0  # no end-of-row penalty
+        assert depth_rates(zeros, K) == [0.0] * K  # no round reached depth >= 2: 0 by convention
+        assert depth_rates(ones, K) == [1.0] * K
+        assert depth_rates_censored(ones, K) == [1.0] * K
+        assert depth_rates_censored(zeros, K) == [0.0] * K
+        assert expected_tau_from_depth_rates(depth_rates(ones, K), K) == K + 1.0
+
+
+def test_tensor_input_equals_lists() -> None:
+    rows = random_rows(7, 5, (30, 30))
+    t = torch.tensor(rows, dtype=torch.float32)
+    assert depth_rates(t, 6) == pytest.approx(depth_rates(rows, 6), rel=1e-12)
+    assert expected_tau_from_runs(list(t), 6) == pytest.approx(expected_tau_from_runs(rows, 6), rel=1e-12)
+
+
+@pytest.mark.parametrize("rows", [[], [[]], [[], [1.0]], torch.zeros(0, 5)])
+def test_no_round_raises(rows) -> None:
+    with pytest.raises(ValueError, match="no round start"):
+        expected_tau_from_runs(rows, 2)
+    with pytest.raises(ValueError, match="no round start"):
+        depth_rates(rows, 2)
+
+
+@pytest.mark.parametrize("rows", [[], [[]], torch.zeros(0, 5)])
+def test_censored_without_positions_raises(rows) -> None:
+    with pytest.raises(ValueError, match="empty"):
+        depth_rates_censored(rows, 3)
+
+
+def test_invalid_inputs_raise() -> None:
+    with pytest.raises(ValueError, match=r"outside \[0, 1\]"):
+        depth_rates([[0.5, 1.5, 0.2]], 1)
+    with pytest.raises(ValueError, match=r"outside \[0, 1\]"):
+        expected_tau_from_runs([[0.5, float("nan"), 0.2]], 1)
+    with pytest.raises(ValueError, match="1-D"):
+        depth_rates([torch.ones(2, 3)], 1)
+    with pytest.raises(ValueError, match="2-D"):
+        depth_rates(torch.ones(3), 1)
+    with pytest.raises(ValueError, match="K must be >= 1"):
+        expected_tau_from_runs([[1.0]], 0)
+    with pytest.raises(ValueError, match="horizon"):
+        expected_tau_from_runs([[1.0] * 5], 3, horizon=2)
+    with pytest.raises(ValueError, match="K_max"):
+        depth_rates_censored([[1.0]], 0)
+
+
+# -- from a_j to the speedup: the i.i.d. case is pairing.cost --
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.3, 0.8, 1.0])
+def test_constant_rates_are_the_iid_formula(alpha: float) -> None:
+    a = [alpha] * 16
+    for K in KS:
+        assert expected_tau_from_depth_rates(a, K) == pytest.approx(expected_tau(alpha, K), rel=1e-12)
+    for c, v in ((0.05, {K: 1.0 for K in KS}), (0.2, {K: 1.0 + 0.3 * K for K in KS})):
+        assert speedup_curve_from_depth(a, c, v) == pytest.approx(speedup_curve(alpha, c, v), rel=1e-12)
+        assert best_k_from_depth(a, c, v) == (best_k(alpha, c, v)[0], pytest.approx(best_k(alpha, c, v)[1], rel=1e-12))
+
+
+def test_speedup_by_hand_and_k_limited_by_rates() -> None:
+    a = [0.9, 0.5, 0.5]
+    assert expected_tau_from_depth_rates(a, 3) == pytest.approx(1 + 0.9 + 0.45 + 0.225)
+    assert predicted_speedup_from_depth(a, 2, 0.1, 1.2) == pytest.approx(2.35 / 1.4)
+    curve = speedup_curve_from_depth(a, 0.1, {K: 1.0 for K in KS})
+    assert list(curve) == [1, 2, 3]  # no a_j beyond depth 3
+    assert best_k_from_depth([1.0, 1.0], 0.0, {1: 1.0, 2: 1.5}) == (1, 2.0)  # tie: 2/1 == 3/1.5 -> smaller K
+
+
+def test_speedup_invalid_inputs_raise() -> None:
+    with pytest.raises(ValueError, match="needs a_j"):
+        expected_tau_from_depth_rates([0.5], 2)
+    with pytest.raises(ValueError, match=r"in \[0, 1\]"):
+        expected_tau_from_depth_rates([0.5, 1.2], 2)
+    with pytest.raises(ValueError, match=r"in \[0, 1\]"):
+        expected_tau_from_depth_rates([float("nan")], 1)
+    with pytest.raises(ValueError, match="c must be >= 0"):
+        predicted_speedup_from_depth([0.5], 1, -0.1, 1.0)
+    with pytest.raises(ValueError, match=r"v\(K\) must be > 0"):
+        best_k_from_depth([0.5, 0.5], 0.1, {1: 1.0, 2: 0.0})
+    with pytest.raises(ValueError, match="empty"):
+        best_k_from_depth([0.5], 0.1, {})
+    with pytest.raises(ValueError, match="covered"):
+        speedup_curve_from_depth([0.5], 0.1, {2: 1.0, 3: 1.0})
