@@ -174,7 +174,7 @@ def train_head(target: Loaded, rows: list[dict], held_out: list[dict], out: Path
         for row in batch:
             loss, _, _ = _row_loss(head, row, w_draft, cfg.ttt_steps)
             (loss / n_tok).backward()
-            loss_sum += float(loss)
+            loss_sum += float(loss.detach())
         if not math.isfinite(loss_sum):
             raise DraftsmithError(f"head training: non-finite loss at step {s}; lower lr")
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)

@@ -10,6 +10,7 @@
     .venv/bin/draftsmith gen-prompts --target T --n 2000 --domains code,json,summarize,chat --out DIR
     .venv/bin/draftsmith gen-data --target T --draft D --data mixed --mix 0.5 [--plain-data] --out DIR
     .venv/bin/draftsmith export --draft DIR/best --target T --format all --out DIR [--check-llama-cpp]
+    .venv/bin/draftsmith export-head --head RUN/head/best --target T --k 3 --out DIR
     .venv/bin/draftsmith run recipes/quickstart.yaml [distill.train.steps=200 ...] [--out runs/NAME]
     .venv/bin/draftsmith leaderboard runs/* --out leaderboard
 
@@ -273,6 +274,16 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export_head(args: argparse.Namespace) -> int:
+    from distill.export.heads import export_head
+
+    result = export_head(args.head, args.target, args.out, k=args.k)
+    for name, line in result["serving"].items():
+        print(f"{name}: {line}")
+    print(f"wrote {args.out}/vllm (speculators format) and {args.out}/sglang, both checked against their contract")
+    return 0
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from recipes.config import STAGES, load_recipe
     from recipes.runner import run_recipe
@@ -404,6 +415,13 @@ def build_parser() -> argparse.ArgumentParser:
                 aliases={"formats": ["--format"], "gguf_types": ["--gguf-type"]})
     p.add_argument("--out", type=Path, required=True)
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("export-head", help="export a trained EAGLE-3 head: vLLM speculators and SGLang folders, checked")
+    p.add_argument("--head", required=True, help="a head folder (config.json + model.safetensors), e.g. RUN/head/best")
+    p.add_argument("--target", required=True, help="the target the head reads (zoo name, HF folder or .gguf)")
+    p.add_argument("--k", type=int, default=3, help="draft tokens per step in the serving lines")
+    p.add_argument("--out", type=Path, required=True)
+    p.set_defaults(func=cmd_export_head)
 
     p = sub.add_parser("run", help="run a recipe: pair -> distill -> validate -> export, resumable, with a report")
     p.add_argument("recipe", type=Path, help="a recipe YAML (see recipes/*.yaml)")

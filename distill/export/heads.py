@@ -265,3 +265,41 @@ def check_sglang_contract(folder: str | Path, *, target_config: Any = None) -> N
 
 __all__ = ["SGLANG_ARCH", "SPECULATORS_ARCH", "check_sglang_contract", "check_speculators_contract",
            "export_sglang", "export_speculators", "refuse_pairing"]
+
+
+def head_serving_lines(target_hf: str, vllm_dir: str, sglang_dir: str, k: int) -> dict[str, str]:
+    """Command lines that serve the target with this head proposing `k` tokens a step (EAGLE-3 in both engines)."""
+    import json
+    import shlex
+
+    q = shlex.quote
+    spec = json.dumps({"method": "eagle3", "model": vllm_dir, "num_speculative_tokens": k})
+    return {"vllm": f"vllm serve {q(target_hf)} --speculative-config {q(spec)}",
+            "sglang": (f"python -m sglang.launch_server --model-path {q(target_hf)} --speculative-algorithm EAGLE3 "
+                       f"--speculative-draft-model-path {q(sglang_dir)} --speculative-num-steps {k} "
+                       f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}")}
+
+
+def export_head(head_dir: str | Path, target: str, out: str | Path, *, k: int) -> dict:
+    """A trained head folder (decode.head.save_head) -> out/vllm and out/sglang, both checked, plus serving lines.
+    A head that does not fit the target is refused before anything is written."""
+    from decode.head import load_head
+    from decode.loading import load
+
+    t = load(target)
+    config = read_json(Path(head_dir) / "config.json", what="head config")
+    config.pop("architectures", None)
+    try:
+        head_config = HeadConfig(**config)
+    except (TypeError, ValueError) as e:
+        raise DraftsmithError(f"{head_dir}: not a head config ({e})") from None
+    refuse_pairing(head_config, t.model.config)  # before anything is loaded or written
+    head = load_head(head_dir, t.model.get_input_embeddings())
+    out = Path(out)
+    name = str(getattr(t.model.config, "_name_or_path", "") or target)
+    vllm_dir = export_speculators(head, t.model.config, name, out / "vllm", k=k)
+    sglang_dir = export_sglang(head, t.model.config, name, out / "sglang")
+    result = {"head": str(head_dir), "target": target, "k": k, "vllm": str(vllm_dir), "sglang": str(sglang_dir),
+              "serving": head_serving_lines(str(t.path), str(vllm_dir.resolve()), str(sglang_dir.resolve()), k)}
+    atomic_write_json(out / "export.json", result)
+    return result

@@ -255,3 +255,28 @@ def test_k_must_be_positive(setup, tmp_path) -> None:
     with pytest.raises(DraftsmithError, match="K must be >= 1"):
         export_speculators(head, hf.config, name, tmp_path / "v", k=0)
     assert not (tmp_path / "v").exists()
+
+
+def test_export_head_writes_both_checked_folders_and_the_serving_lines(tmp_path) -> None:
+    """`draftsmith export-head`'s function: a saved head and an HF target folder -> vllm/ and sglang/ (each passes
+    its contract), export.json with EAGLE-3 serving lines at K; a head for another target writes nothing."""
+    from decode.head import save_head
+    from distill.export.heads import export_head
+
+    tok = helpers.word_tokenizer(["[UNK]", "<s>", "</s>", *[f"w{i}" for i in range(V - 3)]], eos="</s>", bos="<s>")
+    folder = helpers.save_tiny(tmp_path / "target", tok, 0, vocab_size=V, eos_id=2, bos_id=1, layers=L)
+    from decode.loading import load
+
+    hf = load(str(folder)).model
+    save_head(make_head(hf), tmp_path / "head")
+    r = export_head(tmp_path / "head", str(folder), tmp_path / "out", k=4)
+    check_speculators_contract(r["vllm"], target_config=hf.config)
+    check_sglang_contract(r["sglang"], target_config=hf.config)
+    assert json.loads((tmp_path / "out" / "export.json").read_text())["k"] == 4
+    assert '"method": "eagle3"' in r["serving"]["vllm"] and '"num_speculative_tokens": 4' in r["serving"]["vllm"]
+    assert "--speculative-algorithm EAGLE3" in r["serving"]["sglang"] and "--speculative-num-steps 4" in r["serving"][
+        "sglang"]
+    other = helpers.save_tiny(tmp_path / "other", tok, 1, vocab_size=V, eos_id=2, bos_id=1, layers=L, hidden=48)
+    with pytest.raises(DraftsmithError, match="hidden"):
+        export_head(tmp_path / "head", str(other), tmp_path / "out2", k=4)
+    assert not (tmp_path / "out2").exists()
