@@ -97,14 +97,19 @@ def expected_tau(alpha: float, K: int) -> float:
     return sum(alpha**i for i in range(K + 1))  # the same sum, without 0/0 at alpha = 1
 
 
-def predicted_speedup(alpha: float, K: int, c: float, v_K: float) -> float:
-    """E[tau] / (K*c + v(K)): tokens per unit of target-step time, relative to the target alone."""
-    _check_alpha_k(alpha, K)
+def speedup_from_tau(tau: float, K: int, c: float, v_K: float) -> float:
+    """E[tau] / (K*c + v(K)) for any estimate of E[tau] (i.i.d. here, by depth in pairing.depth)."""
     if not c >= 0.0:
         raise ValueError(f"cost ratio c must be >= 0, got {c}")
     if not v_K > 0.0:
         raise ValueError(f"verify cost v(K) must be > 0, got {v_K} at K={K}")
-    return expected_tau(alpha, K) / (K * c + v_K)
+    return tau / (K * c + v_K)
+
+
+def predicted_speedup(alpha: float, K: int, c: float, v_K: float) -> float:
+    """E[tau] / (K*c + v(K)): tokens per unit of target-step time, relative to the target alone."""
+    _check_alpha_k(alpha, K)
+    return speedup_from_tau(expected_tau(alpha, K), K, c, v_K)
 
 
 def speedup_curve(alpha: float, c: float, v: dict[int, float]) -> dict[int, float]:

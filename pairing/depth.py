@@ -42,6 +42,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from pairing.cost import speedup_from_tau
+
 BetaRows = Tensor | Sequence[Tensor | Sequence[float]]
 
 
@@ -161,11 +163,7 @@ def expected_tau_from_depth_rates(a: Sequence[float], K: int) -> float:
 def predicted_speedup_from_depth(a: Sequence[float], K: int, c: float, v_K: float) -> float:
     """E[tau] / (K*c + v(K)) with E[tau] from depth rates; cf. `pairing.cost.predicted_speedup`."""
     _check_rates(a, K)
-    if not c >= 0.0:
-        raise ValueError(f"cost ratio c must be >= 0, got {c}")
-    if not v_K > 0.0:
-        raise ValueError(f"verify cost v(K) must be > 0, got {v_K} at K={K}")
-    return expected_tau_from_depth_rates(a, K) / (K * c + v_K)
+    return speedup_from_tau(expected_tau_from_depth_rates(a, K), K, c, v_K)
 
 
 def speedup_curve_from_depth(a: Sequence[float], c: float, v: dict[int, float]) -> dict[int, float]:
