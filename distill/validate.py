@@ -20,7 +20,7 @@ from decode.errors import DraftsmithError
 from decode.io import atomic_write_json
 from decode.loading import load
 from decode.model import draft_quant, make_runner
-from decode.prompts import Prompt
+from decode.prompts import Prompt, first_per_domain
 from decode.textgen import eos_ids, machine_info, prompt_ids, versions
 from pairing.cost import COST_CONTEXT, best_k, measure_cost
 from pairing.derive import resolve_candidate
@@ -44,17 +44,6 @@ class ValidateConfig:
             raise ValueError(f"k must be >= 0 (0 = best measured), got {self.k}")
         if self.draft_quant not in (None, "int8"):
             raise ValueError(f"draft_quant must be int8 or null, got {self.draft_quant!r}")
-
-
-def first_per_domain(prompts: list[Prompt], n: int) -> list[Prompt]:
-    """The first `n` prompts of every domain, in their order."""
-    seen: dict[str, int] = {}
-    chosen = []
-    for p in prompts:
-        if seen.get(p.domain, 0) < n:
-            chosen.append(p)
-            seen[p.domain] = seen.get(p.domain, 0) + 1
-    return chosen
 
 
 def validate_distilled(target_spec: str, draft_spec: str, tuned: Path | None, prompts: list[Prompt],

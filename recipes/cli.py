@@ -123,10 +123,12 @@ def _config(cls: type, args: argparse.Namespace, extra: dict | None = None):
 
 def _common(args: argparse.Namespace) -> dict:
     """target, prompts, limit_per_domain, device: the settings a recipe keeps at its top level."""
+    from dataclasses import fields
+
     from recipes.config import DEVICES, Recipe, check_prompts
     from recipes.options import given
 
-    defaults = {f.name: f.default for f in __import__("dataclasses").fields(Recipe)}
+    defaults = {f.name: f.default for f in fields(Recipe)}
     common = {k: v for k, v in given(args).items() if k in ("prompts", "limit_per_domain", "device")}
     out = {k: common.get(k, defaults[k]) for k in ("prompts", "limit_per_domain", "device")}
     if out["device"] not in DEVICES:
@@ -188,6 +190,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
 
 
 def cmd_gen_prompts(args: argparse.Namespace) -> int:
+    from decode.io import read_json
     from decode.loading import load
     from distill.prompt_gen import generate_prompts
 
@@ -195,8 +198,6 @@ def cmd_gen_prompts(args: argparse.Namespace) -> int:
     generate_prompts(load(args.target, device=args.device), args.n, domains, args.out, temperature=args.temperature,
                      seed=args.seed, batch_size=args.batch_size, max_prompt_tokens=args.max_prompt_tokens,
                      dedup_threshold=args.dedup_threshold)
-    from decode.io import read_json
-
     stats = read_json(args.out / "stats.json", what="prompt statistics")
     print(f"{stats['kept']} prompts ({', '.join(f'{d} {n}' for d, n in stats['kept_by_domain'].items())}) in "
           f"{args.out}; unique fraction {stats['unique_fraction']:.3f}; rejected {stats['rejected']}; "

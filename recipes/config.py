@@ -117,11 +117,17 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     raise RecipeError(f"{key}: unsupported setting type {_type_name(tp)}")
 
 
-def _scalar(text: str) -> Any:
+def parse_value(text: str) -> Any:
+    """A `key=value` value (recipe override or CLI option) read as YAML: '200' is 200, 'null' None, '' None;
+    text YAML cannot read stays text."""
     try:
-        value = yaml.safe_load(text)
+        return yaml.safe_load(text) if text.strip() else None
     except yaml.YAMLError:
         return text
+
+
+def _scalar(text: str) -> Any:
+    value = parse_value(text)
     return value if isinstance(value, (int, float, str, bool)) else text
 
 
@@ -187,16 +193,12 @@ def _check_models(recipe: Recipe) -> None:
 
 def check_prompts(source: str, key: str) -> None:
     """Suite names, or an existing file / folder: anything else is a one-line error naming the key."""
-    from decode.prompts import suite_path
+    from decode.prompts import SUITES
 
     names = [n.strip() for n in source.split(",") if n.strip()]
-    try:
-        for n in names:
-            suite_path(n)
+    if names and all(n in SUITES for n in names):
         return
-    except DraftsmithError:
-        pass
-    if not Path(source).expanduser().exists():
+    if not names or not Path(source).expanduser().exists():
         raise RecipeError(f"{key}: no such file {source!r} (nor built-in suite names: code, json, summarize, chat)")
 
 
@@ -211,10 +213,7 @@ def apply_override(data: dict[str, Any], override: str) -> None:
     parts = key.strip().split(".")
     if not all(parts):
         raise RecipeError(f"override {override!r}: bad key {key!r}")
-    try:
-        value = yaml.safe_load(text) if text.strip() else None
-    except yaml.YAMLError:
-        value = text
+    value = parse_value(text)
     node = data
     for i, part in enumerate(parts[:-1]):
         child = node.setdefault(part, {})

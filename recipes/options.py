@@ -20,9 +20,7 @@ import re
 import typing
 from typing import Any
 
-import yaml
-
-from recipes.config import build
+from recipes.config import build, parse_value
 
 _COMMENT = re.compile(r"^\s+(\w+)\s*:[^#]*#\s*(.+?)\s*$")
 
@@ -74,10 +72,6 @@ def _show(value: Any) -> str:
     return "null" if value is None else str(value)
 
 
-def _is_bool(tp: Any) -> bool:
-    return tp is bool
-
-
 def add_options(parser: argparse.ArgumentParser, cls: type, *, only: set[str] | None = None,
                 skip: set[str] = frozenset(), required: set[str] = frozenset(),
                 aliases: dict[str, list[str]] | None = None, taken: set[str] | None = None,
@@ -100,20 +94,11 @@ def add_options(parser: argparse.ArgumentParser, cls: type, *, only: set[str] | 
         if default is not dataclasses.MISSING and name not in required:
             help_text += f" (default {_show(default)})"
         kwargs: dict[str, Any] = dict(dest=f"cfg:{'.'.join(path)}", default=argparse.SUPPRESS, help=help_text)
-        if _is_bool(tp):
+        if tp is bool:
             group.add_argument(flag, *aliases.get(name, []), action=argparse.BooleanOptionalAction, **kwargs)
         else:
             group.add_argument(flag, *aliases.get(name, []), metavar=name.upper(), required=name in required,
                                **kwargs)
-
-
-def _parse(text: Any) -> Any:
-    if not isinstance(text, str):
-        return text
-    try:
-        return yaml.safe_load(text) if text.strip() else None
-    except yaml.YAMLError:
-        return text
 
 
 def given(args: argparse.Namespace) -> dict[str, Any]:
@@ -126,7 +111,7 @@ def given(args: argparse.Namespace) -> dict[str, Any]:
         node = data
         for p in parents:
             node = node.setdefault(p, {})
-        node[leaf] = _parse(value)
+        node[leaf] = parse_value(value) if isinstance(value, str) else value
     return data
 
 

@@ -74,15 +74,18 @@ def load_prompts(source: str | Path, *, limit_per_domain: int | None = None) -> 
         else:
             prompts = _load_path(Path(source.strip()), names)
 
-    if limit_per_domain is not None:
-        seen: dict[str, int] = {}
-        kept = []
-        for p in prompts:
-            seen[p.domain] = seen.get(p.domain, 0) + 1
-            if seen[p.domain] <= limit_per_domain:
-                kept.append(p)
-        prompts = kept
-    return prompts
+    return prompts if limit_per_domain is None else first_per_domain(prompts, limit_per_domain)
+
+
+def first_per_domain(prompts: list[Prompt], n: int) -> list[Prompt]:
+    """The first `n` prompts of every domain, in their order."""
+    seen: dict[str, int] = {}
+    kept = []
+    for p in prompts:
+        seen[p.domain] = seen.get(p.domain, 0) + 1
+        if seen[p.domain] <= n:
+            kept.append(p)
+    return kept
 
 
 def _load_path(path: Path, names: list[str] | None = None) -> list[Prompt]:
