@@ -9,14 +9,24 @@ Used where one model decodes many prompts on its own (distillation data from the
 without a proposer): left-padded, one Hugging Face forward per token for the whole batch, finished rows
 dropped. `TargetVocab` fits a model's logits to another model's vocabulary (`decode.sampling.fit_vocab`: cut,
 or padded with -inf), so a draft never samples a token its target cannot score.
+
+Llama-family models (`decode.model.lean_supported`) decode through `BatchLM`, LeanLM's block for B rows at
+once: one preallocated (B, Hkv, S, D) KV cache per layer, a key mask for the left pads, rows compacted out of
+the batch only when a quarter of it has finished (a copy of the cache each time). It can also keep, for every
+token it feeds, what a draft head trains on (`decode_batch(..., capture=aux_layers)`): the residual stream
+entering the aux layers, the hidden state after the final norm and the target's greedy next token. Other
+architectures use Hugging Face's forward with a DynamicCache.
 """
 
 from __future__ import annotations
 
-import torch
-from torch import Tensor
+from dataclasses import dataclass, field
 
-from decode.model import Runner
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from decode.model import LeanLayer, Runner, _rms_norm, _rotate_half, lean_supported
 from decode.sampling import SamplingParams, fit_vocab, greedy_token, sample, to_probs
 
 
@@ -31,6 +41,193 @@ class TargetVocab:
         return fit_vocab(self.runner.forward(tokens, pos, keep), self.vocab_size)
 
 
+class BatchLM(nn.Module):
+    """LeanLM's decoder block for B left-padded rows at once, on the HF model's own weights (shared), with a
+    preallocated KV cache (L, B, Hkv, S, D) and optional capture of a head's training features."""
+
+    def __init__(self, hf_model, batch: int, max_seq_len: int, capture: tuple[int, ...] = ()) -> None:
+        super().__init__()
+        config = hf_model.config
+        ok, why = lean_supported(config)
+        if not ok:
+            raise ValueError(f"BatchLM cannot run this model: {why}")
+        param = next(hf_model.parameters())
+        dtype, device = param.dtype, param.device
+        n_heads = config.num_attention_heads
+        n_kv = getattr(config, "num_key_value_heads", None) or n_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
+        base = hf_model.model
+        self.embed, self.norm, self.eps = base.embed_tokens, base.norm.weight, config.rms_norm_eps
+        self.lm_head = hf_model.get_output_embeddings()
+        self.layers = nn.ModuleList(LeanLayer(l, config, n_heads, n_kv, head_dim) for l in base.layers)
+        pos_ids = torch.arange(max_seq_len, device=device)[None]
+        cos, sin = base.rotary_emb(torch.zeros(1, dtype=dtype, device=device), pos_ids)
+        self.cos, self.sin = cos[0].to(dtype), sin[0].to(dtype)  # (S, D)
+        shape = (len(self.layers), batch, n_kv, max_seq_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.capture = tuple(capture)
+        for i in self.capture:
+            if not 0 <= i < len(self.layers):
+                raise ValueError(f"capture layer {i} is outside the model's {len(self.layers)} layers")
+        self.features = self.final = None
+        if self.capture:  # what a head trains on, per (row, column): float16 like the head data on disk
+            d = config.hidden_size
+            self.features = torch.zeros(batch, max_seq_len, len(self.capture) * d, dtype=torch.float16, device=device)
+            self.final = torch.zeros(batch, max_seq_len, d, dtype=torch.float16, device=device)
+
+    def select(self, rows: Tensor) -> None:
+        """Keep only batch rows `rows` (in that order): a copy of the cache and of the captured features."""
+        self.k, self.v = self.k[:, rows], self.v[:, rows]
+        if self.capture:
+            self.features, self.final = self.features[rows], self.final[rows]
+
+    def forward(self, tokens: Tensor, start: int, positions: Tensor, mask: Tensor) -> Tensor:
+        """tokens (B, T) written at cache columns [start, start+T), RoPE at `positions` (B, T), attention under
+        `mask` (B, 1, T, start+T) -> hidden states after the final norm (B, T, d)."""
+        B, T = tokens.shape
+        end = start + T
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # (B, 1, T, D)
+        x = self.embed(tokens)
+        seen = []
+        for i, layer in enumerate(self.layers):
+            if i in self.capture:
+                seen.append(x)
+            H, Hkv, D = layer.n_heads, layer.n_kv, layer.head_dim
+            h = _rms_norm(x, layer.norm_in, layer.eps)
+            q = layer.q(h).view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
+            k = layer.k(h).view(B, T, Hkv, D).transpose(1, 2)
+            v = layer.v(h).view(B, T, Hkv, D).transpose(1, 2)
+            q = q * cos + _rotate_half(q) * sin
+            self.k[i, :, :, start:end] = k * cos + _rotate_half(k) * sin
+            self.v[i, :, :, start:end] = v
+            o = F.scaled_dot_product_attention(q, self.k[i, :, :, :end], self.v[i, :, :, :end], attn_mask=mask,
+                                               enable_gqa=Hkv != H)
+            x = x + layer.o(o.transpose(1, 2).reshape(B, T, H * D))
+            h = _rms_norm(x, layer.norm_post, layer.eps)
+            x = x + layer.down(F.silu(layer.gate(h)) * layer.up(h))
+        h = _rms_norm(x, self.norm, self.eps)
+        if self.capture:
+            self.features[:, start:end] = torch.cat(seen, dim=-1).half()
+            self.final[:, start:end] = h.half()
+        return h
+
+    def logits(self, h: Tensor) -> Tensor:
+        logits = self.lm_head(h)
+        return logits if logits.dtype == torch.float64 else logits.float()
+
+
+@dataclass
+class BatchOutput:
+    """Each row's new tokens; with `capture`, per row over prompt + new tokens (n positions): `features`
+    (n, 3H) float16, `final` (n, H) float16 (after the final norm) and `next` (n,) the target's greedy token."""
+
+    tokens: list[list[int]]
+    features: list[Tensor] = field(default_factory=list)
+    final: list[Tensor] = field(default_factory=list)
+    next: list[Tensor] = field(default_factory=list)
+
+
+def _check_call(prompts, max_new_tokens, sampling, generators) -> list:
+    if not prompts or any(not p for p in prompts):
+        raise ValueError("every prompt must hold at least one token")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    generators = list(generators) if generators is not None else [None] * len(prompts)
+    if not sampling.greedy and any(g is None for g in generators):
+        raise ValueError("sampling at temperature > 0 needs an explicit torch.Generator per prompt")
+    return generators
+
+
+def _pick(logits: Tensor, sampling: SamplingParams, generator) -> int:
+    """The very step `decode.speculative.generate` takes without a draft."""
+    if sampling.greedy:
+        return int(greedy_token(logits))
+    return int(sample(to_probs(logits, sampling), generator))
+
+
+@torch.inference_mode()
+def decode_batch(
+    model,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    sampling: SamplingParams,
+    eos_ids: list[int] | tuple[int, ...] = (),
+    generators: list[torch.Generator | None] | None = None,
+    vocab_size: int | None = None,
+    capture: tuple[int, ...] = (),
+) -> BatchOutput:
+    """Plain decoding of several prompts at once with a Llama-family HF model through `BatchLM` (see
+    `generate_batch` for the contract). With `capture` (a head's aux layers) every row's final token is fed
+    once more so that its features exist, and the output carries what a head trains on."""
+    generators = _check_call(prompts, max_new_tokens, sampling, generators)
+    B, P = len(prompts), max(len(p) for p in prompts)
+    S = P + max_new_tokens
+    device = next(model.parameters()).device
+    lm = BatchLM(model, B, S, capture)
+    pad = torch.tensor([P - len(p) for p in prompts], device=device)  # (B,)
+    ids = torch.zeros(B, P, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, P - len(p):] = torch.tensor(p)
+    cols = torch.arange(S, device=device)
+    valid = cols[None, :] >= pad[:, None]  # (B, S): a row's keys start at its first real token
+    positions = (cols[None, :] - pad[:, None]).clamp(min=0)  # (B, S)
+    eye = torch.eye(P, dtype=torch.bool, device=device)
+    mask = (valid[:, None, None, :P] & torch.ones(P, P, dtype=torch.bool, device=device).tril()) | eye  # pads see themselves
+    h = lm(ids.to(device), 0, positions[:, :P], mask)
+    logits = lm.logits(h[:, -1])  # (B, V)
+    out = BatchOutput([[] for _ in range(B)])
+    nxt_prompt = [None] * B
+    if capture:  # the greedy next token at every prompt position, a row at a time (B x P x V is large)
+        for b in range(B):
+            nxt_prompt[b] = lm.logits(h[b, pad[b]:]).argmax(-1).int().cpu()
+        out.features, out.final, out.next = [None] * B, [None] * B, [None] * B
+        nxt_new: list[list[int]] = [[] for _ in range(B)]
+    stop = set(eos_ids)
+    rows = list(range(B))  # batch row j holds prompt rows[j]
+    alive = [True] * B  # prompt b still samples
+    fed = [False] * B  # prompt b's data is taken (captured rows leave one feed after their last token)
+    col = P
+    while True:
+        if vocab_size is not None:
+            logits = fit_vocab(logits, vocab_size)
+        feed = []
+        for j, b in enumerate(rows):
+            if capture and not fed[b] and len(out.tokens[b]) > 0:
+                nxt_new[b].append(int(logits[j].argmax()))
+            if alive[b]:
+                tok = _pick(logits[j], sampling, generators[b])
+                out.tokens[b].append(tok)
+                alive[b] = tok not in stop and len(out.tokens[b]) < max_new_tokens
+                feed.append(tok)
+            else:
+                if capture and not fed[b]:  # its final token was fed last step: its data is complete
+                    n = len(prompts[b]) + len(out.tokens[b])
+                    j0 = int(pad[j])
+                    out.features[b] = lm.features[j, j0 : j0 + n].cpu()
+                    out.final[b] = lm.final[j, j0 : j0 + n].cpu()
+                    out.next[b] = torch.cat([nxt_prompt[b], torch.tensor(nxt_new[b], dtype=torch.int32)])
+                    fed[b] = True
+                feed.append(out.tokens[b][-1])  # a finished row rides along until the batch is compacted
+        waiting = [not fed[b] for b in rows] if capture else [alive[b] for b in rows]
+        if not any(waiting):
+            break
+        if sum(waiting) <= 0.75 * len(rows):  # compact: the finished rows leave the batch and the cache
+            keep = [j for j, w in enumerate(waiting) if w]
+            sel = torch.tensor(keep, device=device)
+            lm.select(sel)
+            rows, feed = [rows[j] for j in keep], [feed[j] for j in keep]
+            valid, positions = valid[sel], positions[sel]
+            pad = pad[sel]
+        tokens = torch.tensor(feed, device=device)[:, None]
+        mask = valid[:, None, None, : col + 1]
+        h = lm(tokens, col, positions[:, col : col + 1], mask)
+        logits = lm.logits(h[:, -1])
+        col += 1
+    return out
+
+
 @torch.inference_mode()
 def generate_batch(
     model,
@@ -41,24 +238,23 @@ def generate_batch(
     eos_ids: list[int] | tuple[int, ...] = (),
     generators: list[torch.Generator | None] | None = None,
     vocab_size: int | None = None,
+    lean: bool = True,
 ) -> list[list[int]]:
     """Plain decoding of several prompts at once with a Hugging Face causal LM -> each row's new tokens.
 
     Left padding (attention mask and position ids skip the pads), one KV cache for the batch, rows that hit
     EOS leave the batch. Row b samples from `generators[b]` (needed at temperature > 0) with the very step
     `decode.speculative.generate` takes without a draft, so a row's tokens are the ones that decoding it
-    alone gives. `vocab_size` cuts or pads (-inf) the logits to another model's vocabulary.
+    alone gives. `vocab_size` cuts or pads (-inf) the logits to another model's vocabulary. Llama-family
+    models run through `decode_batch` (`lean=False`: Hugging Face's forward for them too).
     """
     from transformers import DynamicCache
 
-    if not prompts or any(not p for p in prompts):
-        raise ValueError("every prompt must hold at least one token")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    generators = _check_call(prompts, max_new_tokens, sampling, generators)
+    if lean_supported(model.config)[0] and lean:
+        return decode_batch(model, prompts, max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=eos_ids,
+                            generators=generators, vocab_size=vocab_size).tokens
     B = len(prompts)
-    generators = list(generators) if generators is not None else [None] * B
-    if not sampling.greedy and any(g is None for g in generators):
-        raise ValueError("sampling at temperature > 0 needs an explicit torch.Generator per prompt")
     device = next(model.parameters()).device
     stop = set(eos_ids)
     P = max(len(p) for p in prompts)
@@ -81,10 +277,7 @@ def generate_batch(
             logits = fit_vocab(logits, vocab_size)
         keep, nxt = [], []
         for j, b in enumerate(live):
-            if sampling.greedy:
-                tok = int(greedy_token(logits[j]))
-            else:
-                tok = int(sample(to_probs(logits[j], sampling), generators[b]))
+            tok = _pick(logits[j], sampling, generators[b])
             out[b].append(tok)
             if tok not in stop:
                 keep.append(j)
@@ -102,4 +295,4 @@ def generate_batch(
     return out
 
 
-__all__ = ["TargetVocab", "generate_batch"]
+__all__ = ["BatchLM", "BatchOutput", "TargetVocab", "decode_batch", "generate_batch"]

@@ -5,9 +5,10 @@
     data = load_head_data(Path("runs/head/data"))
 
 Each prompt gets `samples` continuations of the target (sampled at `temperature`, one generator per (prompt,
-sample) seeded from `seed`, so a row does not depend on batching or interruptions), decoded in batches by
-`decode.batch.generate_batch`. Then one teacher-forced forward of the target over prompt + continuation gives,
-per position t: the features (the residual stream entering each aux layer, HF's `output_hidden_states[i]`,
+sample) seeded from `seed`, so a row does not depend on batching or interruptions), decoded in batches (rows
+sorted by prompt length). Llama-family targets keep what the head needs while they decode
+(`decode.batch.decode_batch(capture=...)`: no second pass); others get one teacher-forced forward of the target
+over prompt + continuation afterwards. Either way, per position t: the features (the residual stream entering each aux layer, HF's `output_hidden_states[i]`,
 concatenated: 3H, float16), the final hidden state after the target's norm (H, float16: the target's logits are
 `lm_head(final)`, recomputed at training time over the draft vocabulary only) and the target's greedy next token.
 
@@ -25,10 +26,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from decode.batch import generate_batch
+from decode.batch import decode_batch, generate_batch
 from decode.errors import DraftsmithError
 from decode.io import atomic_path, atomic_write_json, read_json
 from decode.loading import Loaded
+from decode.model import lean_supported
 from decode.prompts import Prompt
 from decode.sampling import SamplingParams
 from decode.textgen import eos_ids, prompt_ids
@@ -73,8 +75,11 @@ def target_features(model, seqs: list[list[int]], aux_layers: tuple[int, ...]) -
     return rows
 
 
+FORMAT = 2  # 2: rows sorted by prompt length into shards
+
+
 def _settings(target: Loaded, prompts: list[Prompt], cfg: HeadDataConfig) -> dict:
-    return {"target": target.name, "prompts": [p.id for p in prompts], **asdict(cfg),
+    return {"format": FORMAT, "target": target.name, "prompts": [p.id for p in prompts], **asdict(cfg),
             "aux_layers": list(cfg.aux_layers)}
 
 
@@ -89,13 +94,18 @@ def build_head_data(target: Loaded, prompts: list[Prompt], out: Path, cfg: HeadD
         changed = sorted(k for k in settings if old.get(k) != settings[k])
         raise DraftsmithError(f"{out}: made with other settings ({', '.join(changed)}); use another folder")
     atomic_write_json(out / "settings.json", settings)
+    encoded = [prompt_ids(target.tokenizer, p.prompt) for p in prompts]
     jobs = [(i, s) for i in range(len(prompts)) for s in range(cfg.samples if cfg.temperature > 0 else 1)]
+    jobs.sort(key=lambda job: len(encoded[job[0]]))  # stable: similar lengths share a batch (less padding)
+    L = target.model.config.num_hidden_layers
+    if any(not 0 <= i < L for i in cfg.aux_layers):
+        raise DraftsmithError(f"aux layers {list(cfg.aux_layers)} outside the target's {L} layers")
+    lean = lean_supported(target.model.config)[0]
     shards = [jobs[i : i + cfg.batch_size] for i in range(0, len(jobs), cfg.batch_size)]
     stats = read_json(out / "stats.json", missing_ok=True, what="head data stats") or {
         "rows": 0, "tokens": 0, "new_tokens": 0, "generate_seconds": 0.0, "feature_seconds": 0.0}
     sampling = SamplingParams(cfg.temperature)
     eos = eos_ids(target)
-    encoded = [prompt_ids(target.tokenizer, p.prompt) for p in prompts]
     bar = tqdm(total=len(shards), desc="head data", unit="shard", disable=not progress)
     for n, shard in enumerate(shards):
         path = out / f"shard-{n:05d}.safetensors"
@@ -104,13 +114,22 @@ def build_head_data(target: Loaded, prompts: list[Prompt], out: Path, cfg: HeadD
             continue
         gens = [torch.Generator().manual_seed(cfg.seed * 1_000_003 + i * 1009 + s) for i, s in shard]
         t0 = time.perf_counter()
-        new = generate_batch(target.model, [encoded[i] for i, _ in shard], max_new_tokens=cfg.max_new_tokens,
-                             sampling=sampling, eos_ids=eos, generators=gens if cfg.temperature > 0 else None)
+        kw = dict(max_new_tokens=cfg.max_new_tokens, sampling=sampling, eos_ids=eos,
+                  generators=gens if cfg.temperature > 0 else None)
+        batch = [encoded[i] for i, _ in shard]
+        if lean:
+            got = decode_batch(target.model, batch, capture=cfg.aux_layers, **kw)
+            new = got.tokens
+            rows = [{"tokens": torch.tensor(p + t, dtype=torch.int32), "features": f, "final": h, "next": n}
+                    for p, t, f, h, n in zip(batch, got.tokens, got.features, got.final, got.next)]
+        else:
+            new = generate_batch(target.model, batch, **kw)
         t1 = time.perf_counter()
-        seqs = [encoded[i] + toks for (i, _), toks in zip(shard, new)]
-        rows = []
-        for k in range(0, len(seqs), 8):  # features in small batches: the hidden states of 30 layers add up
-            rows += target_features(target.model, seqs[k : k + 8], cfg.aux_layers)
+        if not lean:
+            seqs = [p + toks for p, toks in zip(batch, new)]
+            rows = []
+            for k in range(0, len(seqs), 8):  # features in small batches: the hidden states of 30 layers add up
+                rows += target_features(target.model, seqs[k : k + 8], cfg.aux_layers)
         t2 = time.perf_counter()
         lengths = torch.tensor([len(r["tokens"]) for r in rows])
         with atomic_path(path) as tmp:

@@ -1,13 +1,14 @@
 """Batched plain decoding: each row of a left-padded batch gets the very tokens that decoding it alone gives
-(greedy and sampled, rows finishing at different steps), and logits fitted to another vocabulary never let a
-padded row be sampled."""
+(greedy and sampled, rows finishing at different steps, through the lean batch runner and through Hugging
+Face's forward), the lean runner's captured head features are the target's teacher-forced ones, and logits
+fitted to another vocabulary never let a padded row be sampled."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from decode.batch import TargetVocab, generate_batch
+from decode.batch import TargetVocab, decode_batch, generate_batch
 from decode.model import make_runner
 from decode.sampling import SamplingParams, fit_vocab
 from decode.speculative import generate
@@ -30,12 +31,13 @@ def _alone(model, prompt: list[int], temperature: float, seed: int, n: int) -> l
                     eos_ids=[EOS], generator=gen).tokens
 
 
+@pytest.mark.parametrize("lean", [True, False])
 @pytest.mark.parametrize("temperature", [0.0, 1.3])
-def test_each_row_equals_its_decode_alone(model, temperature) -> None:
+def test_each_row_equals_its_decode_alone(model, temperature, lean) -> None:
     n = 20
     gens = [torch.Generator().manual_seed(100 + b) for b in range(len(PROMPTS))] if temperature else None
     rows = generate_batch(model, PROMPTS, max_new_tokens=n, sampling=SamplingParams(temperature), eos_ids=[EOS],
-                          generators=gens)
+                          generators=gens, lean=lean)
     alone = [_alone(model, p, temperature, 100 + b, n) for b, p in enumerate(PROMPTS)]
     assert rows == alone
     assert all(1 <= len(r) <= n for r in rows)
@@ -72,3 +74,34 @@ def test_bad_calls_are_refused(model) -> None:
         generate_batch(model, [[1]], max_new_tokens=0, sampling=SamplingParams(0.0))
     with pytest.raises(ValueError, match="Generator"):
         generate_batch(model, [[1], [2]], max_new_tokens=3, sampling=SamplingParams(1.0))
+
+
+def test_lean_batch_equals_alone_for_a_qwen2_with_biases() -> None:
+    qwen = helpers.tiny_llama(5, V, eos_id=EOS, layers=2, arch="qwen2", dtype=torch.float64)
+    gens = [torch.Generator().manual_seed(b) for b in range(len(PROMPTS))]
+    rows = decode_batch(qwen, PROMPTS, max_new_tokens=12, sampling=SamplingParams(1.3), eos_ids=[EOS],
+                        generators=gens).tokens
+    assert rows == [_alone(qwen, p, 1.3, b, 12) for b, p in enumerate(PROMPTS)]
+
+
+@pytest.mark.parametrize("n", [1, 9])
+def test_captured_features_are_the_targets_teacher_forced_ones(n) -> None:
+    m = helpers.tiny_llama(4, V, eos_id=EOS, layers=3, dtype=torch.float64)
+    gens = [torch.Generator().manual_seed(7 + b) for b in range(len(PROMPTS))]
+    out = decode_batch(m, PROMPTS, max_new_tokens=n, sampling=SamplingParams(1.3), eos_ids=[EOS], generators=gens,
+                       capture=(0, 2))
+    assert len({len(t) for t in out.tokens}) > 1 or n == 1  # rows end at different steps: the batch compacts
+    for b, p in enumerate(PROMPTS):
+        seq = p + out.tokens[b]
+        ref = m(input_ids=torch.tensor([seq]), output_hidden_states=True)
+        hs = ref.hidden_states
+        feats = torch.cat([hs[0][0], hs[2][0]], dim=-1)
+        assert out.features[b].shape == feats.shape and out.final[b].shape == hs[-1][0].shape
+        torch.testing.assert_close(out.features[b].double(), feats, rtol=2e-3, atol=2e-3)  # stored as float16
+        torch.testing.assert_close(out.final[b].double(), hs[-1][0], rtol=2e-3, atol=2e-3)
+        assert out.next[b].tolist() == ref.logits[0].argmax(-1).tolist()
+
+
+def test_capture_layers_outside_the_model_are_refused(model) -> None:
+    with pytest.raises(ValueError, match="capture layer 5"):
+        decode_batch(model, [[1]], max_new_tokens=2, sampling=SamplingParams(0.0), capture=(0, 5))

@@ -74,8 +74,20 @@ def test_head_data_resumes_and_training_lowers_the_loss(tmp_path) -> None:
     again = load_head_data(tmp_path / "data")
     assert all(torch.equal(a["tokens"], b["tokens"]) and torch.equal(a["features"], b["features"])
                for a, b in zip(rows, again))
+    import distill.head_data as hd
+
+    with pytest.MonkeyPatch.context() as mp:  # the second pass the lean runner saves gives the same rows
+        mp.setattr(hd, "lean_supported", lambda config: (False, "test"))
+        build_head_data(target, prompts, tmp_path / "hf-data", cfg, progress=False)
+    for a, b in zip(rows, load_head_data(tmp_path / "hf-data")):
+        assert torch.equal(a["tokens"], b["tokens"]) and torch.equal(a["next"], b["next"])
+        assert a["prompt_len"] == b["prompt_len"]
+        torch.testing.assert_close(a["features"].float(), b["features"].float(), rtol=2e-3, atol=2e-3)
+        torch.testing.assert_close(a["final"].float(), b["final"].float(), rtol=2e-3, atol=2e-3)
     from decode.errors import DraftsmithError
 
+    with pytest.raises(DraftsmithError, match="aux layers"):
+        build_head_data(target, prompts, tmp_path / "bad", HeadDataConfig(aux_layers=(1, 2, 4)), progress=False)
     with pytest.raises(DraftsmithError, match="other settings"):
         build_head_data(target, prompts, tmp_path / "data", HeadDataConfig(samples=3, max_new_tokens=8,
                                                                           aux_layers=(1, 2, 3)), progress=False)
