@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from decode.model import LeanLayer, Runner, _rms_norm, _rotate_half, lean_supported
+from decode.model import Runner, _rms_norm, _rotate_half, lean_parts, lean_supported
 from decode.sampling import SamplingParams, fit_vocab, greedy_token, sample, to_probs
 
 
@@ -48,21 +48,12 @@ class BatchLM(nn.Module):
     def __init__(self, hf_model, batch: int, max_seq_len: int, capture: tuple[int, ...] = ()) -> None:
         super().__init__()
         config = hf_model.config
-        ok, why = lean_supported(config)
-        if not ok:
-            raise ValueError(f"BatchLM cannot run this model: {why}")
+        self.layers, n_kv, head_dim, self.cos, self.sin = lean_parts(hf_model, max_seq_len, "BatchLM")
         param = next(hf_model.parameters())
         dtype, device = param.dtype, param.device
-        n_heads = config.num_attention_heads
-        n_kv = getattr(config, "num_key_value_heads", None) or n_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
         base = hf_model.model
         self.embed, self.norm, self.eps = base.embed_tokens, base.norm.weight, config.rms_norm_eps
         self.lm_head = hf_model.get_output_embeddings()
-        self.layers = nn.ModuleList(LeanLayer(l, config, n_heads, n_kv, head_dim) for l in base.layers)
-        pos_ids = torch.arange(max_seq_len, device=device)[None]
-        cos, sin = base.rotary_emb(torch.zeros(1, dtype=dtype, device=device), pos_ids)
-        self.cos, self.sin = cos[0].to(dtype), sin[0].to(dtype)  # (S, D)
         shape = (len(self.layers), batch, n_kv, max_seq_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)

@@ -23,6 +23,8 @@ the T positions it computed, concatenated in that order; `()` (the default) keep
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Protocol
 
 import torch
@@ -48,12 +50,53 @@ def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * h.to(x.dtype)
 
 
+LAYOUTS = ("auto", "xw", "wx")
+_CHOICE: dict[tuple, bool] = {}  # (device, dtype, weight shape, rows) -> compute as W @ x^T
+
+
+def _layout_setting() -> str:
+    value = os.environ.get("DRAFTSMITH_LINEAR", "auto")
+    if value not in LAYOUTS:
+        raise ValueError(f"DRAFTSMITH_LINEAR must be one of {', '.join(LAYOUTS)}, got {value!r}")
+    return value
+
+
+def _time(fn, reps: int = 5) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _weight_first(x: Tensor, layer: nn.Linear) -> bool:
+    """Whether a Linear on these few rows runs faster as (W @ x^T)^T than as x @ W^T on this CPU: decided once
+    per (weight shape, rows) by timing both (the best of 5). BLAS libraries differ: on some CPUs (MKL on the
+    AVX-512 EPYCs measured here) W @ x^T streams the weight once for a few rows, where x @ W^T costs ~T times one
+    row; on others (this project's Intel Xeon runners) it is the other way round, 2x slower at 2 rows."""
+    setting = _layout_setting()
+    if setting != "auto" or x.device.type != "cpu" or x.shape[0] > 16:
+        return setting == "wx"
+    key = (x.dtype, tuple(layer.weight.shape), x.shape[0], layer.bias is None)
+    if key not in _CHOICE:
+        probe = torch.randn_like(x)
+        w, b = layer.weight.detach(), None if layer.bias is None else layer.bias.detach()
+        wx = _time(lambda: torch.mm(w, probe.t()))
+        xw = _time(lambda: F.linear(probe, w, b))
+        _CHOICE[key] = wx < 0.9 * xw  # the plain layout unless the other is clearly faster
+    return _CHOICE[key]
+
+
 def _linear(x: Tensor, layer: nn.Module) -> Tensor:
-    """A Linear layer computed as (W @ x^T)^T: on MKL CPUs this streams the weight once for a few rows
-    (the K+1 rows of a verify step cost little more than one row), where x @ W^T costs ~T times one row.
-    Other layer types (the int8 draft's quantised Linear) run as they are."""
+    """A Linear layer on a few rows, in the faster of two layouts on this machine (`_weight_first`; the
+    environment variable DRAFTSMITH_LINEAR=xw|wx fixes one). Other layer types (the int8 draft's quantised
+    Linear) run as they are."""
     if type(layer) is not nn.Linear:
         return layer(x)
+    if not _weight_first(x, layer):
+        return F.linear(x, layer.weight, layer.bias)
     if layer.bias is None:
         return torch.mm(layer.weight, x.t()).t()
     return torch.addmm(layer.bias[:, None], layer.weight, x.t()).t()
@@ -117,6 +160,24 @@ class LeanLayer(nn.Module):
         return x + _linear(F.silu(_linear(h, self.gate)) * _linear(h, self.up), self.down)
 
 
+def lean_parts(hf_model, max_seq_len: int, who: str):
+    """What a lean runner takes from an HF Llama-family model: (layers sharing its weights, KV heads, head dim,
+    RoPE cos and sin tables (max_seq_len, D) from HF's own rotary module, so every rope_type matches exactly)."""
+    config = hf_model.config
+    ok, why = lean_supported(config)
+    if not ok:
+        raise ValueError(f"{who} cannot run this model: {why}")
+    param = next(hf_model.parameters())
+    n_heads = config.num_attention_heads
+    n_kv = getattr(config, "num_key_value_heads", None) or n_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
+    base = hf_model.model
+    layers = nn.ModuleList(LeanLayer(l, config, n_heads, n_kv, head_dim) for l in base.layers)
+    pos_ids = torch.arange(max_seq_len, device=param.device)[None]
+    cos, sin = base.rotary_emb(torch.zeros(1, dtype=param.dtype, device=param.device), pos_ids)
+    return layers, n_kv, head_dim, cos[0].to(param.dtype), sin[0].to(param.dtype)
+
+
 class LeanLM(nn.Module):
     """Llama-family causal LM with a preallocated KV cache, running on the HF model's own weights."""
 
@@ -126,19 +187,14 @@ class LeanLM(nn.Module):
     def __init__(self, hf_model, max_seq_len: int, *, fast_head: bool = True) -> None:
         super().__init__()
         config = hf_model.config
-        ok, why = lean_supported(config)
-        if not ok:
-            raise ValueError(f"LeanLM cannot run this model: {why}")
+        layers, n_kv, head_dim, cos, sin = lean_parts(hf_model, max_seq_len, "LeanLM")
         param = next(hf_model.parameters())
         dtype, device = param.dtype, param.device
-        n_heads = config.num_attention_heads
-        n_kv = getattr(config, "num_key_value_heads", None) or n_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
         base = hf_model.model
         self.vocab_size = config.vocab_size
         self.eps = config.rms_norm_eps
         self.embed = base.embed_tokens  # shared with the HF model, as are all weights below
-        self.layers = nn.ModuleList(LeanLayer(l, config, n_heads, n_kv, head_dim) for l in base.layers)
+        self.layers = layers
         self.norm = base.norm.weight
         self.lm_head = hf_model.get_output_embeddings()
         # one-row steps (plain decoding, draft steps) read the head faster as a (d, V) copy on CPUs:
@@ -146,11 +202,8 @@ class LeanLM(nn.Module):
         # It is a snapshot: build a new runner after changing the model's weights.
         cpu_head = fast_head and device.type == "cpu"
         self.head_t = self.lm_head.weight.detach().t().contiguous() if cpu_head else None
-        # RoPE tables from HF's own rotary module, so every rope_type (llama3, yarn, ...) matches exactly
-        pos_ids = torch.arange(max_seq_len, device=device)[None]
-        cos, sin = base.rotary_emb(torch.zeros(1, dtype=dtype, device=device), pos_ids)
-        self.register_buffer("cos", cos[0].to(dtype), persistent=False)  # (S, D)
-        self.register_buffer("sin", sin[0].to(dtype), persistent=False)
+        self.register_buffer("cos", cos, persistent=False)  # (S, D)
+        self.register_buffer("sin", sin, persistent=False)
         self.cache = KVCache(len(self.layers), n_kv, max_seq_len, head_dim, dtype, device)
 
     @property

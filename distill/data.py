@@ -27,7 +27,8 @@ samples other (equally distributed) target text through the speculative decoder 
 
 Folder `out`: `settings.json` (what the rows depend on; a rerun with other settings is refused),
 `rows.partial.jsonl` (finished prompts, appended a batch at a time, in prompt order), and at the end
-`dataset/` (a `datasets.save_to_disk` folder, renamed into place so that it is always complete). Prompt i
+`dataset/` (a `datasets.save_to_disk` folder, renamed into place so that it is always complete), and
+`stats.json` (rows, new tokens, seconds and tokens/s of generation, summed over the sessions that generated). Prompt i
 samples from its own generator seeded from (seed, i), so an interrupted run resumes after the last saved
 prompt and yields the same rows as an uninterrupted one, whatever the batch size.
 
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from pathlib import Path
 
 import datasets
@@ -60,6 +62,7 @@ FORMAT_VERSION = 1  # bump when rows or generation change meaning: old folders a
 SOURCES = ("target", "draft", "mixed")
 DATASET_DIR = "dataset"
 PARTIAL = "rows.partial.jsonl"
+STATS = "stats.json"
 SETTINGS = "settings.json"
 
 FEATURES = datasets.Features(
@@ -182,8 +185,10 @@ def generate_data(
     rows = read_partial(part, prompts)
     from_draft = draft_prompts(len(prompts), source, mix, seed)
     if len(rows) < len(prompts):
+        before, t0 = len(rows), time.perf_counter()
         _generate_rows(target, draft, prompts, rows, part, from_draft, max_new_tokens, temperature, seed, chat,
                        progress, speculative, batch_size)
+        _record_speed(out / STATS, rows[before:], time.perf_counter() - t0, batch_size)
 
     ds = save_rows(rows, FEATURES, {"draftsmith_distill_data": settings}, final)
     part.unlink(missing_ok=True)
@@ -261,6 +266,22 @@ def _generate_rows(
     bar.close()
 
 
+def _record_speed(path: Path, new_rows: list[dict], seconds: float, batch_size: int) -> None:
+    """Add this session's rows to `stats.json` (generation tokens/s over every session that generated)."""
+    stats = read_json(path, missing_ok=True, what="data stats") or {"rows": 0, "new_tokens": 0, "seconds": 0.0}
+    stats["rows"] += len(new_rows)
+    stats["new_tokens"] += sum(len(r["continuation_ids"]) for r in new_rows)
+    stats["seconds"] += seconds
+    stats["tokens_per_s"] = stats["new_tokens"] / max(stats["seconds"], 1e-9)
+    stats["batch_size"] = batch_size
+    atomic_write_json(path, stats)
+
+
+def data_stats(out: Path) -> dict | None:
+    """What generating the folder took (rows, new tokens, seconds, tokens/s), or None."""
+    return read_json(Path(out) / STATS, missing_ok=True, what="data stats")
+
+
 def _target_vocab(target: Loaded) -> int:
     """The target's number of logit rows."""
     return target.model.get_output_embeddings().weight.shape[0]
@@ -296,4 +317,4 @@ def collate(rows: list[tuple[list[int], list[int]]], idx: list[int], device: tor
     return ids.to(device), attn.to(device), mask.to(device)
 
 
-__all__ = ["FEATURES", "SOURCES", "collate", "draft_prompts", "generate_data", "training_rows"]
+__all__ = ["FEATURES", "SOURCES", "collate", "data_stats", "draft_prompts", "generate_data", "training_rows"]

@@ -48,7 +48,7 @@ class HeadTrainConfig:
     epochs: float = 2.0  # passes over the training rows
     rows_per_step: int = 8  # sequences per optimizer step
     eval_every: int = 50  # steps between held-out evaluations
-    max_minutes: float = 0.0  # stop (and keep the best) after this much training; 0 = no limit
+    max_minutes: float = 0.0  # time budget: the schedule is fitted to it after 10 timed steps; 0 = epochs decide
     seed: int = 0
 
 
@@ -143,10 +143,10 @@ def train_head(target: Loaded, rows: list[dict], held_out: list[dict], out: Path
         head.norm.weight.copy_(hf.model.norm.weight.detach())
     coverage = float(counts[head.draft_ids].sum() / counts.sum())
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
-    total_steps = max(1, math.ceil(cfg.epochs * len(rows) / cfg.rows_per_step))
+    plan = {"total": max(1, math.ceil(cfg.epochs * len(rows) / cfg.rows_per_step))}
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / (cfg.warmup_steps + 1), 0.5 * (
-        1 + math.cos(math.pi * min(1.0, max(0, s - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))))))
-    state = {"step": 0, "best": -1.0, "best_step": None, "log": [], "seconds": 0.0}
+        1 + math.cos(math.pi * min(1.0, max(0, s - cfg.warmup_steps) / max(1, plan["total"] - cfg.warmup_steps))))))
+    state = {"step": 0, "best": -1.0, "best_step": None, "log": [], "seconds": 0.0, "planned_steps": None}
     ckpt = out / "checkpoint"
     if (ckpt / "trainer.json").is_file():
         from safetensors.torch import load_file
@@ -155,6 +155,9 @@ def train_head(target: Loaded, rows: list[dict], held_out: list[dict], out: Path
         blob = torch.load(ckpt / "optim.pt", weights_only=True)
         opt.load_state_dict(blob["opt"]), sched.load_state_dict(blob["sched"])
         state = read_json(ckpt / "trainer.json", what="head checkpoint")
+        plan["total"] = state.get("planned_steps") or plan["total"]
+    total_steps = plan["total"]
+    calibrate = min(10, max(1, cfg.warmup_steps))  # steps timed before a time budget fixes the schedule's length
     gen = torch.Generator().manual_seed(cfg.seed)
     order = torch.cat([torch.randperm(len(rows), generator=gen) for _ in range(math.ceil(cfg.epochs) + 1)])
     log_path = out / "log.jsonl"
@@ -163,9 +166,18 @@ def train_head(target: Loaded, rows: list[dict], held_out: list[dict], out: Path
     t_start = time.perf_counter() - state["seconds"]
     if state["step"] == 0:
         _eval_and_keep(head, held_out, w_draft, cfg, state, out, log_path, tokens=0)
-    while state["step"] < total_steps:
+    t_loop, s0 = time.perf_counter(), state["step"]
+    while state["step"] < plan["total"]:
         if cfg.max_minutes and time.perf_counter() - t_start > 60 * cfg.max_minutes:
             break
+        if cfg.max_minutes and state.get("planned_steps") is None and state["step"] - s0 == calibrate:
+            # the cosine ends when the budget does: steps that fit in what is left, timed on the first ones
+            # (evaluations included at 5% of the time); kept in the checkpoint, so a resume follows the same plan
+            per_step = (time.perf_counter() - t_loop) / calibrate
+            left = 60 * cfg.max_minutes - (time.perf_counter() - t_start)
+            plan["total"] = min(plan["total"], state["step"] + max(1, int(0.95 * left / per_step)))
+            state["planned_steps"] = plan["total"]
+            bar.total = plan["total"]
         s = state["step"]
         batch = [rows[int(i)] for i in order[s * cfg.rows_per_step : (s + 1) * cfg.rows_per_step]]
         opt.zero_grad(set_to_none=True)
@@ -186,13 +198,13 @@ def train_head(target: Loaded, rows: list[dict], held_out: list[dict], out: Path
             f.write(json.dumps({"step": state["step"], "loss": loss_sum / n_tok, "lr": sched.get_last_lr()[0],
                                 "tokens": state["tokens"]}) + "\n")
         bar.update(1), bar.set_postfix(loss=f"{loss_sum / n_tok:.3f}")
-        if state["step"] % cfg.eval_every == 0 or state["step"] == total_steps:
+        if state["step"] % cfg.eval_every == 0 or state["step"] == plan["total"]:
             _eval_and_keep(head, held_out, w_draft, cfg, state, out, log_path, tokens=state["tokens"])
             _checkpoint(head, opt, sched, state, ckpt)
     bar.close()
     if state["log"] and state["log"][-1]["step"] != state["step"]:
         _eval_and_keep(head, held_out, w_draft, cfg, state, out, log_path, tokens=state.get("tokens", 0))
-    summary = {"steps": state["step"], "total_steps": total_steps, "seconds": state["seconds"],
+    summary = {"steps": state["step"], "total_steps": plan["total"], "seconds": state["seconds"],
                "tokens_seen": state.get("tokens", 0), "best_step": state["best_step"],
                "best_agreement_depth1": state["best"], "evals": state["log"], "config": asdict(cfg),
                "draft_vocab_coverage": coverage, "train_rows": len(rows), "held_out_rows": len(held_out),

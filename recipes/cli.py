@@ -208,18 +208,30 @@ def cmd_gen_prompts(args: argparse.Namespace) -> int:
 def cmd_gen_data(args: argparse.Namespace) -> int:
     from decode.loading import load
     from decode.prompts import load_prompts
-    from distill.data import generate_data
+    from distill.data import data_stats, generate_data, training_rows
     from distill.pipeline import DistillConfig
+    from distill.teacher_cache import build_teacher_cache
+    from distill.train import TEACHER_CACHE_DIR
     from pairing.derive import resolve_candidate
 
     cfg = _config(DistillConfig, args)
     c = _common(args)
     prompts = load_prompts(c["prompts"], limit_per_domain=c["limit_per_domain"])
-    ds = generate_data(load(args.target, device=c["device"]), load(resolve_candidate(cfg.draft), device=c["device"]),
+    target = load(args.target, device=c["device"])
+    ds = generate_data(target, load(resolve_candidate(cfg.draft), device=c["device"]),
                        prompts, args.out, source=cfg.data, mix=cfg.mix, max_new_tokens=cfg.max_new_tokens,
                        temperature=cfg.data_temperature, seed=cfg.train.seed, speculative=cfg.speculative_data,
                        batch_size=cfg.gen_batch_size)
     print(f"{len(ds)} rows in {args.out}/dataset")
+    stats = data_stats(args.out)
+    if stats:
+        print(f"generated {stats['new_tokens']} tokens in {stats['seconds']:.0f} s: {stats['tokens_per_s']:.1f} "
+              f"tokens/s at batch {stats['batch_size']}")
+    if cfg.train.teacher == "cache":  # the target's top-k now, where every training run on this data finds it
+        cache = build_teacher_cache(target, training_rows(ds), Path(args.out) / TEACHER_CACHE_DIR,
+                                    k=cfg.train.teacher_topk, dtype=cfg.train.teacher_cache_dtype,
+                                    batch_size=cfg.train.batch_size)
+        print(f"teacher top-{cache.k} cache in {cache.folder}")
     return 0
 
 
@@ -319,7 +331,7 @@ def cmd_leaderboard(args: argparse.Namespace) -> int:
 
 # the DistillConfig settings `gen-data` takes (the rest are training settings)
 GEN_DATA_SETTINGS = {"draft", "data", "mix", "max_new_tokens", "data_temperature", "speculative_data", "gen_batch_size",
-                     "seed"}
+                     "seed", "teacher", "teacher_topk", "teacher_cache_dtype"}
 
 
 def build_parser() -> argparse.ArgumentParser:

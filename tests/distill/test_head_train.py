@@ -98,3 +98,23 @@ def test_head_data_resumes_and_training_lowers_the_loss(tmp_path) -> None:
     assert summary["steps"] == 15 and losses[-1] < losses[0]
     assert (tmp_path / "head" / "best" / "model.safetensors").is_file()
     assert 0.0 < summary["draft_vocab_coverage"] <= 1.0
+
+    # a time budget: after 10 timed steps the cosine is fitted to the steps that fit, and a resume follows it
+    import distill.head_train as ht
+
+    class Clock:  # every reading of the clock is one second later
+        t = 0.0
+
+        def perf_counter(self) -> float:
+            self.t += 1.0
+            return self.t
+
+    budget = dict(draft_vocab_size=20, lr=3e-3, epochs=50, rows_per_step=4, eval_every=5, warmup_steps=2,
+                  max_minutes=1.0)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ht, "time", Clock())
+        timed = train_head(target, rows[:10], rows[10:], tmp_path / "timed", HeadTrainConfig(**budget),
+                           aux_layers=(1, 2, 3), progress=False)
+    log = [json.loads(x) for x in (tmp_path / "timed" / "log.jsonl").read_text().splitlines() if '"lr"' in x]
+    assert 10 < timed["total_steps"] < 125 == 50 * 10 // 4  # the budget, not the epochs, sets the length
+    assert timed["steps"] == timed["total_steps"] and log[-1]["lr"] == pytest.approx(0.0, abs=1e-9)

@@ -158,10 +158,19 @@ def test_gen_data_cli_writes_a_resumable_dataset_with_the_flags_it_was_given(wor
     target = str(world["root"] / "target")
     args = ("gen-data", "--target", target, "--draft", f"derive:{target}:keep=1", "--prompts",
             str(world["root"] / "prompts.jsonl"), "--limit-per-domain", "2", "--data", "mixed", "--mix", "0.5",
-            "--max-new-tokens", "5", "--plain-data", "--batch-size", "3", "--out", str(out))
+            "--max-new-tokens", "5", "--plain-data", "--batch-size", "3", "--teacher", "cache", "--teacher-topk", "4",
+            "--out", str(out))
     r = draftsmith(world, *args)
     assert r.returncode == 0 and "4 rows in" in r.stdout, r.stderr[-2000:]
+    stats = json.loads((out / "stats.json").read_text())
+    assert stats["rows"] == 4 and stats["tokens_per_s"] > 0 and "tokens/s at batch 3" in r.stdout
+    assert "teacher top-4 cache" in r.stdout and len(list((out / "teacher-topk").glob("*/done.json"))) == 1
     ds = datasets.load_from_disk(str(out / "dataset"))
+    from distill.data import training_rows
+    from distill.teacher_cache import TeacherTopK
+
+    cache = TeacherTopK(next((out / "teacher-topk").glob("*/done.json")).parent, 10**6)
+    assert len(cache) == len(training_rows(ds)) and cache.k == 4  # the cache training on this data will find
     assert len(ds) == 4 and sorted(ds["source"]) == ["draft", "draft", "target", "target"]
     assert all(1 <= len(c) <= 5 for c in ds["continuation_ids"])
     settings = json.loads((out / "settings.json").read_text())
