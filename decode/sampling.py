@@ -84,7 +84,12 @@ def to_probs(logits: Tensor, params: SamplingParams) -> Tensor:
 def sample(probs: Tensor, generator: torch.Generator | None) -> Tensor:
     """One draw per row of probs (..., V) -> (...,) token ids, randomness from `generator` only."""
     flat = probs.reshape(-1, probs.shape[-1])
-    out = torch.multinomial(flat, 1, generator=generator).squeeze(-1)
+    # inverse CDF: the first token whose cumulative probability exceeds u * total, u ~ U[0, 1) (float64 sums,
+    # so a token of probability 0 is never drawn). One uniform per row: ~20x cheaper than torch.multinomial,
+    # which draws an exponential per vocabulary entry (0.76 ms a row at 49k tokens on 2 cores).
+    cdf = flat.to(torch.float64).cumsum(-1)
+    u = torch.rand(flat.shape[0], 1, generator=generator, dtype=torch.float64, device=flat.device)
+    out = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=flat.shape[-1] - 1).squeeze(-1)
     return out.reshape(probs.shape[:-1])
 
 
