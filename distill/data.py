@@ -290,6 +290,25 @@ def _target_vocab(target: Loaded) -> int:
 # -- what training feeds the models ------------------------------------------------------------------------
 
 
+def load_data_folder(folder: Path, target: Loaded) -> datasets.Dataset:
+    """Rows to train on from a folder `generate_data` wrote (`draftsmith gen-data`), or any `datasets` folder
+    with prompt_ids and continuation_ids columns; a gen-data folder made for another target is refused."""
+    folder = Path(folder)
+    path = folder / DATASET_DIR if (folder / DATASET_DIR).is_dir() else folder
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except (FileNotFoundError, ValueError, OSError) as e:
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DraftsmithError(f"cannot read training data {folder}: {why}") from None
+    if isinstance(ds, datasets.DatasetDict):
+        raise DraftsmithError(f"{folder} holds several splits ({', '.join(ds)}); point at one of them")
+    settings = read_json(folder / "settings.json", missing_ok=True, what="training data settings")
+    if settings and settings.get("target") not in (None, folder_identity(target.path)):
+        raise DraftsmithError(f"{folder} was generated for another target ({settings['target']})")
+    training_rows(ds)  # the columns and at least one usable row
+    return ds
+
+
 def training_rows(data: datasets.Dataset) -> list[tuple[list[int], list[int]]]:
     """(prompt_ids, continuation_ids) of every row that has both, in the data's order."""
     missing = {"prompt_ids", "continuation_ids"} - set(data.column_names)
@@ -317,4 +336,5 @@ def collate(rows: list[tuple[list[int], list[int]]], idx: list[int], device: tor
     return ids.to(device), attn.to(device), mask.to(device)
 
 
-__all__ = ["FEATURES", "SOURCES", "collate", "data_stats", "draft_prompts", "generate_data", "training_rows"]
+__all__ = ["FEATURES", "SOURCES", "collate", "data_stats", "draft_prompts", "generate_data", "load_data_folder",
+           "training_rows"]

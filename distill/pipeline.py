@@ -25,7 +25,7 @@ from decode.loading import load
 from decode.model import draft_quant, make_runner
 from decode.prompts import Prompt, load_prompts
 from decode.textgen import eos_ids
-from distill.data import generate_data
+from distill.data import generate_data, load_data_folder
 from distill.train import TrainConfig, train
 from pairing.derive import resolve_candidate
 from pairing.reference import reference_continuations
@@ -47,6 +47,7 @@ class DistillConfig:
     eval_per_domain: int = 6  # held-out prompts per domain, never trained on
     speed_prompts: int = 0  # held-out prompts timed before/after distillation (0 = leave it to the validate stage)
     speed_k: int = 3  # K for that before/after timing
+    data_dir: str = ""  # a gen-data folder to train on instead of generating (held-out prompts: from prompts)
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def __post_init__(self) -> None:
@@ -97,15 +98,20 @@ def run_distill(target_spec: str, draft_spec: str, out: Path, cfg: DistillConfig
     draft = load(resolve_candidate(draft_spec), device=device)
     draft.name = draft_spec
     train_p, held = split_prompts(load_prompts(prompts, limit_per_domain=limit_per_domain), cfg.eval_per_domain)
-    data = generate_data(target, draft, train_p, out / "data", source=cfg.data, mix=cfg.mix,
-                         max_new_tokens=cfg.max_new_tokens, temperature=cfg.data_temperature, seed=cfg.train.seed,
-                         speculative=cfg.speculative_data, batch_size=cfg.gen_batch_size)
+    if cfg.data_dir:  # rows made before (gen-data: the target's prompts and answers at scale)
+        data = load_data_folder(Path(cfg.data_dir), target)
+        train_p = []
+    else:
+        data = generate_data(target, draft, train_p, out / "data", source=cfg.data, mix=cfg.mix,
+                             max_new_tokens=cfg.max_new_tokens, temperature=cfg.data_temperature, seed=cfg.train.seed,
+                             speculative=cfg.speculative_data, batch_size=cfg.gen_batch_size)
     refs = reference_continuations(target, held, max_new_tokens=cfg.max_new_tokens)
     summary = train(target, draft, data, refs, out, cfg.train, resume=resume)
     tuned = load(summary["paths"]["best"], device=device) if "best" in summary.get("paths", {}) else None
     result = {
         "target": target_spec, "draft": draft_spec, "config": asdict(cfg.train), "distill": asdict(cfg),
-        "data_source": cfg.data, "train_prompts": len(train_p), "held_out_prompts": len(held), "data_rows": len(data),
+        "data_source": cfg.data, "train_prompts": len(train_p) or len(data), "data_dir": cfg.data_dir or None,
+        "held_out_prompts": len(held), "data_rows": len(data),
         "alpha_before": summary["alpha_before"], "alpha_after": summary["alpha_after"],
         "alpha_gain": summary["alpha_after"] - summary["alpha_before"] if summary["alpha_before"] is not None else None,
         "skipped_steps": summary.get("skipped_steps", 0),

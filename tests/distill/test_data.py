@@ -224,3 +224,22 @@ def test_plain_and_speculative_sampled_folders_are_not_mixed(pair, tmp_path) -> 
     assert json.loads((tmp_path / "g" / data_mod.SETTINGS).read_text())["speculative"] is None  # same text
     assert generate_data(target, draft, PROMPTS, tmp_path / "g", speculative=False,
                          **{**kw, "temperature": 0.0}).to_list() == greedy.to_list()
+
+
+def test_a_data_folder_is_read_back_for_its_target_only(pair, tmp_path) -> None:
+    import datasets
+
+    from distill.data import load_data_folder, training_rows
+
+    target, draft = pair
+    ds = generate_data(target, draft, PROMPTS, tmp_path / "d", max_new_tokens=4, temperature=0.0, progress=False)
+    got = load_data_folder(tmp_path / "d", target)
+    assert got.to_list() == ds.to_list() and training_rows(got) == training_rows(ds)
+    assert load_data_folder(tmp_path / "d" / "dataset", target).to_list() == ds.to_list()  # the dataset itself
+    with pytest.raises(DraftsmithError, match="another target"):
+        load_data_folder(tmp_path / "d", draft)
+    with pytest.raises(DraftsmithError, match="cannot read training data"):
+        load_data_folder(tmp_path / "nowhere", target)
+    datasets.Dataset.from_dict({"text": ["a"]}).save_to_disk(str(tmp_path / "plain"))
+    with pytest.raises(DraftsmithError, match="lacks column"):
+        load_data_folder(tmp_path / "plain", target)

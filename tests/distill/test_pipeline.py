@@ -46,3 +46,32 @@ def test_a_diverging_short_run_skips_its_steps_says_so_and_keeps_the_earlier_bes
     best = r["train_summary"]["best_step"]
     assert f"best/ is the draft of step {best}" in on_disk["skipped_note"] and best < 3
     assert r["alpha_after"] >= r["alpha_before"]
+
+
+def test_distill_trains_on_a_data_folder_made_before(tmp_path) -> None:
+    """`data_dir`: the rows of a gen-data folder are trained on as they are (none generated); the held-out prompts
+    still come from `prompts`."""
+    import json
+
+    from distill.data import generate_data
+    from distill.pipeline import DistillConfig, run_distill
+    from distill.train import TrainConfig
+    from decode.loading import load
+    from decode.prompts import Prompt
+    from tests import helpers
+
+    words = "the a of to and in is it that for on with as was be by this are or at from code data".split()
+    tok = helpers.word_tokenizer(["[UNK]", "<s>", "</s>", *words], eos="</s>", bos="<s>")
+    target = helpers.save_tiny(tmp_path / "target", tok, 0, eos_id=2, bos_id=1, layers=2)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": " ".join(words[i:i + 3]), "domain": d}) + "\n"
+                               for i in range(2) for d in ("code", "chat")))
+    t = load(str(target))
+    rows = [Prompt(f"g{i}", "chat", " ".join(words[i + 5:i + 9])) for i in range(7)]
+    generate_data(t, t, rows, tmp_path / "gen", max_new_tokens=5, temperature=0.0, progress=False)
+    cfg = DistillConfig(draft=f"derive:{target}:keep=1", max_new_tokens=4, eval_per_domain=1,
+                        data_dir=str(tmp_path / "gen"),
+                        train=TrainConfig(steps=2, warmup_steps=0, batch_size=2, eval_every=1, save_every=1))
+    r = run_distill(str(target), cfg.draft, tmp_path / "out", cfg, prompts=str(prompts))
+    assert r["data_rows"] == 7 and r["train_prompts"] == 7 and r["held_out_prompts"] == 2
+    assert not (tmp_path / "out" / "data").exists()  # nothing generated
