@@ -117,6 +117,8 @@ class BatchOutput:
     features: list[Tensor] = field(default_factory=list)
     final: list[Tensor] = field(default_factory=list)
     next: list[Tensor] = field(default_factory=list)
+    topk_values: list[Tensor] = field(default_factory=list)  # with topk=k: (C, k) log-probs at T = 1 per new token
+    topk_indices: list[Tensor] = field(default_factory=list)  # (C, k) their token ids
 
 
 def _check_call(prompts, max_new_tokens, sampling, generators) -> list:
@@ -148,10 +150,13 @@ def decode_batch(
     generators: list[torch.Generator | None] | None = None,
     vocab_size: int | None = None,
     capture: tuple[int, ...] = (),
+    topk: int = 0,
 ) -> BatchOutput:
     """Plain decoding of several prompts at once with a Llama-family HF model through `BatchLM` (see
     `generate_batch` for the contract). With `capture` (a head's aux layers) every row's final token is fed
-    once more so that its features exist, and the output carries what a head trains on."""
+    once more so that its features exist, and the output carries what a head trains on. With `topk` it also
+    keeps, for every new token, the k largest log-probabilities (temperature 1) of the logits it was drawn
+    from: the teacher's top-k cache of distillation, with no second pass."""
     generators = _check_call(prompts, max_new_tokens, sampling, generators)
     B, P = len(prompts), max(len(p) for p in prompts)
     S = P + max_new_tokens
@@ -176,6 +181,8 @@ def decode_batch(
         out.features, out.final, out.next = [None] * B, [None] * B, [None] * B
         nxt_new: list[list[int]] = [[] for _ in range(B)]
     stop = set(eos_ids)
+    kept_v: list[list[Tensor]] = [[] for _ in range(B)]
+    kept_i: list[list[Tensor]] = [[] for _ in range(B)]
     rows = list(range(B))  # batch row j holds prompt rows[j]
     alive = [True] * B  # prompt b still samples
     fed = [False] * B  # prompt b's data is taken (captured rows leave one feed after their last token)
@@ -184,10 +191,16 @@ def decode_batch(
         if vocab_size is not None:
             logits = fit_vocab(logits, vocab_size)
         feed = []
+        if topk:
+            top = torch.log_softmax(logits.float(), dim=-1).topk(min(topk, logits.shape[-1]), dim=-1)
+            top_v, top_i = top.values.cpu(), top.indices.to(torch.int32).cpu()
         for j, b in enumerate(rows):
             if capture and not fed[b] and len(out.tokens[b]) > 0:
                 nxt_new[b].append(int(logits[j].argmax()))
             if alive[b]:
+                if topk:
+                    kept_v[b].append(top_v[j])
+                    kept_i[b].append(top_i[j])
                 tok = _pick(logits[j], sampling, generators[b])
                 out.tokens[b].append(tok)
                 alive[b] = tok not in stop and len(out.tokens[b]) < max_new_tokens
@@ -216,6 +229,9 @@ def decode_batch(
         h = lm(tokens, col, positions[:, col : col + 1], mask)
         logits = lm.logits(h[:, -1])
         col += 1
+    if topk:
+        out.topk_values = [torch.stack(v) for v in kept_v]
+        out.topk_indices = [torch.stack(i) for i in kept_i]
     return out
 
 

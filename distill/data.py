@@ -44,13 +44,14 @@ from pathlib import Path
 
 import datasets
 import torch
+from torch import Tensor
 from tqdm.auto import tqdm
 
-from decode.batch import TargetVocab, generate_batch
+from decode.batch import TargetVocab, decode_batch, generate_batch
 from decode.errors import DraftsmithError
-from decode.io import atomic_write_json, folder_identity, read_json
+from decode.io import atomic_path, atomic_write_json, folder_identity, read_json
 from decode.loading import Loaded
-from decode.model import draft_quant, make_runner
+from decode.model import draft_quant, lean_supported, make_runner
 from decode.prompts import Prompt
 from decode.rows import append_rows, read_partial, save_rows
 from decode.sampling import SamplingParams
@@ -62,6 +63,7 @@ FORMAT_VERSION = 1  # bump when rows or generation change meaning: old folders a
 SOURCES = ("target", "draft", "mixed")
 DATASET_DIR = "dataset"
 PARTIAL = "rows.partial.jsonl"
+TOPK_DIR = "topk.partial"  # the target's top-k kept while it generated, a file per batch
 STATS = "stats.json"
 SETTINGS = "settings.json"
 
@@ -159,12 +161,16 @@ def generate_data(
     progress: bool = True,
     speculative: bool = False,
     batch_size: int = 8,
+    topk: int = 0,
 ) -> datasets.Dataset:
     """Prompt + continuation rows for distillation (see the module docstring); resumes or loads `out`.
 
     `speculative=False` generates the target's rows with the target alone: the same text, and faster when the
     draft is still poor (a freshly derived draft is accepted a few percent of the time), more so batched.
-    `batch_size` prompts are decoded together where a model decodes alone (1 = one at a time)."""
+    `batch_size` prompts are decoded together where a model decodes alone (1 = one at a time). `topk` > 0
+    keeps the target's top-k log-probs of every row it decodes plainly in a batch (Llama-family targets) in
+    `<out>/topk.partial/`; `captured_topk` returns them once every row has them (the teacher cache, no
+    second pass)."""
     _check_args(source, mix, max_new_tokens, temperature, prompts)
     if batch_size < 1:
         raise DraftsmithError(f"batch_size must be >= 1, got {batch_size}")
@@ -187,7 +193,7 @@ def generate_data(
     if len(rows) < len(prompts):
         before, t0 = len(rows), time.perf_counter()
         _generate_rows(target, draft, prompts, rows, part, from_draft, max_new_tokens, temperature, seed, chat,
-                       progress, speculative, batch_size)
+                       progress, speculative, batch_size, topk)
         _record_speed(out / STATS, rows[before:], time.perf_counter() - t0, batch_size)
 
     ds = save_rows(rows, FEATURES, {"draftsmith_distill_data": settings}, final)
@@ -198,7 +204,7 @@ def generate_data(
 def _generate_rows(
     target: Loaded, draft: Loaded, prompts: list[Prompt], rows: list[dict], part: Path, from_draft: set[int],
     max_new_tokens: int, temperature: float, seed: int, chat: bool, progress: bool, speculative: bool = True,
-    batch_size: int = 1,
+    batch_size: int = 1, topk: int = 0,
 ) -> None:
     """Generate the rows after `rows`, `batch_size` prompts at a time, appending each finished batch to `part`
     (in prompt order) and to `rows`."""
@@ -231,6 +237,7 @@ def _generate_rows(
         if alone.vocab_size != V:
             alone = TargetVocab(alone, V)
 
+    keep_topk = topk > 0 and lean_supported(target.model.config)[0]
     device = next(target.model.parameters()).device
     sampling = SamplingParams(temperature=temperature)
     stop = eos_ids(target)
@@ -241,11 +248,19 @@ def _generate_rows(
             gens = {i: torch.Generator(device=device).manual_seed(prompt_seed(seed, i)) if temperature > 0 else None
                     for i in chunk}
             outs: dict[int, list[int]] = {}
+            tops: dict[int, tuple] = {}
             for on_policy in (True, False):
                 group = [i for i in chunk if (i in from_draft) == on_policy]
                 if not group:
                     continue
                 who = draft if on_policy else target
+                if batched and not on_policy and not speculative and keep_topk:
+                    got = decode_batch(who.model, [ids[i] for i in group], max_new_tokens=max_new_tokens,
+                                       sampling=sampling, eos_ids=stop, generators=[gens[i] for i in group],
+                                       vocab_size=V, topk=topk)
+                    outs.update(zip(group, got.tokens))
+                    tops.update(zip(group, zip(got.topk_values, got.topk_indices)))
+                    continue
                 if batched and (on_policy or not speculative):
                     toks = generate_batch(who.model, [ids[i] for i in group], max_new_tokens=max_new_tokens,
                                           sampling=sampling, eos_ids=stop, generators=[gens[i] for i in group],
@@ -256,6 +271,9 @@ def _generate_rows(
                     runner, proposing = (alone, None) if on_policy else (t_runner, proposer)
                     outs[i] = generate(runner, ids[i], draft=proposing, max_new_tokens=max_new_tokens,
                                        sampling=sampling, eos_ids=stop, generator=gens[i], device=device).tokens
+            if len(tops) == len(chunk):  # every row of the batch has its top-k: kept beside the rows
+                _save_topk(part.parent / TOPK_DIR, start, [tops[i] for i in chunk])
+            tops.clear()
             for i in chunk:
                 p = prompts[i]
                 row = {"index": i, "id": p.id, "domain": p.domain, "source": "draft" if i in from_draft else "target",
@@ -264,6 +282,35 @@ def _generate_rows(
             append_rows(f, rows[-len(chunk):])  # a checkpoint per batch
             bar.update(len(chunk))
     bar.close()
+
+
+def _save_topk(folder: Path, start: int, tops: list[tuple]) -> None:
+    """Rows [start, start + len(tops)): their kept top-k, one file, written atomically before the rows."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(exist_ok=True)
+    with atomic_path(folder / f"rows-{start:07d}.safetensors") as tmp:
+        save_file({"values": torch.cat([v for v, _ in tops]).contiguous(),
+                   "indices": torch.cat([i for _, i in tops]).contiguous(),
+                   "lengths": torch.tensor([len(v) for v, _ in tops]), "start": torch.tensor([start])}, str(tmp))
+
+
+def captured_topk(out: Path, n_rows: int) -> tuple[list[Tensor], list[Tensor]] | None:
+    """The target's top-k kept while generating `out` (row i: values, indices (C_i, k)), or None unless all
+    `n_rows` rows have it (some rows came from the draft, another model family, or an earlier run without it)."""
+    from safetensors.torch import load_file
+
+    values: dict[int, Tensor] = {}
+    indices: dict[int, Tensor] = {}
+    for path in sorted((Path(out) / TOPK_DIR).glob("rows-*.safetensors")):
+        t = load_file(str(path))
+        start, off = int(t["start"]), 0
+        for r, n in enumerate(t["lengths"].tolist()):
+            values[start + r], indices[start + r] = t["values"][off : off + n], t["indices"][off : off + n]
+            off += n
+    if any(i not in values for i in range(n_rows)):
+        return None
+    return [values[i] for i in range(n_rows)], [indices[i] for i in range(n_rows)]
 
 
 def _record_speed(path: Path, new_rows: list[dict], seconds: float, batch_size: int) -> None:
@@ -336,5 +383,5 @@ def collate(rows: list[tuple[list[int], list[int]]], idx: list[int], device: tor
     return ids.to(device), attn.to(device), mask.to(device)
 
 
-__all__ = ["FEATURES", "SOURCES", "collate", "data_stats", "draft_prompts", "generate_data", "load_data_folder",
+__all__ = ["FEATURES", "SOURCES", "captured_topk", "collate", "data_stats", "draft_prompts", "generate_data", "load_data_folder",
            "training_rows"]

@@ -153,17 +153,8 @@ def build_teacher_cache(
 
     Several processes: every rank calls this with its `rank`, the number of `processes` and a `wait` that
     blocks until all ranks arrive (accelerate's wait_for_everyone); each builds its own shards."""
-    if dtype not in DTYPES:
-        raise DraftsmithError(f"teacher cache dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    if k < 1:
-        raise DraftsmithError(f"teacher top-k must be >= 1, got {k}")
-    if not rows or any(not p or not c for p, c in rows):
-        raise DraftsmithError("every training row needs prompt and continuation tokens")
-    V = target.model.get_output_embeddings().weight.shape[0]
-    k = min(k, V)
-    settings = cache_settings(target, rows, k, dtype)
+    folder, settings, k, V = _place(target, rows, root, k, dtype)
     root = Path(root)
-    folder = root / cache_key(settings)
     wait = wait or (lambda: None)
     if not (folder / DONE).is_file():
         try:
@@ -196,6 +187,50 @@ def build_teacher_cache(
     return TeacherTopK(folder, V)
 
 
+def _place(target: Loaded, rows: Rows, root: Path, k: int, dtype: str) -> tuple[Path, dict, int, int]:
+    """(folder, settings, k capped at the vocabulary, V) of the cache for these arguments."""
+    if dtype not in DTYPES:
+        raise DraftsmithError(f"teacher cache dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if k < 1:
+        raise DraftsmithError(f"teacher top-k must be >= 1, got {k}")
+    if not rows or any(not p or not c for p, c in rows):
+        raise DraftsmithError("every training row needs prompt and continuation tokens")
+    V = target.model.get_output_embeddings().weight.shape[0]
+    k = min(k, V)
+    settings = cache_settings(target, rows, k, dtype)
+    return Path(root) / cache_key(settings), settings, k, V
+
+
+def write_teacher_cache(target: Loaded, rows: Rows, root: Path, values: list[Tensor], indices: list[Tensor], *,
+                        dtype: str = "float32") -> TeacherTopK:
+    """The cache from top-k log-probs kept while the target generated `rows` (row i: values and indices
+    (C_i, k), k = the cache's k), written where `build_teacher_cache` with the same arguments looks, so
+    training finds it complete. The numbers are the target's, computed in decoding's batches rather than
+    teacher-forced ones: they agree to rounding."""
+    if len(values) != len(rows) or len(indices) != len(rows):
+        raise DraftsmithError(f"top-k for {len(values)} rows, {len(rows)} rows to cache")
+    k = values[0].shape[-1]
+    folder, settings, k_capped, V = _place(target, rows, root, k, dtype)
+    for (_, c), v, j in zip(rows, values, indices):
+        if v.shape != (len(c), k) or j.shape != (len(c), k):
+            raise DraftsmithError("kept top-k does not match the rows' continuations")
+    if k != k_capped:
+        raise DraftsmithError(f"kept top-{k} exceeds the target's vocabulary ({V})")
+    if not (folder / DONE).is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(folder / "settings.json", settings)
+        for j, lo in enumerate(range(0, len(rows), ROWS_PER_SHARD)):
+            hi = min(lo + ROWS_PER_SHARD, len(rows))
+            _write_shard(folder / _shard_name(j), {
+                "values": torch.cat(values[lo:hi]).to(DTYPES[dtype]).contiguous(),
+                "indices": torch.cat(indices[lo:hi]).to(torch.int32).contiguous(),
+                "lengths": torch.tensor([len(rows[i][1]) for i in range(lo, hi)], dtype=torch.long)})
+        n_shards = -(-len(rows) // ROWS_PER_SHARD)
+        atomic_write_text(folder / DONE, json.dumps({"shards": n_shards, "rows": len(rows)}) + "\n")
+        _remove_stale(Path(root), keep=folder)
+    return TeacherTopK(folder, V)
+
+
 def _shard_name(j: int) -> str:
     return f"shard-{j:05d}.safetensors"
 
@@ -214,4 +249,4 @@ def _remove_stale(root: Path, keep: Path) -> None:
             shutil.rmtree(other, ignore_errors=True)
 
 
-__all__ = ["TeacherTopK", "build_teacher_cache", "cache_key", "cache_settings"]
+__all__ = ["TeacherTopK", "build_teacher_cache", "cache_key", "cache_settings", "write_teacher_cache"]

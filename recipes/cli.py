@@ -208,9 +208,9 @@ def cmd_gen_prompts(args: argparse.Namespace) -> int:
 def cmd_gen_data(args: argparse.Namespace) -> int:
     from decode.loading import load
     from decode.prompts import load_prompts
-    from distill.data import data_stats, generate_data, training_rows
+    from distill.data import captured_topk, data_stats, generate_data, training_rows
     from distill.pipeline import DistillConfig
-    from distill.teacher_cache import build_teacher_cache
+    from distill.teacher_cache import build_teacher_cache, write_teacher_cache
     from distill.train import TEACHER_CACHE_DIR
     from pairing.derive import resolve_candidate
 
@@ -221,17 +221,23 @@ def cmd_gen_data(args: argparse.Namespace) -> int:
     ds = generate_data(target, load(resolve_candidate(cfg.draft), device=c["device"]),
                        prompts, args.out, source=cfg.data, mix=cfg.mix, max_new_tokens=cfg.max_new_tokens,
                        temperature=cfg.data_temperature, seed=cfg.train.seed, speculative=cfg.speculative_data,
-                       batch_size=cfg.gen_batch_size)
+                       batch_size=cfg.gen_batch_size,
+                       topk=cfg.train.teacher_topk if cfg.train.teacher == "cache" else 0)
     print(f"{len(ds)} rows in {args.out}/dataset")
     stats = data_stats(args.out)
     if stats:
         print(f"generated {stats['new_tokens']} tokens in {stats['seconds']:.0f} s: {stats['tokens_per_s']:.1f} "
               f"tokens/s at batch {stats['batch_size']}")
     if cfg.train.teacher == "cache":  # the target's top-k now, where every training run on this data finds it
-        cache = build_teacher_cache(target, training_rows(ds), Path(args.out) / TEACHER_CACHE_DIR,
-                                    k=cfg.train.teacher_topk, dtype=cfg.train.teacher_cache_dtype,
-                                    batch_size=cfg.train.batch_size)
-        print(f"teacher top-{cache.k} cache in {cache.folder}")
+        rows, root = training_rows(ds), Path(args.out) / TEACHER_CACHE_DIR
+        kept = captured_topk(args.out, len(ds)) if len(rows) == len(ds) else None
+        if kept is not None:  # kept while the target generated: no second pass
+            cache = write_teacher_cache(target, rows, root, *kept, dtype=cfg.train.teacher_cache_dtype)
+        else:
+            cache = build_teacher_cache(target, rows, root, k=cfg.train.teacher_topk,
+                                        dtype=cfg.train.teacher_cache_dtype, batch_size=cfg.train.batch_size)
+        how = "kept while generating" if kept is not None else "computed"
+        print(f"teacher top-{cache.k} cache ({how}) in {cache.folder}")
     return 0
 
 

@@ -176,3 +176,30 @@ def test_default_place_is_next_to_the_data(pair, tmp_path) -> None:
                        ({"teacher_cache_dtype": "int8"}, "teacher_cache_dtype")):
         with pytest.raises(DraftsmithError, match=rf"TrainConfig\.{field}\b"):
             TrainConfig(**bad)
+
+
+def test_top_k_kept_while_generating_is_the_cache_training_finds(pair, tmp_path, shards) -> None:
+    """gen-data with topk: the target's top-k of every row it decodes in a batch is kept as it decodes; written as
+    the cache, it sits where build_teacher_cache looks (nothing left to compute) and equals the teacher-forced one."""
+    from distill.data import captured_topk, generate_data, training_rows
+    from distill.teacher_cache import write_teacher_cache
+    from tests.distill.test_data import make_prompts
+
+    target, draft = pair
+    prompts = make_prompts(7)
+    ds = generate_data(target, draft, prompts, tmp_path / "data", max_new_tokens=6, temperature=1.0, batch_size=3,
+                       topk=5, progress=False)
+    rows = training_rows(ds)
+    values, indices = captured_topk(tmp_path / "data", len(ds))
+    assert [len(v) for v in values] == [len(c) for _, c in rows] and values[0].shape[-1] == 5
+    kept = write_teacher_cache(target, rows, tmp_path / "kept", values, indices)
+    found = build_teacher_cache(target, rows, tmp_path / "kept", k=5, progress=False)
+    assert shards.n == 0 and found.folder == kept.folder  # complete: nothing computed
+    forced = build_teacher_cache(target, rows, tmp_path / "forced", k=5, progress=False)
+    assert shards.n >= 1 and forced.folder.name == kept.folder.name  # the same key
+    assert torch.equal(found.indices, forced.indices)
+    torch.testing.assert_close(found.values, forced.values, rtol=1e-5, atol=1e-5)
+    # rows some other model decoded (on-policy draft rows) have no top-k: then none is returned
+    ds2 = generate_data(target, draft, prompts, tmp_path / "mixed", source="mixed", mix=0.5, max_new_tokens=6,
+                        temperature=1.0, batch_size=3, topk=5, progress=False)
+    assert captured_topk(tmp_path / "mixed", len(ds2)) is None
