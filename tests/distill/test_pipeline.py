@@ -21,6 +21,23 @@ def test_split_needs_both_sides() -> None:
         split_prompts([Prompt("a", "x", "hi")], 1)
 
 
+WORDS = "the a of to and in is it that for on with as was be by this are or at from code data".split()
+
+
+def _tiny_target_and_prompts(tmp_path, per_domain: int):
+    """A tiny saved target over WORDS and a prompts file with `per_domain` prompts in code and chat."""
+    import json
+
+    from tests import helpers
+
+    tok = helpers.word_tokenizer(["[UNK]", "<s>", "</s>", *WORDS], eos="</s>", bos="<s>")
+    target = helpers.save_tiny(tmp_path / "target", tok, 0, eos_id=2, bos_id=1, layers=2)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": " ".join(WORDS[i:i + 3]), "domain": d}) + "\n"
+                               for i in range(per_domain) for d in ("code", "chat")))
+    return target, prompts
+
+
 def test_a_diverging_short_run_skips_its_steps_says_so_and_keeps_the_earlier_best(tmp_path) -> None:
     """lr 1e12 makes the loss non-finite after the first update: those steps are skipped (fewer than max_bad_steps),
     the run ends normally, and distill.json says how many were skipped and which draft was kept."""
@@ -28,14 +45,8 @@ def test_a_diverging_short_run_skips_its_steps_says_so_and_keeps_the_earlier_bes
 
     from distill.pipeline import DistillConfig, run_distill
     from distill.train import TrainConfig
-    from tests import helpers
 
-    words = "the a of to and in is it that for on with as was be by this are or at from code data".split()
-    tok = helpers.word_tokenizer(["[UNK]", "<s>", "</s>", *words], eos="</s>", bos="<s>")
-    target = helpers.save_tiny(tmp_path / "target", tok, 0, eos_id=2, bos_id=1, layers=2)
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": " ".join(words[i:i + 3]), "domain": d}) + "\n"
-                               for i in range(4) for d in ("code", "chat")))
+    target, prompts = _tiny_target_and_prompts(tmp_path, 4)
     cfg = DistillConfig(draft=f"derive:{target}:keep=1", max_new_tokens=4, eval_per_domain=1, gen_batch_size=4,
                         train=TrainConfig(lr=1e12, steps=3, warmup_steps=0, batch_size=2, eval_every=1, save_every=1,
                                           max_grad_norm=0.0))
@@ -51,23 +62,15 @@ def test_a_diverging_short_run_skips_its_steps_says_so_and_keeps_the_earlier_bes
 def test_distill_trains_on_a_data_folder_made_before(tmp_path) -> None:
     """`data_dir`: the rows of a gen-data folder are trained on as they are (none generated); the held-out prompts
     still come from `prompts`."""
-    import json
-
     from distill.data import generate_data
     from distill.pipeline import DistillConfig, run_distill
     from distill.train import TrainConfig
     from decode.loading import load
     from decode.prompts import Prompt
-    from tests import helpers
 
-    words = "the a of to and in is it that for on with as was be by this are or at from code data".split()
-    tok = helpers.word_tokenizer(["[UNK]", "<s>", "</s>", *words], eos="</s>", bos="<s>")
-    target = helpers.save_tiny(tmp_path / "target", tok, 0, eos_id=2, bos_id=1, layers=2)
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": " ".join(words[i:i + 3]), "domain": d}) + "\n"
-                               for i in range(2) for d in ("code", "chat")))
+    target, prompts = _tiny_target_and_prompts(tmp_path, 2)
     t = load(str(target))
-    rows = [Prompt(f"g{i}", "chat", " ".join(words[i + 5:i + 9])) for i in range(7)]
+    rows = [Prompt(f"g{i}", "chat", " ".join(WORDS[i + 5:i + 9])) for i in range(7)]
     generate_data(t, t, rows, tmp_path / "gen", max_new_tokens=5, temperature=0.0, progress=False)
     cfg = DistillConfig(draft=f"derive:{target}:keep=1", max_new_tokens=4, eval_per_domain=1,
                         data_dir=str(tmp_path / "gen"),
