@@ -77,7 +77,9 @@ def _weight_first(x: Tensor, layer: nn.Linear) -> bool:
     AVX-512 EPYCs measured here) W @ x^T streams the weight once for a few rows, where x @ W^T costs ~T times one
     row; on others (this project's Intel Xeon runners) it is the other way round, 2x slower at 2 rows."""
     setting = _layout_setting()
-    if setting != "auto" or x.device.type != "cpu" or x.shape[0] > 16:
+    # small weights (test models) are not timed: microsecond timings are noise, and a choice that differed from
+    # process to process would change rounding between a run and its resumption
+    if setting != "auto" or x.device.type != "cpu" or x.shape[0] > 16 or layer.weight.numel() < 1 << 16:
         return setting == "wx"
     key = (x.dtype, tuple(layer.weight.shape), x.shape[0], layer.bias is None)
     if key not in _CHOICE:

@@ -1,7 +1,9 @@
-"""`draft_quant`: the one rule for which drafts run with int8 weights (on the CPU, float32, lean-supported)."""
+"""`draft_quant`: the one rule for which drafts run with int8 weights (on the CPU, float32, lean-supported); the
+two Linear layouts the lean runner picks between compute the same numbers."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from decode.model import draft_quant, make_runner
@@ -16,3 +18,17 @@ def test_int8_only_for_a_float32_lean_draft_on_the_cpu() -> None:
     assert draft_quant(helpers.tiny_llama(0, 11, dtype=torch.float64)) is None  # int8 drafts need float32
     assert draft_quant(helpers.tiny_llama(0, 11, hidden_act="gelu")) is None  # not the lean runner's
     assert draft_quant(helpers.tiny_llama(0, 11).to("meta")) is None  # not on the CPU (fbgemm is a CPU kernel)
+
+
+def test_both_linear_layouts_give_the_same_numbers_and_a_bad_setting_is_refused(monkeypatch) -> None:
+    import decode.model as dm
+
+    layer = torch.nn.Linear(320, 256, bias=True).double()  # large enough (>= 2^16 weights) to be timed on auto
+    x = torch.randn(3, 320, dtype=torch.float64)
+    ref = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    for setting in ("xw", "wx", "auto"):
+        monkeypatch.setenv("DRAFTSMITH_LINEAR", setting)
+        torch.testing.assert_close(dm._linear(x, layer), ref, rtol=1e-12, atol=1e-12)
+    monkeypatch.setenv("DRAFTSMITH_LINEAR", "fast")
+    with pytest.raises(ValueError, match="DRAFTSMITH_LINEAR"):
+        dm._linear(x, layer)
