@@ -191,12 +191,14 @@ def decode_batch(
         if vocab_size is not None:
             logits = fit_vocab(logits, vocab_size)
         feed = []
+        if capture:
+            greedy_next = logits.argmax(-1).tolist()
         if topk:
             top = torch.log_softmax(logits.float(), dim=-1).topk(min(topk, logits.shape[-1]), dim=-1)
             top_v, top_i = top.values.cpu(), top.indices.to(torch.int32).cpu()
         for j, b in enumerate(rows):
             if capture and not fed[b] and len(out.tokens[b]) > 0:
-                nxt_new[b].append(int(logits[j].argmax()))
+                nxt_new[b].append(greedy_next[j])
             if alive[b]:
                 if topk:
                     kept_v[b].append(top_v[j])

@@ -51,7 +51,7 @@ def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 LAYOUTS = ("auto", "xw", "wx")
-_CHOICE: dict[tuple, bool] = {}  # (device, dtype, weight shape, rows) -> compute as W @ x^T
+_CHOICE: dict[tuple, bool] = {}  # (dtype, weight shape, rows, no bias) -> compute as W @ x^T (CPU only)
 
 
 def _layout_setting() -> str:

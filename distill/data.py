@@ -254,17 +254,15 @@ def _generate_rows(
                 if not group:
                     continue
                 who = draft if on_policy else target
-                if batched and not on_policy and not speculative and keep_topk:
-                    got = decode_batch(who.model, [ids[i] for i in group], max_new_tokens=max_new_tokens,
-                                       sampling=sampling, eos_ids=stop, generators=[gens[i] for i in group],
-                                       vocab_size=V, topk=topk)
-                    outs.update(zip(group, got.tokens))
-                    tops.update(zip(group, zip(got.topk_values, got.topk_indices)))
-                    continue
                 if batched and (on_policy or not speculative):
-                    toks = generate_batch(who.model, [ids[i] for i in group], max_new_tokens=max_new_tokens,
-                                          sampling=sampling, eos_ids=stop, generators=[gens[i] for i in group],
-                                          vocab_size=V)
+                    kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=stop,
+                              generators=[gens[i] for i in group], vocab_size=V)
+                    if not on_policy and keep_topk:  # the target's own rows: keep its top-k as it decodes
+                        got = decode_batch(who.model, [ids[i] for i in group], topk=topk, **kw)
+                        toks = got.tokens
+                        tops.update(zip(group, zip(got.topk_values, got.topk_indices)))
+                    else:
+                        toks = generate_batch(who.model, [ids[i] for i in group], **kw)
                     outs.update(zip(group, toks))
                     continue
                 for i in group:
@@ -273,7 +271,6 @@ def _generate_rows(
                                        sampling=sampling, eos_ids=stop, generator=gens[i], device=device).tokens
             if len(tops) == len(chunk):  # every row of the batch has its top-k: kept beside the rows
                 _save_topk(part.parent / TOPK_DIR, start, [tops[i] for i in chunk])
-            tops.clear()
             for i in chunk:
                 p = prompts[i]
                 row = {"index": i, "id": p.id, "domain": p.domain, "source": "draft" if i in from_draft else "target",
@@ -383,5 +380,5 @@ def collate(rows: list[tuple[list[int], list[int]]], idx: list[int], device: tor
     return ids.to(device), attn.to(device), mask.to(device)
 
 
-__all__ = ["FEATURES", "SOURCES", "captured_topk", "collate", "data_stats", "draft_prompts", "generate_data", "load_data_folder",
-           "training_rows"]
+__all__ = ["FEATURES", "SOURCES", "TOPK_DIR", "captured_topk", "collate", "data_stats", "draft_prompts",
+           "generate_data", "load_data_folder", "training_rows"]

@@ -156,13 +156,12 @@ def train_head(target: Loaded, rows: list[dict], held_out: list[dict], out: Path
         opt.load_state_dict(blob["opt"]), sched.load_state_dict(blob["sched"])
         state = read_json(ckpt / "trainer.json", what="head checkpoint")
         plan["total"] = state.get("planned_steps") or plan["total"]
-    total_steps = plan["total"]
     calibrate = min(10, max(1, cfg.warmup_steps))  # steps timed before a time budget fixes the schedule's length
     gen = torch.Generator().manual_seed(cfg.seed)
     order = torch.cat([torch.randperm(len(rows), generator=gen) for _ in range(math.ceil(cfg.epochs) + 1)])
     log_path = out / "log.jsonl"
     out.mkdir(parents=True, exist_ok=True)
-    bar = tqdm(total=total_steps, initial=state["step"], desc="head", unit="step", disable=not progress)
+    bar = tqdm(total=plan["total"], initial=state["step"], desc="head", unit="step", disable=not progress)
     t_start = time.perf_counter() - state["seconds"]
     if state["step"] == 0:
         _eval_and_keep(head, held_out, w_draft, cfg, state, out, log_path, tokens=0)

@@ -100,7 +100,6 @@ def run_distill(target_spec: str, draft_spec: str, out: Path, cfg: DistillConfig
     train_p, held = split_prompts(load_prompts(prompts, limit_per_domain=limit_per_domain), cfg.eval_per_domain)
     if cfg.data_dir:  # rows made before (gen-data: the target's prompts and answers at scale)
         data = load_data_folder(Path(cfg.data_dir), target)
-        train_p = []
     else:
         data = generate_data(target, draft, train_p, out / "data", source=cfg.data, mix=cfg.mix,
                              max_new_tokens=cfg.max_new_tokens, temperature=cfg.data_temperature, seed=cfg.train.seed,
@@ -110,7 +109,7 @@ def run_distill(target_spec: str, draft_spec: str, out: Path, cfg: DistillConfig
     tuned = load(summary["paths"]["best"], device=device) if "best" in summary.get("paths", {}) else None
     result = {
         "target": target_spec, "draft": draft_spec, "config": asdict(cfg.train), "distill": asdict(cfg),
-        "data_source": cfg.data, "train_prompts": len(train_p) or len(data), "data_dir": cfg.data_dir or None,
+        "data_source": cfg.data, "train_prompts": len(data) if cfg.data_dir else len(train_p), "data_dir": cfg.data_dir or None,
         "held_out_prompts": len(held), "data_rows": len(data),
         "alpha_before": summary["alpha_before"], "alpha_after": summary["alpha_after"],
         "alpha_gain": summary["alpha_after"] - summary["alpha_before"] if summary["alpha_before"] is not None else None,

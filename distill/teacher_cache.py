@@ -181,8 +181,7 @@ def build_teacher_cache(
         if missing:
             raise DraftsmithError(f"teacher cache {folder} lacks shard(s) {missing[:5]} after building")
         if rank == 0:
-            atomic_write_text(folder / DONE, json.dumps({"shards": n_shards, "rows": len(rows)}) + "\n")
-            _remove_stale(root, keep=folder)
+            _seal(folder, n_shards, len(rows))
         wait()
     return TeacherTopK(folder, V)
 
@@ -225,9 +224,7 @@ def write_teacher_cache(target: Loaded, rows: Rows, root: Path, values: list[Ten
                 "values": torch.cat(values[lo:hi]).to(DTYPES[dtype]).contiguous(),
                 "indices": torch.cat(indices[lo:hi]).to(torch.int32).contiguous(),
                 "lengths": torch.tensor([len(rows[i][1]) for i in range(lo, hi)], dtype=torch.long)})
-        n_shards = -(-len(rows) // ROWS_PER_SHARD)
-        atomic_write_text(folder / DONE, json.dumps({"shards": n_shards, "rows": len(rows)}) + "\n")
-        _remove_stale(Path(root), keep=folder)
+        _seal(folder, -(-len(rows) // ROWS_PER_SHARD), len(rows))
     return TeacherTopK(folder, V)
 
 
@@ -240,6 +237,12 @@ def _write_shard(path: Path, tensors: dict[str, Tensor]) -> None:
 
     with atomic_path(path) as tmp:
         save_file(tensors, str(tmp))
+
+
+def _seal(folder: Path, n_shards: int, n_rows: int) -> None:
+    """Mark the cache in `folder` complete; complete caches beside it (other keys) go."""
+    atomic_write_text(folder / DONE, json.dumps({"shards": n_shards, "rows": n_rows}) + "\n")
+    _remove_stale(folder.parent, keep=folder)
 
 
 def _remove_stale(root: Path, keep: Path) -> None:

@@ -496,7 +496,8 @@ def _step(cfg: TrainConfig, rows, order: DataOrder, model, teacher, cache: Teach
                 t_logits = cache.logits(mb, mask)
             else:
                 with torch.no_grad():  # as log-probs at T = 1, as the cache stores them: both paths round alike
-                    t_logits = torch.log_softmax(teacher(input_ids=ids, attention_mask=attn, use_cache=False).logits.float(), -1)
+                    t_logits = teacher(input_ids=ids, attention_mask=attn, use_cache=False).logits
+                    t_logits = torch.log_softmax(t_logits.float(), dim=-1)
             with accelerator.autocast():
                 s_logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
             s_logits, t_logits = align_vocab(s_logits, t_logits)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -208,7 +209,7 @@ def cmd_gen_prompts(args: argparse.Namespace) -> int:
 def cmd_gen_data(args: argparse.Namespace) -> int:
     from decode.loading import load
     from decode.prompts import load_prompts
-    from distill.data import captured_topk, data_stats, generate_data, training_rows
+    from distill.data import TOPK_DIR, captured_topk, data_stats, generate_data, training_rows
     from distill.pipeline import DistillConfig
     from distill.teacher_cache import build_teacher_cache, write_teacher_cache
     from distill.train import TEACHER_CACHE_DIR
@@ -233,6 +234,7 @@ def cmd_gen_data(args: argparse.Namespace) -> int:
         kept = captured_topk(args.out, len(ds)) if len(rows) == len(ds) else None
         if kept is not None:  # kept while the target generated: no second pass
             cache = write_teacher_cache(target, rows, root, *kept, dtype=cfg.train.teacher_cache_dtype)
+            shutil.rmtree(Path(args.out) / TOPK_DIR, ignore_errors=True)  # now in the cache: not kept twice
         else:
             cache = build_teacher_cache(target, rows, root, k=cfg.train.teacher_topk,
                                         dtype=cfg.train.teacher_cache_dtype, batch_size=cfg.train.batch_size)
