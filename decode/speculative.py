@@ -118,6 +118,22 @@ class Stats:
 
 
 @dataclass
+class RoundClock:
+    """Where a decode's time goes, round by round: hand one to `generate(..., clock=...)` (opt-in; on CUDA every
+    mark synchronises the device, which costs a little). `pairing.cost.calibrate_decoder` reads it.
+
+    rounds: (draft steps, draft seconds, verify seconds, round seconds) per round; the verify forward is the
+    target's over the drafted tokens + 1; the rest of a round (sampling and checking the target's rows, the
+    caches' bookkeeping, a head reading the target's features) is round - draft - verify."""
+
+    prefill_s: list[float] = field(default_factory=list)  # one per generate call
+    rounds: list[tuple[int, float, float, float]] = field(default_factory=list)
+
+    def merge(self, other: "RoundClock") -> "RoundClock":
+        return RoundClock(self.prefill_s + other.prefill_s, self.rounds + other.rounds)
+
+
+@dataclass
 class Result:
     tokens: list[int]  # the new tokens only
     stats: Stats
@@ -139,13 +155,16 @@ def generate(
     eos_ids: tuple[int, ...] | list[int] = (),
     generator: torch.Generator | None = None,
     device: torch.device | str = "cpu",
+    clock: RoundClock | None = None,
 ) -> Result:
-    """Decode up to `max_new_tokens` after `prompt_ids`; speculative when `draft` is given."""
+    """Decode up to `max_new_tokens` after `prompt_ids`; speculative when `draft` is given. `clock` (a
+    `RoundClock`) records what each round's parts cost."""
     if not prompt_ids:
         raise ValueError("the prompt must hold at least one token")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     device = torch.device(device)
+    sync = torch.cuda.synchronize if clock is not None and device.type == "cuda" else (lambda: None)
     need = len(prompt_ids) + max_new_tokens  # the last position ever fed is below this
     for name, m in (("target", target), ("draft", draft)):
         if m is not None and m.max_seq_len < need:
@@ -168,11 +187,15 @@ def generate(
         elif draft is not None:
             draft.forward(_ids(seq[:-1], device), 0, keep=1)
     d_len = len(seq) - 1
+    sync()
     stats.prefill_seconds = time.perf_counter() - t0
+    if clock is not None:
+        clock.prefill_s.append(stats.prefill_seconds)
 
     k = policy.k if draft is not None else 0
     n_new = 0
     while n_new < max_new_tokens:
+        t_round = time.perf_counter()
         K = min(k, max_new_tokens - n_new - 1)  # never draft past the budget
         if head is not None and len(seq) < 2:
             K = 0  # a head needs the target's features of one token
@@ -197,9 +220,15 @@ def generate(
                 if policy.confidence is not None and top < policy.confidence:
                     break
         # -- verify phase: one target forward over [current token, drafts] --
+        if clock is not None:
+            sync()
+            t_draft = time.perf_counter()
         pos = len(seq) - 1
         fed = _ids([seq[-1], *drafts], device)
         p_logits = target.forward(fed, pos)  # (len(drafts)+1, V)
+        if clock is not None:
+            sync()
+            t_verify = time.perf_counter()
         d_tokens = _ids(drafts, p_logits.device)
         if sampling.greedy:
             n_acc, nxt = verify_greedy(p_logits, d_tokens)
@@ -223,6 +252,10 @@ def generate(
         d_len = min(d_len, len(seq) - 1)  # draft cache: roll back to the accepted prefix
         if drafts:
             k = policy.next_k(k, n_acc, len(drafts))
+        if clock is not None:
+            sync()
+            end = time.perf_counter()
+            clock.rounds.append((len(drafts), t_draft - t_round, t_verify - t_draft, end - t_round))
         if stop:
             break
 

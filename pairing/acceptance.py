@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import datasets
@@ -36,6 +36,7 @@ from decode.loading import Loaded
 from decode.sampling import SamplingParams, fit_vocab, greedy_token, to_probs
 from decode.textgen import eos_ids, prompt_ids
 from pairing.cost import expected_tau
+from pairing.depth import depth_rates_censored, round_matrix, tokens_per_round
 
 K_RANGE = range(1, 17)
 TOKEN_LEVEL = "teacher-forced"
@@ -70,14 +71,32 @@ class Acceptance:
     positions: int
     positions_by_domain: dict[str, int]
     by_position: list[float]  # mean beta at continuation index t = 0, 1, ...
-    expected_tau: dict[int, float]  # K -> E[tau], K = 1..16
+    expected_tau: dict[int, float]  # K -> E[tau] from alpha, i.i.d. positions (the textbook formula), K = 1..16
     method: str  # TOKEN_LEVEL or THROUGH_TEXT
+    rows: list[list[float]] = field(default_factory=list)  # beta per continuation token, one list per reference row
+    row_domains: list[str] = field(default_factory=list)
+    budget: int | None = None  # the references' max_new_tokens (a shorter row ended at EOS)
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["expected_tau"] = {str(k): v for k, v in self.expected_tau.items()}
         d["tau_definition"] = TAU_DEFINITION
         return d
+
+    def accept_rows(self, domain: str | None = None) -> list[Tensor]:
+        """Each row's round matrix (`pairing.depth.round_matrix`, depths 1..16), of one domain or all."""
+        return [round_matrix(r, max(K_RANGE)) for r, d in zip(self.rows, self.row_domains)
+                if r and (domain is None or d == domain)]
+
+    def tokens_per_round(self, K: int, domain: str | None = None) -> float:
+        """Tokens per target forward the decoder makes at K on these rows, rounds walked as it walks them
+        (`pairing.depth.tokens_per_round`): acceptance as it happens, not alpha^j."""
+        rows = self.accept_rows(domain)
+        return tokens_per_round(rows, K, budgets=[self.budget] * len(rows) if self.budget else None)
+
+    def depth_rates(self, K_max: int = max(K_RANGE)) -> list[float]:
+        """a_j = P(depth j accepted | depths < j were), every start counted (`depth_rates_censored`)."""
+        return depth_rates_censored([r for r in self.rows if r], K_max)
 
 
 class _Tally:
@@ -88,6 +107,14 @@ class _Tally:
         self.n: dict[str, int] = defaultdict(int)
         self.pos_sum: list[float] = []
         self.pos_n: list[int] = []
+        self.rows: dict[int, list[float]] = {}  # reference row index -> its betas in order
+        self.row_domain: dict[int, str] = {}
+
+    def add_row(self, index: int, domain: str, betas: list[float]) -> None:
+        self.rows[index] = list(betas)
+        self.row_domain[index] = domain
+        for t, b in enumerate(betas):
+            self.add(domain, t, b)
 
     def add(self, domain: str, t: int, b: float) -> None:
         self.sum[domain] += b
@@ -98,7 +125,7 @@ class _Tally:
         self.pos_sum[t] += b
         self.pos_n[t] += 1
 
-    def result(self, draft: str, method: str) -> Acceptance:
+    def result(self, draft: str, method: str, budget: int | None = None) -> Acceptance:
         n = sum(self.n.values())
         alpha = sum(self.sum.values()) / n
         domains = sorted(self.n)
@@ -109,6 +136,9 @@ class _Tally:
             by_position=[s / c if c else float("nan") for s, c in zip(self.pos_sum, self.pos_n)],
             expected_tau={K: expected_tau(min(max(alpha, 0.0), 1.0), K) for K in K_RANGE},
             method=method,
+            rows=[self.rows[i] for i in sorted(self.rows)],
+            row_domains=[self.row_domain[i] for i in sorted(self.rows)],
+            budget=budget,
         )
 
 
@@ -206,6 +236,14 @@ def _chat_setting(refs: datasets.Dataset) -> bool | None:
         return None
 
 
+def _budget(refs: datasets.Dataset) -> int | None:
+    """The max_new_tokens the references were generated with, when recorded."""
+    try:
+        return int(json.loads(refs.info.description)["draftsmith_reference"]["max_new_tokens"])
+    except (TypeError, ValueError, KeyError, AttributeError):
+        return None
+
+
 def _row_chat(target: Loaded, row: dict) -> bool:
     """Whether a row's prompt went through the chat template (for references from elsewhere)."""
     return prompt_ids(target.tokenizer, row["prompt"], chat=True) == list(row["prompt_ids"])
@@ -230,7 +268,7 @@ def measure_acceptance(
     missing = {"domain", "prompt", "prompt_ids", "continuation_ids"} - set(refs.column_names)
     if missing:
         raise DraftsmithError(f"reference dataset lacks column(s) {', '.join(sorted(missing))}")
-    rows = [r for r in refs if len(r["continuation_ids"]) and len(r["prompt_ids"])]
+    rows = [dict(r, _index=i) for i, r in enumerate(refs) if len(r["continuation_ids"]) and len(r["prompt_ids"])]
     if not rows:
         raise DraftsmithError("the reference dataset has no continuation tokens to measure acceptance on")
     if not drafts:
@@ -248,16 +286,16 @@ def measure_acceptance(
     for batch in tqdm(batches, desc="acceptance", unit="batch", disable=not progress):
         seqs = [list(r["prompt_ids"]) + list(r["continuation_ids"]) for r in batch]
         first = min(len(r["prompt_ids"]) for r in batch) - 1
-        domains = [r["domain"] for r in batch for _ in r["continuation_ids"]]
-        t_index = [t for r in batch for t in range(len(r["continuation_ids"]))]
+        lengths = [len(r["continuation_ids"]) for r in batch]
         p = None
         if not all(through_text):
             p = to_probs(_continuation_rows(batch, _forward(target.model, seqs, first), first), params)
         for k, draft in enumerate(drafts):
             if not through_text[k]:
                 q_logits = _continuation_rows(batch, _forward(draft.model, seqs, first), first)
-                for d, t, b in zip(domains, t_index, _beta_given_p(p, q_logits, params).tolist()):
-                    tallies[k].add(d, t, b)
+                betas = _beta_given_p(p, q_logits, params).split(lengths)
+                for r, b in zip(batch, betas):
+                    tallies[k].add_row(r["_index"], r["domain"], b.tolist())
                 continue
             text_rows = [_TextRow(r, target, draft, _row_chat(target, r) if chat is None else chat) for r in batch]
             d_first = min(len(x.prompt) for x in text_rows) - 1
@@ -265,11 +303,12 @@ def measure_acceptance(
             greedy = greedy_token(logits[..., : len(draft.tokenizer)]).tolist()  # (B, W); no padding rows
             for r, x, g in zip(batch, text_rows, greedy):
                 start = len(x.prompt) - 1 - d_first
-                for t, b in enumerate(x.judge(target, draft, g[start : start + len(x.dc) + 1], t_eos, d_eos[k])):
-                    tallies[k].add(r["domain"], t, b)
+                tallies[k].add_row(r["_index"], r["domain"],
+                                   x.judge(target, draft, g[start : start + len(x.dc) + 1], t_eos, d_eos[k]))
 
+    budget = _budget(refs)
     return [
-        tally.result(d.name, THROUGH_TEXT if text else TOKEN_LEVEL)
+        tally.result(d.name, THROUGH_TEXT if text else TOKEN_LEVEL, budget)
         for d, tally, text in zip(drafts, tallies, through_text)
     ]
 

@@ -35,6 +35,7 @@ import torch
 from tqdm import tqdm
 
 from decode.model import Runner
+from decode.speculative import KPolicy, RoundClock, generate
 
 K_RANGE = range(1, 17)
 COST_CONTEXT = 64  # tokens of context when timing c and v(K): pair and validate time at the same point
@@ -194,4 +195,115 @@ def measure_cost(
     return CostModel(
         target_step_s=med["target"], draft_step_s=med["draft"], verify_s={K: med[K] for K in ks},
         context=context, repeats=repeats,
+    )
+
+
+# -- cost as it happens: what rounds cost inside the decoder --
+
+
+@dataclass
+class DecoderCost:
+    """Seconds of each part of a round inside `decode.speculative.generate`, from a short calibration decode
+    (`calibrate_decoder`), plus the verify forward at every K.
+
+    Target alone: `target_prefill_s` per prompt, then `target_token_s` a token (a one-token forward, its
+    sampling and bookkeeping). With the draft: `spec_prefill_s` per prompt (both caches), then rounds of
+    K draft steps (`draft_step_s` each, at the contexts decoding reaches, a first step that may feed two
+    tokens and the draft's sampling included), one verify forward (`verify_s[K]`) and `other_s` outside the
+    forwards. `verify_s` is measured in the decoder at `calibration_k` and carried to other K by the shape of
+    the isolated curve v(K) (`measure_cost` at the decoder's mean context): verify_s[K] = v_iso(K) *
+    (verify in the decoder at calibration_k / v_iso(calibration_k))."""
+
+    target_token_s: float
+    target_prefill_s: float
+    spec_prefill_s: float
+    draft_step_s: float
+    other_s: float
+    verify_s: dict[int, float]
+    calibration_k: int
+    calibration_seconds: float  # wall time of the calibration decodes (what this estimate cost)
+    calibration_tokens: int
+
+    def round_s(self, K: int) -> float:
+        """Seconds of one round at K drafts: K draft steps + the verify forward + the rest."""
+        if K not in self.verify_s:
+            raise ValueError(f"no verify time for K={K} (have {sorted(self.verify_s)})")
+        return K * self.draft_step_s + self.verify_s[K] + self.other_s
+
+    def speedup(self, tau: float, K: int, tokens: float) -> float:
+        """Predicted tokens/s with the draft over tokens/s alone, for prompts of `tokens` new tokens each:
+        (prefill alone + tokens * token time) / (prefill with draft + tokens / tau * round time)."""
+        return decoder_speedup(tau, K, tokens, target_token_s=self.target_token_s,
+                               target_prefill_s=self.target_prefill_s, spec_prefill_s=self.spec_prefill_s,
+                               round_s=self.round_s(K))
+
+    def to_dict(self) -> dict:
+        return {
+            "target_token_s": self.target_token_s, "target_prefill_s": self.target_prefill_s,
+            "spec_prefill_s": self.spec_prefill_s, "draft_step_s": self.draft_step_s, "other_s": self.other_s,
+            "verify_s": {str(K): t for K, t in sorted(self.verify_s.items())},
+            "round_s": {str(K): self.round_s(K) for K in sorted(self.verify_s)},
+            "calibration_k": self.calibration_k, "calibration_seconds": self.calibration_seconds,
+            "calibration_tokens": self.calibration_tokens,
+        }
+
+
+def decoder_speedup(tau: float, K: int, tokens: float, *, target_token_s: float, target_prefill_s: float,
+                    spec_prefill_s: float, round_s: float) -> float:
+    """(target_prefill_s + tokens * target_token_s) / (spec_prefill_s + tokens / tau * round_s): a prompt's
+    decode alone over the same with the draft, `tau` tokens per round (1 <= tau <= K+1)."""
+    if not 1.0 <= tau <= K + 1 + 1e-9:
+        raise ValueError(f"tokens per round must lie in [1, K+1] = [1, {K + 1}], got {tau}")
+    if tokens <= 0 or target_token_s <= 0 or round_s <= 0 or target_prefill_s < 0 or spec_prefill_s < 0:
+        raise ValueError("need tokens, target_token_s, round_s > 0 and prefill times >= 0")
+    return (target_prefill_s + tokens * target_token_s) / (spec_prefill_s + tokens / tau * round_s)
+
+
+@torch.inference_mode()
+def calibrate_decoder(
+    target_runner: Runner,
+    draft_runner: Runner,
+    prompts: list[list[int]],
+    *,
+    k: int,
+    isolated: CostModel,
+    max_new_tokens: int = 32,
+    eos_ids: Iterable[int] = (),
+    device: torch.device | str = "cpu",
+    progress: bool = False,
+) -> DecoderCost:
+    """Decode `prompts` with the target alone and with the draft at K = k (greedy, interleaved prompt by
+    prompt, after a warm-up) with a `RoundClock`, and read what each part of a round costs; `isolated` (from
+    `measure_cost`) gives the shape of v(K) to carry the verify time to other K. See `DecoderCost`."""
+    if not prompts:
+        raise ValueError("calibration needs at least one prompt")
+    if k not in isolated.verify_s:
+        raise ValueError(f"the isolated cost has no v(K) at the calibration K={k}")
+    eos = list(eos_ids)
+    policy = KPolicy(k=k, k_max=max(k, 16))
+    t0 = time.perf_counter()
+    generate(target_runner, prompts[0][:16], draft=draft_runner, max_new_tokens=4, policy=policy, device=device)
+    alone, spec = RoundClock(), RoundClock()
+    tokens = 0
+    for ids in tqdm(prompts, desc="calibrate", unit="prompt", disable=not progress):
+        generate(target_runner, list(ids), max_new_tokens=max_new_tokens, eos_ids=eos, device=device, clock=alone)
+        res = generate(target_runner, list(ids), draft=draft_runner, max_new_tokens=max_new_tokens, eos_ids=eos,
+                       policy=policy, device=device, clock=spec)
+        tokens += res.stats.new_tokens
+    seconds = time.perf_counter() - t0
+    steps = sum(r[0] for r in spec.rounds)
+    full = [r for r in spec.rounds if r[0] == k] or [r for r in spec.rounds if r[0]]
+    if not steps or not full:
+        raise ValueError("the calibration decode drafted nothing: give longer prompts or more new tokens")
+    verify_k = statistics.fmean(r[2] for r in full)
+    k_cal = round(statistics.fmean(r[0] for r in full))
+    scale = verify_k / isolated.verify_s[k_cal]
+    return DecoderCost(
+        target_token_s=statistics.fmean(r[3] for r in alone.rounds),
+        target_prefill_s=statistics.fmean(alone.prefill_s),
+        spec_prefill_s=statistics.fmean(spec.prefill_s),
+        draft_step_s=sum(r[1] for r in spec.rounds) / steps,
+        other_s=statistics.fmean(r[3] - r[1] - r[2] for r in spec.rounds),
+        verify_s={K: t * scale for K, t in isolated.verify_s.items()},
+        calibration_k=k_cal, calibration_seconds=seconds, calibration_tokens=tokens,
     )

@@ -138,6 +138,71 @@ def depth_rates_censored(beta_rows: BetaRows, K_max: int) -> list[float]:
     return [num[j] / den[j] if den[j] > 0 else 0.0 for j in range(1, depth + 1)]
 
 
+# -- the decoder's own rounds on a row ("acceptance as it happens") --
+
+
+def round_matrix(beta: Tensor | Sequence[float], depth: int) -> Tensor:
+    """(T, depth) float64: entry [s, j-1] = beta_{s+j-1}, the acceptance of depth j in a round whose first draft
+    is position s, for a standalone draft (it reads the accepted text, so depth j at s is position s+j-1).
+    Cells past the row are 0 (they are never reached: see `expected_rounds`)."""
+    _check_k(depth, "depth")
+    b = _rows([beta])[0]
+    T = b.numel()
+    m = torch.zeros(T, depth, dtype=torch.float64)
+    for j in range(depth):
+        m[: max(T - j, 0), j] = b[j:]
+    return m
+
+
+def expected_rounds(accept: Tensor, K: int, *, budget: int | None = None) -> float:
+    """E[number of target forwards] the decoder needs to emit a row of T = len(accept) tokens at K drafts a round.
+
+    `accept[s, j-1]` (float64 in [0, 1]) is P(depth j accepted | depths < j accepted) in a round whose first
+    draft is position s (`round_matrix` for a standalone draft; a head's own depths for a head). The walk is
+    `decode.speculative.generate`'s: a round from s drafts K_s = min(K, budget - s - 1, T - s) tokens (never
+    past the budget; `budget` = max_new_tokens, default T, so a row shorter than its budget ended at EOS and a
+    round that accepts the EOS stops there), accepts a prefix of n with P(n) = prod_{i<=n} a_i (1 - a_{n+1})
+    (n < K_s) or prod_{i<=K_s} a_i (n = K_s), and emits n + 1 tokens. Every position is judged at most once
+    (a rejected position gets the target's token), so R(s) = 1 + sum_n P(n | s) R(s + n + 1), R(s >= T) = 0,
+    is exact when acceptances are independent given their cells, and exact outright at temperature 0 (0/1).
+    """
+    _check_k(K)
+    if accept.dim() != 2:
+        raise ValueError(f"accept must be (positions, depths), got shape {tuple(accept.shape)}")
+    a = accept.detach().to("cpu", torch.float64)
+    if not bool(((a >= 0) & (a <= 1)).all()):
+        raise ValueError("accept has values outside [0, 1]")
+    T = a.shape[0]
+    budget = T if budget is None else budget
+    if budget < T:
+        raise ValueError(f"budget ({budget}) must be >= the row's length ({T})")
+    R = [0.0] * (T + K + 2)
+    for s in range(T - 1, -1, -1):
+        k = max(0, min(K, budget - s - 1, T - s))
+        if k > a.shape[1]:
+            raise ValueError(f"K={K} needs {k} depths of acceptance, accept has {a.shape[1]}")
+        total, surv = 1.0, 1.0
+        for n in range(k):
+            p_n = surv * (1.0 - float(a[s, n]))
+            total += p_n * R[s + n + 1]
+            surv *= float(a[s, n])
+        R[s] = total + surv * R[s + k + 1]
+    return R[0]
+
+
+def tokens_per_round(rows: Sequence[Tensor], K: int, *, budgets: Sequence[int | None] | None = None) -> float:
+    """Tokens per target forward over rows decoded one after another: sum T / sum E[rounds] (the decoder's
+    `new_tokens / target_forwards`). `rows`: one `accept` matrix per row; `budgets`: each row's max_new_tokens."""
+    budgets = [None] * len(rows) if budgets is None else list(budgets)
+    if len(budgets) != len(rows):
+        raise ValueError(f"{len(rows)} rows but {len(budgets)} budgets")
+    tokens = sum(int(r.shape[0]) for r in rows)
+    rounds = sum(expected_rounds(r, K, budget=b) for r, b in zip(rows, budgets) if r.shape[0])
+    if rounds == 0:
+        raise ValueError("no tokens: every row is empty")
+    return tokens / rounds
+
+
 # -- from a_j to E[tau] and the predicted speedup (mirrors pairing.cost) --
 
 
@@ -184,7 +249,7 @@ def best_k_from_depth(a: Sequence[float], c: float, v: dict[int, float]) -> tupl
 
 
 __all__ = [
-    "BetaRows", "best_k_from_depth", "depth_rates", "depth_rates_censored", "depth_survival",
+    "BetaRows", "best_k_from_depth", "expected_rounds", "round_matrix", "tokens_per_round", "depth_rates", "depth_rates_censored", "depth_survival",
     "expected_tau_from_depth_rates", "expected_tau_from_runs", "predicted_speedup_from_depth",
     "speedup_curve_from_depth",
 ]

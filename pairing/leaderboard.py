@@ -32,7 +32,8 @@ from decode.sampling import SamplingParams
 from decode.textgen import eos_ids, machine_info, versions
 from pairing.acceptance import measure_acceptance
 from pairing.compat import check_pair
-from pairing.cost import COST_CONTEXT, CostModel, best_k, measure_cost, speedup_curve
+from pairing.cost import COST_CONTEXT, CostModel, DecoderCost, calibrate_decoder, measure_cost, speedup_curve, \
+    speedup_from_tau
 from pairing.derive import parse_derive_spec, resolve_candidate
 from pairing.reference import reference_continuations
 
@@ -52,6 +53,9 @@ class PairConfig:
     draft_quant: str | None = "int8"  # int8 | null: draft weights on CPU (exactness is unaffected)
     batch_size: int = 4  # reference continuations scored together
     seed: int = 0  # sampling seed of the reference continuations (temperature > 0)
+    calibrate_prompts: int = 2  # prompts of the short calibration decode that times rounds in the decoder (0 = off)
+    calibrate_tokens: int = 32  # new tokens per calibration prompt
+    validate_ks: list[int] = field(default_factory=list)  # also validate at these K (the measured best K among them)
 
     def __post_init__(self) -> None:
         if not self.candidates:
@@ -65,6 +69,11 @@ class PairConfig:
             raise ValueError(f"validate must be >= 0, got {self.validate}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.calibrate_prompts < 0 or self.calibrate_tokens < 2:
+            raise ValueError("calibrate_prompts must be >= 0 and calibrate_tokens >= 2, "
+                             f"got {self.calibrate_prompts}, {self.calibrate_tokens}")
+        if any(not 1 <= K <= MAX_K for K in self.validate_ks):
+            raise ValueError(f"validate_ks must lie in 1..{MAX_K}, got {self.validate_ks}")
         if self.draft_quant not in (None, "int8"):
             raise ValueError(f"draft_quant must be int8 or null, got {self.draft_quant!r}")
 
@@ -106,14 +115,38 @@ def _validate(target: Loaded, t_run, cand: Candidate, prompts: list[Prompt], ref
 
 
 def _breakdown(row: dict, val: dict) -> dict:
-    """Where predicted and measured speedup part ways: tokens per round (acceptance) or time per round (cost)."""
-    K, t = val["k"], row["timings"]
-    modeled_round = K * t["draft_step_s"] + t["verify_s"][str(K)]
+    """Where predicted and measured speedup part ways: tokens per round (acceptance) or time per round (cost).
+
+    Modeled round and token times are the decoder's own (calibration) when the row has them, else K isolated
+    draft steps + one isolated verify."""
+    K, t, dc = val["k"], row["timings"], row.get("decoder_cost")
+    if dc:
+        modeled_round, modeled_step = dc["round_s"][str(K)], dc["target_token_s"]
+    else:
+        modeled_round, modeled_step = K * t["draft_step_s"] + t["verify_s"][str(K)], t["target_step_s"]
     return {
-        "expected_tau": row["expected_tau"][str(K)], "measured_tau": val["spec_tokens_per_round"],
+        "expected_tau": row["tokens_per_round"][str(K)], "expected_tau_iid": row["expected_tau"][str(K)],
+        "measured_tau": val["spec_tokens_per_round"],
+        "tau_error": val["spec_tokens_per_round"] / row["tokens_per_round"][str(K)] - 1,
         "modeled_round_s": modeled_round, "measured_round_s": val["measured_round_s"],
-        "modeled_target_step_s": t["target_step_s"], "measured_target_step_s": val["measured_target_step_s"],
+        "round_error": val["measured_round_s"] / modeled_round - 1,
+        "modeled_target_step_s": modeled_step, "measured_target_step_s": val["measured_target_step_s"],
+        "predicted_speedup_at_k": row["predicted_speedup_by_k"][str(K)],
     }
+
+
+def _predict(acc, cost: CostModel, dcost: DecoderCost | None, tokens: float, domain: str | None = None) -> dict[int, float]:
+    """K -> predicted speedup: tokens per round walked on the rows (`Acceptance.tokens_per_round`) over the
+    decoder's round cost when calibrated, else over the isolated c and v(K)."""
+    out = {}
+    for K in range(1, MAX_K + 1):
+        tau = acc.tokens_per_round(K, domain)
+        out[K] = dcost.speedup(tau, K, tokens) if dcost else speedup_from_tau(tau, K, cost.c, cost.v[K])
+    return out
+
+
+def _argmax(curve: dict[int, float]) -> int:
+    return max(curve, key=lambda k: (curve[k], -k))
 
 
 def run_pair(target_spec: str, out: Path, cfg: PairConfig, *, prompts: str = "code,chat",
@@ -148,21 +181,37 @@ def run_pair(target_spec: str, out: Path, cfg: PairConfig, *, prompts: str = "co
                               batch_size=cfg.batch_size, progress=progress)
 
     max_len = max(len(r) for r in refs["prompt_ids"]) + cfg.max_new_tokens + MAX_K + 2
-    t_runner = make_runner(target.model, max(max_len, COST_CONTEXT + MAX_K + 2))
+    # time c and v(K) at the decoder's mean context: mean prompt + half the new tokens
+    context = round(sum(len(r) for r in refs["prompt_ids"]) / len(refs) + cfg.max_new_tokens / 2)
+    t_runner = make_runner(target.model, max(max_len, context + MAX_K + 2))
+    mean_tokens = {None: sum(len(r) for r in refs["continuation_ids"]) / len(refs)}
+    for d in {r for r in refs["domain"]}:
+        lens = [len(c) for c, dd in zip(refs["continuation_ids"], refs["domain"]) if dd == d]
+        mean_tokens[d] = sum(lens) / len(lens)
+    calib_prompts = _calibration_prompts(refs, cfg.calibrate_prompts)
     v_ratios: dict[int, float] | None = None
     for cand, acc in zip(cands, accs):
         d_runner = make_runner(cand.loaded.model, t_runner.max_seq_len,
                                quantize=draft_quant(cand.loaded.model, cfg.draft_quant))
         if v_ratios is None:  # v(K) is the target's alone: measure the whole curve once
-            cost = measure_cost(t_runner, d_runner, ks=range(1, MAX_K + 1), repeats=3, warmup=1,
+            cost = measure_cost(t_runner, d_runner, ks=range(1, MAX_K + 1), repeats=3, warmup=1, context=context,
                                 device=device)
             v_ratios = cost.v
         else:  # c side by side with the target step; v(K) reused as ratios to that step
-            quick = measure_cost(t_runner, d_runner, ks=[1], repeats=5, warmup=1, device=device)
+            quick = measure_cost(t_runner, d_runner, ks=[1], repeats=5, warmup=1, context=context, device=device)
             cost = CostModel(quick.target_step_s, quick.draft_step_s,
                              {K: v * quick.target_step_s for K, v in v_ratios.items()}, quick.context, quick.repeats)
+        tau_iid_curve = speedup_curve(acc.alpha, cost.c, cost.v)
+        dcost = None
+        if cand.compat.compatible and calib_prompts:  # the decoder can run it: time its rounds there
+            k0 = _argmax(_predict(acc, cost, None, mean_tokens[None]))
+            dcost = calibrate_decoder(t_runner, d_runner, calib_prompts, k=k0, isolated=cost,
+                                      max_new_tokens=min(cfg.calibrate_tokens, cfg.max_new_tokens), eos_ids=eos_ids(target), device=device,
+                                      progress=progress)
         del d_runner
-        k, pred = best_k(acc.alpha, cost.c, cost.v)
+        curve = _predict(acc, cost, dcost, mean_tokens[None])
+        k = _argmax(curve)
+        by_domain = {d: _predict(acc, cost, dcost, mean_tokens[d], d) for d in acc.alpha_by_domain}
         cand.row = {
             "draft": cand.spec,
             "params": _params_million(cand.loaded.model),
@@ -178,15 +227,23 @@ def run_pair(target_spec: str, out: Path, cfg: PairConfig, *, prompts: str = "co
             "positions_by_domain": acc.positions_by_domain,
             "acceptance_method": acc.method,
             "alpha_by_position": acc.by_position,
+            "depth_rates": acc.depth_rates(MAX_K),
             "expected_tau": {str(K): t for K, t in acc.expected_tau.items()},
+            "tokens_per_round": {str(K): acc.tokens_per_round(K) for K in range(1, MAX_K + 1)},
+            "tokens_per_round_by_domain": {d: {str(K): acc.tokens_per_round(K, d) for K in range(1, MAX_K + 1)}
+                                           for d in acc.alpha_by_domain},
             "cost_ratio": cost.c,
             "verify_cost": {str(K): v for K, v in cost.v.items()},
             "timings": cost.to_dict(),
+            "decoder_cost": dcost.to_dict() if dcost else None,
+            "prediction_method": "rows walked as the decoder walks them; round cost "
+                                 + ("timed in the decoder (calibration)" if dcost else "from isolated c and v(K)"),
             "best_k": k,
-            "predicted_speedup": pred,
-            "predicted_speedup_by_k": {str(K): s for K, s in speedup_curve(acc.alpha, cost.c, cost.v).items()},
-            "best_k_by_domain": {d: best_k(a, cost.c, cost.v)[0] for d, a in acc.alpha_by_domain.items()},
-            "predicted_speedup_by_domain": {d: best_k(a, cost.c, cost.v)[1] for d, a in acc.alpha_by_domain.items()},
+            "predicted_speedup": curve[k],
+            "predicted_speedup_by_k": {str(K): x for K, x in curve.items()},
+            "predicted_speedup_iid": tau_iid_curve[k],
+            "best_k_by_domain": {d: _argmax(c) for d, c in by_domain.items()},
+            "predicted_speedup_by_domain": {d: c[_argmax(c)] for d, c in by_domain.items()},
             "measured_speedup": None,
             "validation": None,
         }
@@ -197,12 +254,24 @@ def run_pair(target_spec: str, out: Path, cfg: PairConfig, *, prompts: str = "co
         val_prompts = load_prompts(source, limit_per_domain=cfg.validate_prompts)
         val_prompts = [p for p in val_prompts if p.id in set(refs["id"])]
         for cand in chosen:
-            val = _validate(target, t_runner, cand, val_prompts, refs, cand.row["best_k"], cfg, device)
+            best = cand.row["best_k"]
+            vals = {K: _validate(target, t_runner, cand, val_prompts, refs, K, cfg, device)
+                    for K in sorted({best, *cfg.validate_ks})}
+            val = vals[best]
             cand.row["validation"] = val
             cand.row["measured_speedup"] = val["measured_speedup"]
             gap = abs(val["measured_speedup"] - cand.row["predicted_speedup"]) / val["measured_speedup"]
             cand.row["prediction_error"] = gap
             cand.row["prediction_breakdown"] = _breakdown(cand.row, val)
+            if len(vals) > 1:
+                measured = {K: v["measured_speedup"] for K, v in vals.items()}
+                mk = _argmax(measured)
+                cand.row["validation_by_k"] = {str(K): v for K, v in vals.items()}
+                cand.row["measured_speedup_by_k"] = {str(K): x for K, x in measured.items()}
+                cand.row["prediction_error_by_k"] = {
+                    str(K): abs(x - cand.row["predicted_speedup_by_k"][str(K)]) / x for K, x in measured.items()}
+                cand.row["measured_best_k"] = mk
+                cand.row["best_k_shortfall"] = 1 - measured[best] / measured[mk]  # 0 when the predicted K is best
         for cand in cands:
             if not cand.compat.compatible and cand.row["measured_speedup"] is None:
                 cand.row["validation_note"] = "cross-tokenizer: the token-level decoder cannot run it; not validated"
@@ -219,7 +288,10 @@ def run_pair(target_spec: str, out: Path, cfg: PairConfig, *, prompts: str = "co
             "tau": "tokens emitted per target forward, including the bonus/corrected token",
             "cost_ratio": "one-token draft forward / one-token target forward (cached), measured here",
             "verify_cost": "target forward over K+1 tokens / over 1 token, measured here",
-            "predicted_speedup": "E[tau] / (K * cost_ratio + verify_cost(K))",
+            "predicted_speedup": "tokens alone / tokens with the draft, per prompt: (prefill + n * token time) / "
+                                 "(prefill + n / tau(K) * round time(K)); tau(K) from the teacher-forced rows walked "
+                                 "round by round as the decoder does, round time from a calibration decode",
+            "predicted_speedup_iid": "E[tau] / (K * cost_ratio + verify_cost(K)), E[tau] from alpha (i.i.d.)",
         },
         "seconds": time.perf_counter() - t0,
         "candidates": [c.row for c in cands],
@@ -231,6 +303,17 @@ def run_pair(target_spec: str, out: Path, cfg: PairConfig, *, prompts: str = "co
 # --- outputs ----------------------------------------------------------------------------------
 
 
+def _calibration_prompts(refs, n: int) -> list[list[int]]:
+    """The first prompt of each domain in turn (then the second ...), n in all: contexts like the run's."""
+    by_domain: dict[str, list[list[int]]] = {}
+    for r in refs:
+        by_domain.setdefault(r["domain"], []).append(list(r["prompt_ids"]))
+    out: list[list[int]] = []
+    for i in range(max((len(v) for v in by_domain.values()), default=0)):
+        out += [v[i] for _, v in sorted(by_domain.items()) if i < len(v)]
+    return out[:n]
+
+
 def _fmt(v, nd: int = 2) -> str:
     return "-" if v is None else (f"{v:.{nd}f}" if isinstance(v, float) else str(v))
 
@@ -238,7 +321,7 @@ def _fmt(v, nd: int = 2) -> str:
 def table_rows(board: dict) -> tuple[list[str], list[list[str]]]:
     domains = board["settings"]["domains"]
     head = ["draft", "kind", "params (M)", "alpha", *[f"alpha {d}" for d in domains], "c", "v(best K)",
-            "best K", "predicted", "measured", "llama.cpp"]
+            "best K", "predicted", "measured", "error", "llama.cpp"]
     rows = []
     for c in board["candidates"]:
         rows.append([
@@ -246,6 +329,7 @@ def table_rows(board: dict) -> tuple[list[str], list[list[str]]]:
             *[_fmt(c["alpha_by_domain"].get(d), 3) for d in domains],
             _fmt(c["cost_ratio"], 3), _fmt(c["verify_cost"][str(c["best_k"])]), str(c["best_k"]),
             _fmt(c["predicted_speedup"]) + "x", (_fmt(c["measured_speedup"]) + "x") if c["measured_speedup"] else "-",
+            f"{100 * c['prediction_error']:.0f}%" if c.get("prediction_error") is not None else "-",
             {True: "pass", False: "fail", None: "-"}[c["llama_cpp_compatible"]],
         ])
     return head, rows
@@ -260,22 +344,29 @@ def markdown(board: dict) -> str:
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     lines += ["", "alpha: teacher-forced mean of sum min(p, q); c: draft step / target step; v(K): target over K+1 "
-              "tokens / over 1; predicted speedup = E[tau] / (K c + v(K)); tau counts the bonus token."]
+              "tokens / over 1; predicted speedup: tau(K) walked on the teacher-forced rows as the decoder walks them, over the round cost timed in the decoder (docs/design.md); tau counts the bonus token."]
     for c in board["candidates"]:
         v = c.get("validation")
         if v:
             lines.append(f"\nValidated `{c['draft']}` at K={v['k']} on {v['prompts']} prompts: target-only "
                          f"{v['target_only_tok_per_s']:.2f} tok/s, speculative {v['speculative_tok_per_s']:.2f} tok/s, "
                          f"measured {v['measured_speedup']:.2f}x vs predicted {c['predicted_speedup']:.2f}x "
-                         f"(error {100 * c['prediction_error']:.0f}%), greedy equal: {v['greedy_equal']}.")
+                         f"(error {100 * c['prediction_error']:.0f}%; the i.i.d. formula said "
+                         f"{c['predicted_speedup_iid']:.2f}x), greedy equal: {v['greedy_equal']}.")
             b = c.get("prediction_breakdown")
-            if b and c["prediction_error"] > 0.15:
+            if b:
                 lines.append(
-                    f"Why they differ: tokens per round {b['measured_tau']:.2f} measured vs {b['expected_tau']:.2f} "
-                    f"expected from alpha (i.i.d. assumption); seconds per round {b['measured_round_s']:.3f} measured "
-                    f"vs {b['modeled_round_s']:.3f} modeled (K draft steps + one verify, timed in isolation); target "
-                    f"step {b['measured_target_step_s']:.3f} s in the decoder vs {b['modeled_target_step_s']:.3f} s "
-                    "timed in isolation.")
+                    f"Breakdown: tokens per round {b['measured_tau']:.2f} measured vs {b['expected_tau']:.2f} predicted "
+                    f"({100 * b['tau_error']:+.0f}%; {b['expected_tau_iid']:.2f} from alpha i.i.d.); seconds per round "
+                    f"{b['measured_round_s']:.4f} measured vs {b['modeled_round_s']:.4f} modeled "
+                    f"({100 * b['round_error']:+.0f}%); target step {b['measured_target_step_s']:.4f} s in validation vs "
+                    f"{b['modeled_target_step_s']:.4f} s modeled.")
+            by_k = c.get("measured_speedup_by_k")
+            if by_k:
+                pairs = ", ".join(f"K={K}: {x:.2f}x measured / {c['predicted_speedup_by_k'][K]:.2f}x predicted"
+                                  for K, x in by_k.items())
+                lines.append(f"By K: {pairs}; predicted best K {c['best_k']}, measured best K {c['measured_best_k']} "
+                             f"(the predicted K is {100 * c['best_k_shortfall']:.1f}% slower than the measured best).")
         if c.get("validation_note"):
             lines.append(f"\n`{c['draft']}`: {c['validation_note']}.")
         for note in c["compat_notes"]:

@@ -199,3 +199,54 @@ def test_through_text_rejects_positions_without_a_draft_boundary() -> None:
     # the draft's text loses w5, so only the prefixes before it line up with the target's tokens
     assert x.draft_at == [0, 1, 2, None, None]
     assert x.judge(target, draft, [3, 4, 7, 0, 0, 0], {EOS}, {EOS - 1}) == [1.0, 1.0, 0.0, 0.0, 0.0]
+
+
+# -- acceptance as it happens: teacher-forced rows predict the decoder's own rounds --
+
+
+def greedy_refs(target, prompts: list[list[int]], budget: int) -> datasets.Dataset:
+    """The target's own greedy continuations (what `reference_continuations` stores), budget recorded."""
+    import json
+
+    from decode.model import make_runner
+    from decode.speculative import generate
+
+    run = make_runner(target, 64)
+    rows = []
+    for i, ids in enumerate(prompts):
+        out = generate(run, ids, max_new_tokens=budget, eos_ids=[EOS]).tokens
+        rows.append({"id": str(i), "domain": "code" if i % 2 else "chat", "prompt": "", "prompt_ids": ids,
+                     "continuation_ids": out, "text": ""})
+    info = datasets.DatasetInfo(description=json.dumps({"draftsmith_reference": {"max_new_tokens": budget}}))
+    return datasets.Dataset.from_list(rows, info=info)
+
+
+def test_rows_predict_the_decoders_rounds_exactly_at_temperature_zero() -> None:
+    from decode.model import make_runner
+    from decode.speculative import KPolicy, generate
+
+    target, draft = tiny(0), tiny(0, layers=1)  # the draft: the target's first layer, so it half agrees
+    draft.load_state_dict(target.state_dict(), strict=False)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, EOS, (n,), generator=g).tolist() for n in (3, 6, 4, 8)]
+    budget = 14
+    refs = greedy_refs(target, prompts, budget)
+    [a] = measure_acceptance(loaded(target, "t"), [loaded(draft, "d")], refs, progress=False)
+    assert a.budget == budget and len(a.rows) == len(prompts)
+    assert 0.2 < a.alpha < 0.95  # neither trivial case
+    t_run, d_run = make_runner(target, 64), make_runner(draft, 64)
+    checked_iid = False
+    for K in (1, 2, 3, 5):
+        forwards = tokens = 0
+        for ids, ref in zip(prompts, refs):
+            res = generate(t_run, ids, draft=d_run, max_new_tokens=budget, eos_ids=[EOS], policy=KPolicy(k=K))
+            assert res.tokens == ref["continuation_ids"]
+            forwards, tokens = forwards + res.stats.target_forwards, tokens + res.stats.new_tokens
+        assert a.tokens_per_round(K) == pytest.approx(tokens / forwards, abs=1e-12)
+        checked_iid |= abs(a.expected_tau[K] - tokens / forwards) > 0.05  # the formula from alpha is not it
+    assert checked_iid
+    chat = [i for i, r in enumerate(refs) if r["domain"] == "chat"]
+    assert a.tokens_per_round(2, "chat") == pytest.approx(
+        sum(len(refs[i]["continuation_ids"]) for i in chat)
+        / sum(generate(t_run, prompts[i], draft=d_run, max_new_tokens=budget, eos_ids=[EOS],
+                       policy=KPolicy(k=2)).stats.target_forwards for i in chat), abs=1e-12)

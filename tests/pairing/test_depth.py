@@ -10,8 +10,9 @@ import torch
 
 from pairing.cost import best_k, expected_tau, speedup_curve
 from pairing.depth import (
-    best_k_from_depth, depth_rates, depth_rates_censored, depth_survival, expected_tau_from_depth_rates,
-    expected_tau_from_runs, predicted_speedup_from_depth, speedup_curve_from_depth,
+    best_k_from_depth, depth_rates, depth_rates_censored, depth_survival, expected_rounds,
+    expected_tau_from_depth_rates, expected_tau_from_runs, predicted_speedup_from_depth, round_matrix,
+    speedup_curve_from_depth, tokens_per_round,
 )
 
 KS = range(1, 17)
@@ -273,3 +274,87 @@ def test_speedup_invalid_inputs_raise() -> None:
         best_k_from_depth([0.5], 0.1, {})
     with pytest.raises(ValueError, match="covered"):
         speedup_curve_from_depth([0.5], 0.1, {2: 1.0, 3: 1.0})
+
+
+# -- the decoder's own rounds: expected_rounds against the decoder's walk, enumerated --
+
+
+def decoder_rounds(judge, T: int, K: int, budget: int) -> int:
+    """Rounds `decode.speculative.generate` takes to emit T tokens: `judge(s, j)` says whether depth j of the
+    round whose first draft is position s is accepted (consulted only where the decoder would look)."""
+    s, rounds = 0, 0
+    while s < T:
+        k = min(K, budget - s - 1, T - s)
+        n = 0
+        while n < k and judge(s, n + 1):
+            n += 1
+        s += n + 1
+        rounds += 1
+    return rounds
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_expected_rounds_on_01_rows_equal_the_walk(seed: int) -> None:
+    rng = random.Random(seed)
+    for _ in range(20):
+        row = [int(rng.random() < 0.7) for _ in range(rng.randint(1, 30))]
+        T = len(row)
+        for K in (1, 2, 3, 5, 16):
+            for budget in (T, T + 3):
+                want = decoder_rounds(lambda s, j: row[s + j - 1] == 1, T, K, budget)
+                got = expected_rounds(round_matrix(row, 16), K, budget=budget)
+                assert got == pytest.approx(want, abs=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_expected_rounds_equal_enumeration_over_cell_outcomes(seed: int) -> None:
+    """Probability cells (a head's matrix: any value per start and depth), every 0/1 outcome of every cell
+    enumerated with its probability in float64, the decoder walked on each."""
+    g = torch.Generator().manual_seed(seed)
+    T, J = 4, 3
+    a = torch.rand(T, J, generator=g, dtype=torch.float64)
+    a[0, 0] = 1.0  # certain cells too
+    cells = [(s, j) for s in range(T) for j in range(J)]
+    for K in (1, 2, 3):
+        for budget in (T, T + 2):
+            want = 0.0
+            for bits in itertools.product((0, 1), repeat=len(cells)):
+                out = dict(zip(cells, bits))
+                p = 1.0
+                for (s, j), b in out.items():
+                    p *= float(a[s, j]) if b else 1.0 - float(a[s, j])
+                want += p * decoder_rounds(lambda s, j: out[(s, j - 1)] == 1, T, K, budget)
+            assert expected_rounds(a, K, budget=budget) == pytest.approx(want, rel=1e-12)
+
+
+def test_expected_rounds_by_hand() -> None:
+    # all accepted, budget = T = 5, K = 2: rounds emit 3, then K = min(2, 5-3-1) = 1 -> 2 tokens: 2 rounds
+    assert expected_rounds(round_matrix([1.0] * 5, 4), 2) == 2.0
+    # ended at EOS (budget 9): the second round drafts min(2, 5, 2) = 2, accepts both, stops: still 2
+    assert expected_rounds(round_matrix([1.0] * 5, 4), 2, budget=9) == 2.0
+    # nothing accepted: one round a token
+    assert expected_rounds(round_matrix([0.0] * 5, 4), 3) == 5.0
+    # one token, one depth at 1/2: one round whatever happens
+    assert expected_rounds(torch.tensor([[0.5]], dtype=torch.float64), 1) == 1.0
+    # two tokens, budget 3, a = 1/2 at depth 1 from 0: 1/2 * 1 + 1/2 * 2
+    a = torch.tensor([[0.5], [0.0]], dtype=torch.float64)
+    assert expected_rounds(a, 1, budget=3) == 1.5
+
+
+def test_tokens_per_round_is_tokens_over_rounds() -> None:
+    rows = [round_matrix([1, 0, 1, 1], 4), round_matrix([0, 0], 4)]
+    got = tokens_per_round(rows, 2, budgets=[4, 2])
+    assert got == pytest.approx(6 / (decoder_rounds(lambda s, j: [1, 0, 1, 1][s + j - 1], 4, 2, 4) + 2))
+
+
+def test_expected_rounds_bad_input() -> None:
+    with pytest.raises(ValueError):
+        expected_rounds(torch.full((3, 2), 1.5, dtype=torch.float64), 1)
+    with pytest.raises(ValueError):
+        expected_rounds(torch.zeros(3), 1)
+    with pytest.raises(ValueError):
+        expected_rounds(torch.zeros(3, 2, dtype=torch.float64), 1, budget=2)
+    with pytest.raises(ValueError):
+        expected_rounds(torch.ones(5, 2, dtype=torch.float64), 4)  # K needs 4 depths
+    with pytest.raises(ValueError):
+        tokens_per_round([torch.zeros(0, 2)], 1)
