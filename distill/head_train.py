@@ -31,10 +31,9 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from decode.errors import DraftsmithError
-from decode.head import Eagle3Head, HeadConfig, rope_tables, save_head, vocab_map
+from decode.head import Eagle3Head, HeadConfig, save_head, ttt_logits, vocab_map
 from decode.io import atomic_dir, atomic_write_json, read_json
 from decode.loading import Loaded
-from decode.model import _rotate_half
 
 
 @dataclass
@@ -50,47 +49,6 @@ class HeadTrainConfig:
     eval_every: int = 50  # steps between held-out evaluations
     max_minutes: float = 0.0  # time budget: the schedule is fitted to it after 10 timed steps; 0 = epochs decide
     seed: int = 0
-
-
-def _qkv(head: Eagle3Head, emb: Tensor, g: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    layer, c = head.midlayer, head.config
-    x = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(g)], dim=-1)  # (E, 2H)
-    E, D = x.shape[0], c.head_dim
-    q = layer.self_attn.q_proj(x).view(E, c.num_attention_heads, D).transpose(0, 1)  # (Hq, E, D)
-    k = layer.self_attn.k_proj(x).view(E, c.num_key_value_heads, D).transpose(0, 1)  # (Hkv, E, D)
-    v = layer.self_attn.v_proj(x).view(E, c.num_key_value_heads, D).transpose(0, 1)
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
-
-
-def ttt_mask(E: int, j: int, device=None) -> Tensor:
-    """(E, j*E) bool: depth j of entry e sees depth-1 keys c <= e-j+1 and, for s = 2..j, depth-s key e-j+s."""
-    e = torch.arange(E, device=device)[:, None]
-    c = torch.arange(E, device=device)[None, :]
-    blocks = [c <= e - j + 1] + [c == e - j + s for s in range(2, j + 1)]
-    return torch.cat(blocks, dim=1)
-
-
-def ttt_logits(head: Eagle3Head, features: Tensor, tokens: Tensor, steps: int) -> list[Tensor]:
-    """Draft-vocabulary logits (E, N) of every entry at depths 1..steps (E = len(tokens) - 1)."""
-    c, layer = head.config, head.midlayer
-    E = tokens.shape[0] - 1
-    dtype = head.fc.weight.dtype
-    emb = F.embedding(tokens[1:], head.embed).to(dtype)  # token e+1 for entry e
-    cos, sin = rope_tables(c, E, dtype, tokens.device)
-    g = head.fc(features[:E].to(dtype))  # (E, H)
-    keys, values, out = [], [], []
-    for j in range(1, steps + 1):
-        if j > 1:  # entry e reads the output hidden of entry e-1 at the previous depth
-            g = torch.cat([torch.zeros_like(h[:1]), h[:-1]])
-        q, k, v = _qkv(head, emb, g, cos, sin)
-        keys.append(k), values.append(v)
-        o = F.scaled_dot_product_attention(q[None], torch.cat(keys, 1)[None], torch.cat(values, 1)[None],
-                                           attn_mask=ttt_mask(E, j, tokens.device),
-                                           enable_gqa=c.num_key_value_heads != c.num_attention_heads)[0]
-        h = g + layer.self_attn.o_proj(o.transpose(0, 1).reshape(E, -1))
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-        out.append(head.lm_head(head.norm(h)))
-    return out
 
 
 def _row_loss(head: Eagle3Head, row: dict, w_draft: Tensor, steps: int) -> tuple[Tensor, int, list[tuple[int, int]]]:

@@ -76,6 +76,7 @@ class Acceptance:
     rows: list[list[float]] = field(default_factory=list)  # beta per continuation token, one list per reference row
     row_domains: list[str] = field(default_factory=list)
     budget: int | None = None  # the references' max_new_tokens (a shorter row ended at EOS)
+    matrices: list[list[list[float]]] | None = None  # a head's rows: [s][j-1] = acceptance of depth j from start s
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -84,7 +85,10 @@ class Acceptance:
         return d
 
     def accept_rows(self, domain: str | None = None) -> list[Tensor]:
-        """Each row's round matrix (`pairing.depth.round_matrix`, depths 1..16), of one domain or all."""
+        """Each row's round matrix (`pairing.depth.round_matrix`, depths 1..16; a head's own), of one domain or all."""
+        if self.matrices is not None:
+            return [torch.tensor(m, dtype=torch.float64) for m, d in zip(self.matrices, self.row_domains)
+                    if m and (domain is None or d == domain)]
         return [round_matrix(r, max(K_RANGE)) for r, d in zip(self.rows, self.row_domains)
                 if r and (domain is None or d == domain)]
 
@@ -95,8 +99,20 @@ class Acceptance:
         return tokens_per_round(rows, K, budgets=[self.budget] * len(rows) if self.budget else None)
 
     def depth_rates(self, K_max: int = max(K_RANGE)) -> list[float]:
-        """a_j = P(depth j accepted | depths < j were), every start counted (`depth_rates_censored`)."""
-        return depth_rates_censored([r for r in self.rows if r], K_max)
+        """a_j = P(depth j accepted | depths < j were), every start counted (`depth_rates_censored`); for a head,
+        the same over its own matrices (depth j judged where its position lies in the row)."""
+        if self.matrices is None:
+            return depth_rates_censored([r for r in self.rows if r], K_max)
+        num, den = [0.0] * K_max, [0.0] * K_max
+        for m in self.accept_rows():
+            T = m.shape[0]
+            surv = torch.ones(T, dtype=torch.float64)
+            for j in range(min(K_max, m.shape[1])):
+                live = torch.arange(T) + j < T  # depth j+1 of a round from s judges position s+j
+                den[j] += float(surv[live].sum())
+                surv = surv * m[:, j]
+                num[j] += float(surv[live].sum())
+        return [n / d if d > 0 else 0.0 for n, d in zip(num, den)]
 
 
 class _Tally:
@@ -313,4 +329,51 @@ def measure_acceptance(
     ]
 
 
-__all__ = ["Acceptance", "THROUGH_TEXT", "TOKEN_LEVEL", "beta", "expected_tau", "measure_acceptance"]
+HEAD = "teacher-forced, a head by depth (later depths read its own output)"
+
+
+@torch.inference_mode()
+def measure_head_acceptance(
+    target: Loaded, head: Any, refs: datasets.Dataset, name: str, *, params: SamplingParams = SamplingParams(),
+    depth: int = max(K_RANGE), progress: bool = True,
+) -> Acceptance:
+    """A draft head's acceptance at every depth of every round, teacher-forced on the references.
+
+    One target forward per row gives the head's features (its aux layers) and the target's p at every
+    position; `decode.head.ttt_logits` gives the head's proposals at depths 1..`depth` for every entry, depth
+    j >= 2 reading its own output as in the decoder. A round whose first draft is continuation position s
+    reads entry e = P + s + j - 3 at depth j (P = prompt length) and proposes position s + j - 1, judged by
+    beta = sum min(p, q) against the target there (1[argmax agree] at temperature 0). `alpha` and the
+    per-position view are depth 1's; `matrices` hold every depth for `Acceptance.tokens_per_round`."""
+    from decode.head import ttt_logits
+
+    rows = [dict(r, _index=i) for i, r in enumerate(refs) if len(r["continuation_ids"]) and len(r["prompt_ids"]) >= 2]
+    if not rows:
+        raise DraftsmithError("the reference dataset has no row a head can draft on (prompt >= 2 tokens, continuation)")
+    tally, mats = _Tally(), {}
+    device = next(target.model.parameters()).device
+    layers = tuple(head.config.aux_layers)
+    for r in tqdm(rows, desc=f"acceptance {name}", unit="row", disable=not progress):
+        P, C = len(r["prompt_ids"]), len(r["continuation_ids"])
+        seq = torch.tensor(list(r["prompt_ids"]) + list(r["continuation_ids"]), device=device)
+        out = target.model(input_ids=seq[None], output_hidden_states=True, use_cache=False)
+        feats = torch.cat([out.hidden_states[i][0] for i in layers], dim=-1)
+        p = to_probs(out.logits[0].to(torch.float64 if params.greedy else out.logits.dtype), params)
+        m = torch.zeros(C, depth, dtype=torch.float64)
+        for j, logits in enumerate(ttt_logits(head, feats, seq, min(depth, C)), start=1):
+            lo, hi = max(0, 3 - P - j), C - j + 1  # starts whose depth j lies in the row
+            if hi <= lo:
+                continue
+            s = torch.arange(lo, hi, device=device)
+            e = P + s + j - 3
+            q_logits = head.to_target_vocab(logits[e])
+            m[s.cpu(), j - 1] = _beta_given_p(p[e + 1], q_logits, params).to("cpu", torch.float64)
+        mats[r["_index"]] = m.tolist()
+        tally.add_row(r["_index"], r["domain"], m[:, 0].tolist())
+    acc = tally.result(name, HEAD, _budget(refs))
+    acc.matrices = [mats[i] for i in sorted(mats)]
+    return acc
+
+
+__all__ = ["Acceptance", "HEAD", "THROUGH_TEXT", "TOKEN_LEVEL", "beta", "expected_tau", "measure_acceptance",
+           "measure_head_acceptance"]

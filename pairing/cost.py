@@ -148,7 +148,7 @@ def _timer(device: torch.device):
 @torch.inference_mode()
 def measure_cost(
     target_runner: Runner,
-    draft_runner: Runner,
+    draft_runner: Runner | None,
     *,
     ks: Iterable[int] = K_RANGE,
     context: int = COST_CONTEXT,
@@ -160,6 +160,7 @@ def measure_cost(
     """Median cached-forward times of both runners at `context` tokens of context; see the module docstring.
 
     `device` is where the token ids go (the runners' device), as in `decode.speculative.generate`.
+    `draft_runner=None` times the target alone (draft_step_s = 0): a head's step is timed in the decoder.
     """
     ks = sorted(set(ks))
     if not ks or ks[0] < 1:
@@ -169,7 +170,7 @@ def measure_cost(
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats}, {warmup}")
     for name, runner, T in (("target", target_runner, ks[-1] + 1), ("draft", draft_runner, 1)):
-        if context + T > runner.max_seq_len:
+        if runner is not None and context + T > runner.max_seq_len:
             raise ValueError(f"{name} cache holds {runner.max_seq_len} positions, timing needs {context + T}")
     device = torch.device(device)
     timed = _timer(device)
@@ -178,13 +179,12 @@ def measure_cost(
         return torch.arange(start, start + n, device=device) % runner.vocab_size
 
     target_runner.forward(ids(target_runner, 0, context), 0, keep=1)
-    draft_runner.forward(ids(draft_runner, 0, context), 0, keep=1)
     # every shape timed: name -> (runner, tokens, keep)
-    shapes = {
-        "target": (target_runner, ids(target_runner, context, 1), 0),
-        "draft": (draft_runner, ids(draft_runner, context, 1), 1),
-        **{K: (target_runner, ids(target_runner, context, K + 1), 0) for K in ks},
-    }
+    shapes = {"target": (target_runner, ids(target_runner, context, 1), 0)}
+    if draft_runner is not None:
+        draft_runner.forward(ids(draft_runner, 0, context), 0, keep=1)
+        shapes["draft"] = (draft_runner, ids(draft_runner, context, 1), 1)
+    shapes.update({K: (target_runner, ids(target_runner, context, K + 1), 0) for K in ks})
     times: dict = {name: [] for name in shapes}
     for r in tqdm(range(warmup + repeats), desc="cost", disable=not progress):
         for name, (runner, tokens, keep) in shapes.items():
@@ -193,7 +193,7 @@ def measure_cost(
                 times[name].append(t)
     med = {name: statistics.median(ts) for name, ts in times.items()}
     return CostModel(
-        target_step_s=med["target"], draft_step_s=med["draft"], verify_s={K: med[K] for K in ks},
+        target_step_s=med["target"], draft_step_s=med.get("draft", 0.0), verify_s={K: med[K] for K in ks},
         context=context, repeats=repeats,
     )
 

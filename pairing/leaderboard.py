@@ -24,14 +24,15 @@ from pathlib import Path
 
 from decode.bench import validate_drafts
 from decode.errors import DraftsmithError
+from decode.head import Eagle3Head, HeadDraft, load_head
 from decode.io import atomic_write_bytes, atomic_write_json, atomic_write_text
 from decode.loading import Loaded, load
 from decode.model import draft_quant, make_runner
 from decode.prompts import Prompt, load_prompts
 from decode.sampling import SamplingParams
 from decode.textgen import eos_ids, machine_info, versions
-from pairing.acceptance import measure_acceptance
-from pairing.compat import check_pair
+from pairing.acceptance import measure_acceptance, measure_head_acceptance
+from pairing.compat import Compat, check_pair
 from pairing.cost import COST_CONTEXT, CostModel, DecoderCost, calibrate_decoder, measure_cost, speedup_curve, \
     speedup_from_tau
 from pairing.derive import parse_derive_spec, resolve_candidate
@@ -81,9 +82,38 @@ class PairConfig:
 @dataclass
 class Candidate:
     spec: str
-    loaded: Loaded
+    loaded: Loaded | None  # None for a head
     compat: object
     row: dict = field(default_factory=dict)
+    head: object | None = None  # a decode.head.Eagle3Head for head:PATH
+
+
+HEAD_PREFIX = "head:"
+
+
+def load_head_candidate(spec: str, target: Loaded) -> Eagle3Head:
+    """`head:PATH` -> the head in PATH (config.json + model.safetensors) on the target's embedding, checked
+    against the target (vocabulary, hidden size, aux layers); a one-line error otherwise."""
+    path = Path(spec[len(HEAD_PREFIX):]).expanduser()
+    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+        raise DraftsmithError(f"{spec}: no head at {path} (a folder with config.json and model.safetensors, "
+                              "e.g. RUN/head/best)")
+    try:
+        head = load_head(path, target.model.get_input_embeddings())
+    except (ValueError, KeyError, TypeError, RuntimeError) as e:
+        raise DraftsmithError(f"{spec}: this head does not fit {target.name}: {str(e).splitlines()[0]}") from None
+    n_layers = target.model.config.num_hidden_layers
+    if max(head.config.aux_layers) >= n_layers:
+        raise DraftsmithError(f"{spec}: the head reads layers {list(head.config.aux_layers)}, {target.name} has "
+                              f"{n_layers}")
+    return head.eval()
+
+
+def _draft(cand: Candidate, max_seq_len: int, cfg: PairConfig):
+    """The candidate as the decoder runs it: a HeadDraft, or a runner (int8 on CPU when configured)."""
+    if cand.head is not None:
+        return HeadDraft(cand.head, max_seq_len)
+    return make_runner(cand.loaded.model, max_seq_len, quantize=draft_quant(cand.loaded.model, cfg.draft_quant))
 
 
 def _params_million(model) -> float:
@@ -94,7 +124,7 @@ def _validate(target: Loaded, t_run, cand: Candidate, prompts: list[Prompt], ref
               device: str) -> dict:
     """Measured speedup of one candidate (decode.bench.validate_drafts), with the per-round view of the breakdown."""
     by_id = {r["id"]: r for r in refs}
-    d_run = make_runner(cand.loaded.model, t_run.max_seq_len, quantize=draft_quant(cand.loaded.model, cfg.draft_quant))
+    d_run = _draft(cand, t_run.max_seq_len, cfg)
     val = validate_drafts(t_run, {"speculative": d_run}, [by_id[p.id]["prompt_ids"] for p in prompts], k=k,
                           max_new_tokens=cfg.max_new_tokens, eos_ids=eos_ids(target), names=[p.id for p in prompts],
                           greedy=cfg.temperature == 0, desc=f"validate {cand.spec}", device=device)
@@ -167,18 +197,30 @@ def run_pair(target_spec: str, out: Path, cfg: PairConfig, *, prompts: str = "co
     target = load(target_spec, device=device)
     cands: list[Candidate] = []
     for spec in candidate_specs:
+        if spec.startswith(HEAD_PREFIX):
+            if not cfg.calibrate_prompts:
+                raise DraftsmithError(f"{spec}: a head's cost is timed in the decoder; set calibrate_prompts >= 1")
+            head = load_head_candidate(spec, target)
+            cands.append(Candidate(spec, None, Compat("head", True, ["reads the target's hidden states (EAGLE-3)"]),
+                                   head=head))
+            continue
         loaded = load(resolve_candidate(spec), device=device)
         loaded.name = spec
         cands.append(Candidate(spec, loaded, check_pair(target, loaded)))
 
     # a same-tokenizer candidate speeds up the references (exactly); derived drafts start near alpha 0 and would
     # slow them down, so they never help
-    helper = next((c.loaded for c in cands if c.compat.compatible and parse_derive_spec(c.spec) is None), None)
+    helper = next((c.loaded for c in cands if c.loaded is not None and c.compat.compatible
+                   and parse_derive_spec(c.spec) is None), None)
     refs = reference_continuations(target, prompts, max_new_tokens=cfg.max_new_tokens,
                                    temperature=cfg.temperature, seed=cfg.seed, draft=helper,
                                    progress=progress)
-    accs = measure_acceptance(target, [c.loaded for c in cands], refs, params=params,
-                              batch_size=cfg.batch_size, progress=progress)
+    models = [c for c in cands if c.head is None]
+    by_model = dict(zip((c.spec for c in models), measure_acceptance(
+        target, [c.loaded for c in models], refs, params=params, batch_size=cfg.batch_size, progress=progress)))
+    accs = [by_model[c.spec] if c.head is None else
+            measure_head_acceptance(target, c.head, refs, c.spec, params=params, depth=MAX_K, progress=progress)
+            for c in cands]
 
     max_len = max(len(r) for r in refs["prompt_ids"]) + cfg.max_new_tokens + MAX_K + 2
     # time c and v(K) at the decoder's mean context: mean prompt + half the new tokens
@@ -191,30 +233,36 @@ def run_pair(target_spec: str, out: Path, cfg: PairConfig, *, prompts: str = "co
     calib_prompts = _calibration_prompts(refs, cfg.calibrate_prompts)
     v_ratios: dict[int, float] | None = None
     for cand, acc in zip(cands, accs):
-        d_runner = make_runner(cand.loaded.model, t_runner.max_seq_len,
-                               quantize=draft_quant(cand.loaded.model, cfg.draft_quant))
+        d_runner = _draft(cand, t_runner.max_seq_len, cfg)
         if v_ratios is None:  # v(K) is the target's alone: measure the whole curve once
-            cost = measure_cost(t_runner, d_runner, ks=range(1, MAX_K + 1), repeats=3, warmup=1, context=context,
-                                device=device)
+            cost = measure_cost(t_runner, None if cand.head is not None else d_runner, ks=range(1, MAX_K + 1),
+                                repeats=3, warmup=1, context=context, device=device)
             v_ratios = cost.v
         else:  # c side by side with the target step; v(K) reused as ratios to that step
-            quick = measure_cost(t_runner, d_runner, ks=[1], repeats=5, warmup=1, context=context, device=device)
+            quick = measure_cost(t_runner, None if cand.head is not None else d_runner, ks=[1], repeats=5, warmup=1,
+                                 context=context, device=device)
             cost = CostModel(quick.target_step_s, quick.draft_step_s,
                              {K: v * quick.target_step_s for K, v in v_ratios.items()}, quick.context, quick.repeats)
-        tau_iid_curve = speedup_curve(acc.alpha, cost.c, cost.v)
         dcost = None
         if cand.compat.compatible and calib_prompts:  # the decoder can run it: time its rounds there
+            if cand.head is not None:  # a head's step is only timed inside the decoder: calibrate at c = 0.1 first
+                cost = CostModel(cost.target_step_s, 0.1 * cost.target_step_s, cost.verify_s, cost.context,
+                                 cost.repeats)
             k0 = _argmax(_predict(acc, cost, None, mean_tokens[None]))
             dcost = calibrate_decoder(t_runner, d_runner, calib_prompts, k=k0, isolated=cost,
-                                      max_new_tokens=min(cfg.calibrate_tokens, cfg.max_new_tokens), eos_ids=eos_ids(target), device=device,
-                                      progress=progress)
+                                      max_new_tokens=min(cfg.calibrate_tokens, cfg.max_new_tokens),
+                                      eos_ids=eos_ids(target), device=device, progress=progress)
+            if cand.head is not None:  # c as the decoder measured it
+                cost = CostModel(cost.target_step_s, dcost.draft_step_s / dcost.target_token_s * cost.target_step_s,
+                                 cost.verify_s, cost.context, cost.repeats)
+        tau_iid_curve = speedup_curve(acc.alpha, cost.c, cost.v)
         del d_runner
         curve = _predict(acc, cost, dcost, mean_tokens[None])
         k = _argmax(curve)
         by_domain = {d: _predict(acc, cost, dcost, mean_tokens[d], d) for d in acc.alpha_by_domain}
         cand.row = {
             "draft": cand.spec,
-            "params": _params_million(cand.loaded.model),
+            "params": _params_million(cand.head if cand.head is not None else cand.loaded.model),
             "params_unit": "million",
             "compatible": cand.compat.compatible,
             "kind": cand.compat.kind,

@@ -11,7 +11,8 @@ import torch
 from decode.head import HeadDraft
 from decode.loading import Loaded
 from distill.head_data import HeadDataConfig, build_head_data, load_head_data, target_features
-from distill.head_train import HeadTrainConfig, train_head, ttt_logits, ttt_mask
+from decode.head import ttt_logits, ttt_mask
+from distill.head_train import HeadTrainConfig, train_head
 from tests import helpers
 from tests.decode.test_head import random_head, target_hf
 

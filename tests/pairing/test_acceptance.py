@@ -11,7 +11,7 @@ from transformers import PreTrainedTokenizerFast
 
 from decode.loading import Loaded
 from decode.sampling import SamplingParams, to_probs
-from pairing.acceptance import THROUGH_TEXT, TOKEN_LEVEL, _TextRow, beta, expected_tau, measure_acceptance
+from pairing.acceptance import THROUGH_TEXT, TOKEN_LEVEL, Acceptance, _TextRow, beta, expected_tau, measure_acceptance
 from tests import helpers
 
 WORDS = [f"w{i}" for i in range(48)]
@@ -250,3 +250,42 @@ def test_rows_predict_the_decoders_rounds_exactly_at_temperature_zero() -> None:
         sum(len(refs[i]["continuation_ids"]) for i in chat)
         / sum(generate(t_run, prompts[i], draft=d_run, max_new_tokens=budget, eos_ids=[EOS],
                        policy=KPolicy(k=2)).stats.target_forwards for i in chat), abs=1e-12)
+
+
+def test_head_matrices_predict_the_decoders_rounds_exactly_at_temperature_zero() -> None:
+    """A head's depths >= 2 read its own output: teacher-forced depth 1 alone would overstate them. The
+    matrices from `measure_head_acceptance` walk to exactly the decoder's number of rounds at every K."""
+    import json
+
+    from decode.head import HeadDraft
+    from decode.model import make_runner
+    from decode.speculative import KPolicy, generate
+    from pairing.acceptance import HEAD, measure_head_acceptance
+    from tests.decode.test_head import mimic_head, target_hf
+
+    hf = target_hf(3, mix=0.3)
+    head = mimic_head(hf, N=40, s=10.0)  # depth rates about 0.53, 0.23, 0.22, then 0
+    run = make_runner(hf, 128)
+    prompts, budget = [[1, 2, 3], [9, 9, 9, 1], [4, 7], [5, 6, 8, 10, 12]], 20
+    rows = []
+    for i, ids in enumerate(prompts):
+        out = generate(run, ids, max_new_tokens=budget).tokens
+        rows.append({"id": str(i), "domain": "code" if i % 2 else "chat", "prompt": "", "prompt_ids": ids,
+                     "continuation_ids": out, "text": ""})
+    info = datasets.DatasetInfo(description=json.dumps({"draftsmith_reference": {"max_new_tokens": budget}}))
+    refs = datasets.Dataset.from_list(rows, info=info)
+    a = measure_head_acceptance(Loaded(model=hf, tokenizer=None, path=Path("/x"), name="t"), head, refs, "head",
+                                depth=6, progress=False)
+    assert a.method == HEAD and a.matrices is not None and 0.2 < a.alpha < 1.0
+    rates = a.depth_rates(6)
+    assert rates[1] < rates[0] and rates[2] > 0  # later depths, fed by the head itself, agree less here
+    for K in range(1, 7):
+        forwards = tokens = 0
+        for ids, ref in zip(prompts, rows):
+            res = generate(run, ids, draft=HeadDraft(head, 128), max_new_tokens=budget, policy=KPolicy(k=K))
+            assert res.tokens == ref["continuation_ids"]
+            forwards, tokens = forwards + res.stats.target_forwards, tokens + res.stats.new_tokens
+        assert a.tokens_per_round(K) == pytest.approx(tokens / forwards, abs=1e-12), K
+    # the same rows read as a standalone draft's (depth j judged as depth 1 at s+j-1) would not predict it
+    standalone = Acceptance(**{**a.__dict__, "matrices": None})
+    assert any(abs(standalone.tokens_per_round(K) - a.tokens_per_round(K)) > 0.02 for K in range(2, 7))

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from pairing.leaderboard import PairConfig, run_pair, split_candidates
 from tests import helpers
@@ -70,3 +71,45 @@ def test_split_candidates_keeps_derive_layer_lists() -> None:
     assert split_candidates("a,b") == ["a", "b"]
     assert split_candidates("a,derive:m:layers=0,1,2,b") == ["a", "derive:m:layers=0,1,2", "b"]
     assert split_candidates("derive:m:keep=8, c") == ["derive:m:keep=8", "c"]
+
+
+def save_random_head(folder: Path, target: Path) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    from decode.head import Eagle3Head, HeadConfig, save_head
+
+    hf = AutoModelForCausalLM.from_pretrained(target)
+    torch.manual_seed(0)
+    head = Eagle3Head(HeadConfig.for_target(hf.config, draft_vocab_size=20), hf.get_input_embeddings())
+    return save_head(head, folder)
+
+
+def test_heads_rank_with_drafts_and_validate_across_k(setup, tmp_path: Path) -> None:
+    target, other, prompts = setup
+    head = save_random_head(tmp_path / "head", target)
+    cfg = PairConfig(candidates=[str(other), f"head:{head}"], prompts_per_domain=2, max_new_tokens=8, validate=2,
+                     validate_prompts=1, validate_ks=[1, 2], draft_quant=None)
+    board = run_pair(str(target), tmp_path / "board", cfg, prompts=str(prompts), progress=False)
+    rows = {c["draft"]: c for c in board["candidates"]}
+    h = rows[f"head:{head}"]
+    assert h["kind"] == "head" and h["acceptance_method"].startswith("teacher-forced, a head")
+    assert h["decoder_cost"]["draft_step_s"] > 0 and h["cost_ratio"] > 0
+    for c in rows.values():
+        assert c["validation"]["greedy_equal"] and c["decoder_cost"] is not None
+        assert set(c["measured_speedup_by_k"]) == {"1", "2", str(c["best_k"])}
+        assert c["measured_best_k"] in (1, 2, c["best_k"]) and c["best_k_shortfall"] >= 0
+        b = c["prediction_breakdown"]
+        assert b["measured_tau"] >= 1 and b["expected_tau"] >= 1 and b["modeled_round_s"] > 0
+        assert c["prediction_error"] == pytest.approx(abs(c["measured_speedup"] - c["predicted_speedup"])
+                                                      / c["measured_speedup"])
+    assert "By K:" in (tmp_path / "board" / "leaderboard.md").read_text()
+
+
+@pytest.mark.parametrize("spec", ["head:/nonexistent/head", "head:{other}"])
+def test_a_bad_head_is_one_line(setup, tmp_path: Path, spec: str) -> None:
+    from decode.errors import DraftsmithError
+
+    target, other, prompts = setup
+    cfg = PairConfig(candidates=[spec.format(other=other)], prompts_per_domain=1, max_new_tokens=4)
+    with pytest.raises(DraftsmithError, match="head"):
+        run_pair(str(target), tmp_path / "board", cfg, prompts=str(prompts), progress=False)
