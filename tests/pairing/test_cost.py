@@ -199,3 +199,61 @@ def test_measure_cost_rejects_what_does_not_fit() -> None:
         measure_cost(target, draft, ks=[1], context=8, repeats=0)
     with pytest.raises(ValueError, match="context"):
         measure_cost(target, draft, ks=[1], context=0)
+
+
+# -- cost as it happens: the decoder's own round times --
+
+
+def test_decoder_speedup_by_hand() -> None:
+    from pairing.cost import decoder_speedup
+
+    # alone: 0.1 s prefill + 10 tokens * 0.02 s = 0.3 s; with the draft: 0.12 + 10 / 2.5 * 0.03 = 0.24 s
+    assert decoder_speedup(2.5, 3, 10, target_token_s=0.02, target_prefill_s=0.1, spec_prefill_s=0.12,
+                           round_s=0.03) == pytest.approx(0.3 / 0.24)
+    # no prefill, tau tokens a round at one target step a round: tau
+    assert decoder_speedup(3.0, 4, 7, target_token_s=1.0, target_prefill_s=0.0, spec_prefill_s=0.0,
+                           round_s=1.0) == pytest.approx(3.0)
+    for bad in ({"tau": 0.5}, {"tau": 5.5}, {"tokens": 0}, {"round_s": 0.0}):
+        args = {"tau": 2.0, "K": 4, "tokens": 10, **bad}
+        with pytest.raises(ValueError):
+            decoder_speedup(args["tau"], args["K"], args["tokens"], target_token_s=0.01, target_prefill_s=0.0,
+                            spec_prefill_s=0.0, round_s=args["round_s"] if "round_s" in args else 0.02)
+
+
+class Sleepy(Slow):
+    """A runner whose every call sleeps `s` seconds: times dominated by known sleeps."""
+
+    def __init__(self, runner, s: float) -> None:
+        super().__init__(runner)
+        self.s = s
+
+    def forward(self, tokens, pos, keep=0):
+        time.sleep(self.s)
+        return self.runner.forward(tokens, pos, keep)
+
+
+def test_calibrated_prediction_matches_a_decode_dominated_by_known_times() -> None:
+    """Target forwards sleep 12 ms whatever their length, draft steps 3 ms; the draft is the target itself
+    (every draft accepted). The calibration reads those times back, and its prediction at another K and
+    another length matches the decoder's measured speedup."""
+    from decode.bench import validate_drafts
+    from pairing.cost import calibrate_decoder
+
+    hf = tiny_hf(0)
+    target, draft = Sleepy(make_runner(hf, 128), 0.012), Sleepy(make_runner(hf, 128), 0.003)
+    iso = measure_cost(target, draft, ks=[1, 2, 3, 4], context=16, repeats=3, warmup=1)
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
+    dc = calibrate_decoder(target, draft, prompts, k=2, isolated=iso, max_new_tokens=12)
+    assert dc.calibration_k == 2 and dc.calibration_tokens == 24 and dc.calibration_seconds > 0
+    assert 0.003 <= dc.draft_step_s < 0.006 and 0.012 <= dc.target_token_s < 0.016
+    assert 0.012 <= dc.verify_s[2] < 0.016 and dc.target_prefill_s >= 0.012 and dc.spec_prefill_s >= 0.015
+    assert 0 <= dc.other_s < 0.003
+    assert dc.round_s(3) == pytest.approx(3 * dc.draft_step_s + dc.verify_s[3] + dc.other_s)
+    json.dumps(dc.to_dict())
+    val = validate_drafts(target, {"d": draft}, prompts, k=3, max_new_tokens=24, eos_ids=[], desc=None)
+    st = val.stats["d"]
+    assert val.greedy_equal["d"]
+    predicted = dc.speedup(st.new_tokens / st.target_forwards, 3, 24)
+    assert predicted == pytest.approx(val.speedup("d"), rel=0.1)
+    with pytest.raises(ValueError, match="K=5"):
+        calibrate_decoder(target, draft, prompts, k=5, isolated=iso)
