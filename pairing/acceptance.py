@@ -77,6 +77,7 @@ class Acceptance:
     row_domains: list[str] = field(default_factory=list)
     budget: int | None = None  # the references' max_new_tokens (a shorter row ended at EOS)
     matrices: list[list[list[float]]] | None = None  # a head's rows: [s][j-1] = acceptance of depth j from start s
+    row_ids: list[str] = field(default_factory=list)  # each row's prompt id
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -84,18 +85,20 @@ class Acceptance:
         d["tau_definition"] = TAU_DEFINITION
         return d
 
-    def accept_rows(self, domain: str | None = None) -> list[Tensor]:
-        """Each row's round matrix (`pairing.depth.round_matrix`, depths 1..16; a head's own), of one domain or all."""
+    def accept_rows(self, domain: str | None = None, ids: set[str] | None = None) -> list[Tensor]:
+        """Each row's round matrix (`pairing.depth.round_matrix`, depths 1..16; a head's own), of one domain or
+        all, of the prompts `ids` or all."""
+        keep = [bool(r) and (domain is None or d == domain) and (ids is None or i in ids)
+                for r, d, i in zip(self.matrices if self.matrices is not None else self.rows, self.row_domains,
+                                   self.row_ids or [None] * len(self.rows))]
         if self.matrices is not None:
-            return [torch.tensor(m, dtype=torch.float64) for m, d in zip(self.matrices, self.row_domains)
-                    if m and (domain is None or d == domain)]
-        return [round_matrix(r, max(K_RANGE)) for r, d in zip(self.rows, self.row_domains)
-                if r and (domain is None or d == domain)]
+            return [torch.tensor(m, dtype=torch.float64) for m, k in zip(self.matrices, keep) if k]
+        return [round_matrix(r, max(K_RANGE)) for r, k in zip(self.rows, keep) if k]
 
-    def tokens_per_round(self, K: int, domain: str | None = None) -> float:
-        """Tokens per target forward the decoder makes at K on these rows, rounds walked as it walks them
-        (`pairing.depth.tokens_per_round`): acceptance as it happens, not alpha^j."""
-        rows = self.accept_rows(domain)
+    def tokens_per_round(self, K: int, domain: str | None = None, ids: set[str] | None = None) -> float:
+        """Tokens per target forward the decoder makes at K on these rows (of a domain, of some prompt ids),
+        rounds walked as it walks them (`pairing.depth.tokens_per_round`): acceptance as it happens."""
+        rows = self.accept_rows(domain, ids)
         return tokens_per_round(rows, K, budgets=[self.budget] * len(rows) if self.budget else None)
 
     def depth_rates(self, K_max: int = max(K_RANGE)) -> list[float]:
@@ -125,10 +128,12 @@ class _Tally:
         self.pos_n: list[int] = []
         self.rows: dict[int, list[float]] = {}  # reference row index -> its betas in order
         self.row_domain: dict[int, str] = {}
+        self.row_id: dict[int, str] = {}
 
-    def add_row(self, index: int, domain: str, betas: list[float]) -> None:
+    def add_row(self, index: int, domain: str, betas: list[float], row_id: str | None = None) -> None:
         self.rows[index] = list(betas)
         self.row_domain[index] = domain
+        self.row_id[index] = str(index) if row_id is None else str(row_id)
         for t, b in enumerate(betas):
             self.add(domain, t, b)
 
@@ -154,6 +159,7 @@ class _Tally:
             method=method,
             rows=[self.rows[i] for i in sorted(self.rows)],
             row_domains=[self.row_domain[i] for i in sorted(self.rows)],
+            row_ids=[self.row_id[i] for i in sorted(self.rows)],
             budget=budget,
         )
 
@@ -311,7 +317,7 @@ def measure_acceptance(
                 q_logits = _continuation_rows(batch, _forward(draft.model, seqs, first), first)
                 betas = _beta_given_p(p, q_logits, params).split(lengths)
                 for r, b in zip(batch, betas):
-                    tallies[k].add_row(r["_index"], r["domain"], b.tolist())
+                    tallies[k].add_row(r["_index"], r["domain"], b.tolist(), r.get("id"))
                 continue
             text_rows = [_TextRow(r, target, draft, _row_chat(target, r) if chat is None else chat) for r in batch]
             d_first = min(len(x.prompt) for x in text_rows) - 1
@@ -320,7 +326,7 @@ def measure_acceptance(
             for r, x, g in zip(batch, text_rows, greedy):
                 start = len(x.prompt) - 1 - d_first
                 tallies[k].add_row(r["_index"], r["domain"],
-                                   x.judge(target, draft, g[start : start + len(x.dc) + 1], t_eos, d_eos[k]))
+                                   x.judge(target, draft, g[start : start + len(x.dc) + 1], t_eos, d_eos[k]), r.get("id"))
 
     budget = _budget(refs)
     return [
@@ -369,7 +375,7 @@ def measure_head_acceptance(
             q_logits = head.to_target_vocab(logits[e])
             m[s.cpu(), j - 1] = _beta_given_p(p[e + 1], q_logits, params).to("cpu", torch.float64)
         mats[r["_index"]] = m.tolist()
-        tally.add_row(r["_index"], r["domain"], m[:, 0].tolist())
+        tally.add_row(r["_index"], r["domain"], m[:, 0].tolist(), r.get("id"))
     acc = tally.result(name, HEAD, _budget(refs))
     acc.matrices = [mats[i] for i in sorted(mats)]
     return acc

@@ -158,6 +158,7 @@ def _breakdown(row: dict, val: dict) -> dict:
         "expected_tau": row["tokens_per_round"][str(K)], "expected_tau_iid": row["expected_tau"][str(K)],
         "measured_tau": val["spec_tokens_per_round"],
         "tau_error": val["spec_tokens_per_round"] / row["tokens_per_round"][str(K)] - 1,
+        "expected_tau_same_prompts": val.get("expected_tau_same_prompts"),
         "modeled_round_s": modeled_round, "measured_round_s": val["measured_round_s"],
         "round_error": val["measured_round_s"] / modeled_round - 1,
         "modeled_target_step_s": modeled_step, "measured_target_step_s": val["measured_target_step_s"],
@@ -295,6 +296,7 @@ def run_pair(target_spec: str, out: Path, cfg: PairConfig, *, prompts: str = "co
             "measured_speedup": None,
             "validation": None,
         }
+    cands_order = {c.spec: i for i, c in enumerate(cands)}  # accs follow this order
     cands.sort(key=lambda c: c.row["predicted_speedup"], reverse=True)
 
     if cfg.validate:
@@ -306,6 +308,8 @@ def run_pair(target_spec: str, out: Path, cfg: PairConfig, *, prompts: str = "co
             vals = {K: _validate(target, t_runner, cand, val_prompts, refs, K, cfg, device)
                     for K in sorted({best, *cfg.validate_ks})}
             val = vals[best]
+            val["expected_tau_same_prompts"] = accs[cands_order[cand.spec]].tokens_per_round(
+                best, ids={p.id for p in val_prompts})
             cand.row["validation"] = val
             cand.row["measured_speedup"] = val["measured_speedup"]
             gap = abs(val["measured_speedup"] - cand.row["predicted_speedup"]) / val["measured_speedup"]
@@ -405,7 +409,9 @@ def markdown(board: dict) -> str:
             if b:
                 lines.append(
                     f"Breakdown: tokens per round {b['measured_tau']:.2f} measured vs {b['expected_tau']:.2f} predicted "
-                    f"({100 * b['tau_error']:+.0f}%; {b['expected_tau_iid']:.2f} from alpha i.i.d.); seconds per round "
+                    f"({100 * b['tau_error']:+.0f}%; {b['expected_tau_iid']:.2f} from alpha i.i.d.; "
+                    f"{b['expected_tau_same_prompts'] or float('nan'):.2f} walked on the validated prompts' rows "
+                    "alone); seconds per round "
                     f"{b['measured_round_s']:.4f} measured vs {b['modeled_round_s']:.4f} modeled "
                     f"({100 * b['round_error']:+.0f}%); target step {b['measured_target_step_s']:.4f} s in validation vs "
                     f"{b['modeled_target_step_s']:.4f} s modeled.")

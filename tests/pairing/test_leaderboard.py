@@ -100,6 +100,8 @@ def test_heads_rank_with_drafts_and_validate_across_k(setup, tmp_path: Path) -> 
         assert c["measured_best_k"] in (1, 2, c["best_k"]) and c["best_k_shortfall"] >= 0
         b = c["prediction_breakdown"]
         assert b["measured_tau"] >= 1 and b["expected_tau"] >= 1 and b["modeled_round_s"] > 0
+        # greedy, unquantized: the rows of the validated prompts walk to the decoder's own tokens per round
+        assert b["expected_tau_same_prompts"] == pytest.approx(b["measured_tau"], abs=1e-9)
         assert c["prediction_error"] == pytest.approx(abs(c["measured_speedup"] - c["predicted_speedup"])
                                                       / c["measured_speedup"])
     assert "By K:" in (tmp_path / "board" / "leaderboard.md").read_text()
