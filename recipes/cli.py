@@ -289,6 +289,15 @@ def cmd_export(args: argparse.Namespace) -> int:
         print(f"{name}: {line}")
     for t, lc in (summary.get("llama_cpp") or {}).items():
         print(f"llama.cpp ({t} draft): {llama_cpp_result(lc, summary.get('llama_cpp_target_only'))}")
+    search = summary.get("llama_cpp_search")
+    if search:
+        alone = {t: sum(v) / len(v) for t, v in search["target_alone_tokens_per_s"].items() if all(v)}
+        print("llama.cpp search, target alone: " + ", ".join(f"-t {t}: {x:.2f} tok/s" for t, x in alone.items()))
+        for name, b in search["best"].items():
+            print(f"llama.cpp search, fastest with {name}: K={b['k']} p-min={b['p_min']:g} -t {b['threads']}: "
+                  f"{b['tokens_per_s']:.2f} tok/s, {b['speedup_vs_fastest_target_alone']:.2f}x the fastest target "
+                  f"alone, {b['accepted']}/{b['drafted']} accepted, greedy equal on {b['greedy_equal']['equal']}/"
+                  f"{b['greedy_equal']['prompts']}")
     for w in summary.get("warnings") or []:
         print(f"warning: {w}")
     print(f"wrote {args.out}")
