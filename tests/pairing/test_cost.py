@@ -245,15 +245,17 @@ def test_calibrated_prediction_matches_a_decode_dominated_by_known_times() -> No
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
     dc = calibrate_decoder(target, draft, prompts, k=2, isolated=iso, max_new_tokens=12)
     assert dc.calibration_k == 2 and dc.calibration_tokens == 24 and dc.calibration_seconds > 0
-    assert 0.003 <= dc.draft_step_s < 0.006 and 0.012 <= dc.target_token_s < 0.016
-    assert 0.012 <= dc.verify_s[2] < 0.016 and dc.target_prefill_s >= 0.012 and dc.spec_prefill_s >= 0.015
-    assert 0 <= dc.other_s < 0.003
+    # lower bounds are the sleeps; upper bounds leave room for a busy shared machine
+    assert 0.003 <= dc.draft_step_s < 0.009 and 0.012 <= dc.target_token_s < 0.024
+    assert 0.012 <= dc.verify_s[2] < 0.024 and dc.target_prefill_s >= 0.012 and dc.spec_prefill_s >= 0.015
+    assert 0 <= dc.other_s < 0.006
     assert dc.round_s(3) == pytest.approx(3 * dc.draft_step_s + dc.verify_s[3] + dc.other_s)
     json.dumps(dc.to_dict())
     val = validate_drafts(target, {"d": draft}, prompts, k=3, max_new_tokens=24, eos_ids=[], desc=None)
     st = val.stats["d"]
     assert val.greedy_equal["d"]
     predicted = dc.speedup(st.new_tokens / st.target_forwards, 3, 24)
-    assert predicted == pytest.approx(val.speedup("d"), rel=0.1)
+    # about 2.1x here; a model that left out the draft steps would predict about 3.4x
+    assert predicted == pytest.approx(val.speedup("d"), rel=0.15)
     with pytest.raises(ValueError, match="K=5"):
         calibrate_decoder(target, draft, prompts, k=5, isolated=iso)
