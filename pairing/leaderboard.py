@@ -5,9 +5,11 @@
         --prompts code,chat --validate 1 --out runs/pair-qwen
 
 Steps: compatibility check per candidate -> the target's reference continuations (generated once, cached)
--> teacher-forced acceptance of every candidate in one pass over the target -> measured cost c and v(K)
--> predicted speedup E[tau] / (K c + v(K)) and best K (overall and per domain) -> optionally, the built-in
-decoder on the top N candidates at their best K for the measured speedup. Writes leaderboard.json, .md,
+-> teacher-forced acceptance of every candidate in one pass over the target (a head: by depth, fed by itself)
+-> measured cost c and v(K) and a short calibration decode that times rounds in the decoder -> predicted speedup
+(the rows walked round by round as the decoder walks them, over the round cost; docs/design.md) and best K
+(overall and per domain) -> optionally, the built-in decoder on the top N candidates at their best K (and at
+`validate_ks`) for the measured speedup, the prediction error and its breakdown. Writes leaderboard.json, .md,
 .csv and .html (with PNG plots) into --out.
 """
 

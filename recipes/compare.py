@@ -85,7 +85,8 @@ def write_merged(merged: dict, out: Path) -> Doc:
     atomic_write_json(out / "leaderboard.json", merged)
     doc = Doc("draftsmith leaderboard")
     doc.p(f"{len(merged['rows'])} rows from {len(merged['runs'])} run folders. alpha: teacher-forced acceptance; "
-          "predicted: E[tau] / (K c + v(K)) from the measured cost; measured: our decoder with / without the draft.")
+          "predicted: the leaderboard's (tokens per round walked as the decoder walks them, round cost timed in the "
+          "decoder); measured: our decoder with / without the draft.")
     doc.table(*_table(merged))
     if merged["without_results"]:
         doc.p("Folders without results yet: " + ", ".join(merged["without_results"]))

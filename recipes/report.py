@@ -144,8 +144,9 @@ def _pairing(doc: Doc, run: Path) -> None:
     doc.h("Pairing leaderboard")
     s = board["settings"]
     doc.p(f"Target `{board['target']}`; {s['n_prompts']} prompts ({s['prompts']}), {s['max_new_tokens']} reference "
-          "tokens each. alpha is teacher-forced; predicted speedup = E[tau] / (K c + v(K)) with c and v(K) measured "
-          "here; tau counts the bonus token. Full page: pairing/leaderboard.html.")
+          "tokens each. alpha is teacher-forced; predicted speedup: tokens per round walked on the teacher-forced rows "
+          "as the decoder walks them, over the round cost timed in the decoder (docs/design.md); tau counts the bonus "
+          "token. Full page: pairing/leaderboard.html.")
     head, rows = table_rows(board)
     doc.table(head, rows)
 
