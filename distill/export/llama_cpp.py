@@ -370,6 +370,36 @@ def check_with_llama_cpp(
     return result
 
 
+def llama_bench(model_gguf: str | Path, *, prompt_sizes: list[int] = (), n_gen: int = 16, depth: int = 64,
+                threads: int = 2, repetitions: int = 3, server: Path | None = None) -> dict[int, float]:
+    """llama.cpp's own `llama-bench` (next to llama-server) on one GGUF at `depth` tokens of context: seconds of
+    one forward over n tokens for each n in `prompt_sizes`, and of one generated token (key 1, from `n_gen`)."""
+    server = server or find_llama_server()
+    bench = server.parent / "llama-bench"
+    cmd = [str(bench), "-m", str(model_gguf), "-n", str(n_gen), "-d", str(depth), "-t", str(threads),
+           "-r", str(repetitions), "-o", "json", "-p", ",".join(str(n) for n in prompt_sizes) or "0"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=server_env(server), timeout=1800)
+    if r.returncode != 0:
+        raise DraftsmithError(f"llama-bench failed (exit {r.returncode}): {' | '.join(r.stderr.splitlines()[-3:])}")
+    out: dict[int, float] = {}
+    for row in json.loads(r.stdout):
+        if row.get("n_gen"):
+            out[1] = 1.0 / float(row["avg_ts"])
+        elif row.get("n_prompt"):
+            out[int(row["n_prompt"])] = int(row["n_prompt"]) / float(row["avg_ts"])
+    return out
+
+
+def llama_cpp_cost(target_gguf: str | Path, draft_gguf: str | Path, ks: list[int], *, threads: int = 2,
+                   depth: int = 64, server: Path | None = None) -> dict[str, Any]:
+    """c and v(K) inside llama.cpp (`llama-bench`), as draftsmith defines them: c = a draft token / a target token,
+    v(K) = a target forward over K+1 tokens / a target token, at `depth` tokens of context."""
+    t = llama_bench(target_gguf, prompt_sizes=[k + 1 for k in ks], depth=depth, threads=threads, server=server)
+    d = llama_bench(draft_gguf, depth=depth, threads=threads, server=server)
+    return {"threads": threads, "depth": depth, "target_token_s": t[1], "draft_token_s": d[1], "c": d[1] / t[1],
+            "v": {str(k): t[k + 1] / t[1] for k in ks}, "tool": "llama-bench (pp n = one forward over n tokens)"}
+
+
 def search_llama_cpp(
     target_gguf: str | Path, drafts: dict[str, str | Path], prompts: list[str | list[int]], *,
     ks: list[int] = (1, 2, 3, 4, 6, 8), p_mins: list[float] = (0.0, 0.5), threads: list[int] = (1, 2),
@@ -413,7 +443,13 @@ def search_llama_cpp(
         mine = [r for r in rows if r["draft"] == name and r["tokens_per_s"]]
         if mine:
             best[name] = max(mine, key=lambda r: r["tokens_per_s"])
+    costs = {}
+    for name, path in drafts.items():  # what a round costs in llama.cpp, for the fastest setup's thread count
+        if spec_types.get(name, "draft-simple") == "draft-simple" and name in best:
+            with contextlib.suppress(DraftsmithError, OSError, ValueError, KeyError, subprocess.TimeoutExpired):
+                costs[name] = llama_cpp_cost(target_gguf, path, list(ks), threads=best[name]["threads"], server=server)
     return {"target": str(target_gguf), "drafts": {k: str(v) for k, v in drafts.items()}, "prompts": len(prompts),
+            "cost": costs,
             "n_predict": n_predict, "grid": {"k": list(ks), "p_min": list(p_mins), "threads": list(threads)},
             "target_alone_tokens_per_s": {str(t): v for t, v in base.items()},
             "fastest_target_alone_threads": fastest_alone, "rows": rows, "best": best,

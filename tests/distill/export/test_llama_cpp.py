@@ -170,3 +170,24 @@ def test_a_head_converts_to_an_eagle3_gguf_with_llama_cpps_converter(tmp_path: P
     assert got["arch"] == "eagle3" and got["layers"] == [3, 15, 27]
     assert got["tensors"]["output.weight"] == [576, 512] and got["tensors"]["d2t"] == [512]
     assert got["tensors"]["fc.weight"] == [1728, 576] and "blk.0.attn_norm_2.weight" in got["tensors"]
+
+
+def test_llama_cpp_cost_reads_llama_bench(monkeypatch, tmp_path: Path) -> None:
+    """c and v(K) from llama-bench's JSON: pp n -> one forward over n tokens (n / tokens per s), tg -> one token."""
+    import subprocess
+
+    rows = {"t.gguf": [{"n_prompt": 2, "n_gen": 0, "avg_ts": 40.0}, {"n_prompt": 4, "n_gen": 0, "avg_ts": 50.0},
+                       {"n_prompt": 0, "n_gen": 16, "avg_ts": 20.0}],
+            "d.gguf": [{"n_prompt": 0, "n_gen": 16, "avg_ts": 50.0}]}
+    seen = []
+
+    def fake_run(cmd, **kw):
+        seen.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, json.dumps(rows[cmd[cmd.index("-m") + 1]]), "")
+
+    monkeypatch.setattr(lc.subprocess, "run", fake_run)
+    cost = lc.llama_cpp_cost("t.gguf", "d.gguf", [1, 3], threads=2, server=tmp_path / "llama-server")
+    assert cost["c"] == pytest.approx((1 / 50) / (1 / 20))  # 0.4
+    assert cost["v"] == {"1": pytest.approx((2 / 40) / (1 / 20)), "3": pytest.approx((4 / 50) / (1 / 20))}
+    assert seen[0][0].endswith("llama-bench") and seen[0][seen[0].index("-p") + 1] == "2,4"
+    assert seen[1][seen[1].index("-p") + 1] == "0" and seen[0][seen[0].index("-t") + 1] == "2"
