@@ -176,31 +176,16 @@ def _check_llama_cpp(t_gguf: Path, drafts: dict[str, Path], prompts: list[list[i
     """llama-server with each GGUF draft, between two runs of the target alone (before and after, so a machine
     that slows down or speeds up during the check shows): acceptance, tokens/s and the ratio to the target alone,
     and whether the greedy text equals the target's."""
-    from distill.export.llama_cpp import check_with_llama_cpp
+    from distill.export.llama_cpp import beside_target_alone
 
-    def alone(when: str) -> dict:
-        _say(f"llama-server: the target alone ({when})", progress)
-        return check_with_llama_cpp(t_gguf, None, prompts, n_predict=64)
-
-    before = alone("baseline")
-    runs = {}
-    for t, path in drafts.items():
-        _say(f"llama-server: target with draft {path.name}", progress)
-        runs[t] = check_with_llama_cpp(t_gguf, path, prompts, n_predict=64, draft_max=k)
-    after = alone("baseline again")
-    speeds = [r["tokens_per_s"] for r in (before, after) if r["tokens_per_s"]]
-    base_tps = sum(speeds) / len(speeds) if speeds else None
-    baseline = {"tokens_per_s": base_tps, "runs_tokens_per_s": [before["tokens_per_s"], after["tokens_per_s"]],
-                "predicted_n": [before["predicted_n"], after["predicted_n"]], "contents": before["contents"],
-                "prompts": before["prompts"], "command": before["command"], "server_version": before["server_version"]}
+    runs, baseline = beside_target_alone(t_gguf, {t: {"draft_gguf": path, "draft_max": k} for t, path in drafts.items()},
+                                         prompts, 64, say=lambda m: _say(m, progress))
     for t, lc in runs.items():
         name = drafts[t].name
-        lc["speedup_vs_target_only"] = lc["tokens_per_s"] / base_tps if lc["tokens_per_s"] and base_tps else None
-        same = [a == b for a, b in zip(lc["contents"], before["contents"])]
-        lc["greedy_equal"] = {"prompts": len(same), "equal": sum(same)}
-        if not all(same):  # llama.cpp verifies K+1 tokens in one batch: its arithmetic can flip a near-tie
+        same = lc["greedy_equal"]  # llama.cpp verifies K+1 tokens in one batch: its arithmetic can flip a near-tie
+        if same["equal"] < same["prompts"]:
             warnings.append(f"llama.cpp's greedy text with {name} differs from the target alone on "
-                            f"{len(same) - sum(same)} of {len(same)} prompts")
+                            f"{same['prompts'] - same['equal']} of {same['prompts']} prompts")
         if not lc["drafted"]:
             failed.append(f"llama.cpp drafted no tokens with {name} (see export.json log_tail)")
         elif not lc["accepted"]:

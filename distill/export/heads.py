@@ -359,7 +359,7 @@ def check_head_with_llama_cpp(target: str, head_gguf: Path, ks: list[int], *, ta
     from decode.prompts import load_suite
     from decode.textgen import prompt_ids
     from distill.export import target_gguf_for
-    from distill.export.llama_cpp import check_with_llama_cpp, find_llama_server
+    from distill.export.llama_cpp import beside_target_alone
 
     t_gguf = target_gguf_for(target, target_gguf)
     if t_gguf is None:
@@ -367,20 +367,9 @@ def check_head_with_llama_cpp(target: str, head_gguf: Path, ks: list[int], *, ta
                               "give target_gguf")
     tok = load(target).tokenizer
     prompts = [prompt_ids(tok, load_suite(s)[0].prompt) for s in ("code", "chat", "json", "summarize")][:n_prompts]
-    server = find_llama_server(progress=progress)
-    before = check_with_llama_cpp(t_gguf, None, prompts, n_predict, server=server)
-    runs = {}
-    for k in ks:
-        r = check_with_llama_cpp(t_gguf, head_gguf, prompts, n_predict, k, server=server, spec_type="draft-eagle3")
-        runs[str(k)] = r
-    after = check_with_llama_cpp(t_gguf, None, prompts, n_predict, server=server)
-    speeds = [x["tokens_per_s"] for x in (before, after) if x["tokens_per_s"]]
-    base = sum(speeds) / len(speeds) if speeds else None
-    for r in runs.values():
-        r["speedup_vs_target_only"] = r["tokens_per_s"] / base if r["tokens_per_s"] and base else None
-        same = [a == b for a, b in zip(r["contents"], before["contents"])]
-        r["greedy_equal"] = {"prompts": len(same), "equal": sum(same)}
+    drafts = {str(k): {"draft_gguf": head_gguf, "draft_max": k, "spec_type": "draft-eagle3"} for k in ks}
+    runs, baseline = beside_target_alone(t_gguf, drafts, prompts, n_predict)
     return {"target_gguf": str(t_gguf), "head_gguf": str(head_gguf), "prompts": len(prompts), "n_predict": n_predict,
-            "target_alone_tokens_per_s": [before["tokens_per_s"], after["tokens_per_s"]],
-            "target_alone_mean_tokens_per_s": base, "target_alone_contents": before["contents"],
-            "runs": runs, "server_version": before["server_version"]}
+            "target_alone_tokens_per_s": baseline["runs_tokens_per_s"],
+            "target_alone_mean_tokens_per_s": baseline["tokens_per_s"], "target_alone_contents": baseline["contents"],
+            "runs": runs, "server_version": baseline["server_version"]}

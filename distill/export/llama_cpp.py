@@ -370,6 +370,38 @@ def check_with_llama_cpp(
     return result
 
 
+def _mean(xs: list[float | None]) -> float | None:
+    xs = [x for x in xs if x]
+    return sum(xs) / len(xs) if xs else None
+
+
+def beside_target_alone(target_gguf: str | Path, drafts: dict[str, dict[str, Any]], prompts: list[str | list[int]],
+                        n_predict: int = 64, *, server: Path | None = None,
+                        say: Any = None) -> tuple[dict[str, dict], dict[str, Any]]:
+    """llama-server with each draft (name -> `check_with_llama_cpp` keyword arguments: draft_gguf, draft_max,
+    spec_type, ...) between two runs of the target alone, so a machine that slows down or speeds up during the
+    check shows. Each run gets `speedup_vs_target_only` (over the mean of the two) and `greedy_equal` (its text
+    against the target alone's). Returns (runs, baseline)."""
+    say = say or (lambda message: None)
+    say("llama-server: the target alone (baseline)")
+    before = check_with_llama_cpp(target_gguf, None, prompts, n_predict, server=server)
+    runs = {}
+    for name, kw in drafts.items():
+        say(f"llama-server: target with draft {Path(kw['draft_gguf']).name} ({name})")
+        runs[name] = check_with_llama_cpp(target_gguf, kw.pop("draft_gguf"), prompts, n_predict, server=server, **kw)
+    say("llama-server: the target alone (baseline again)")
+    after = check_with_llama_cpp(target_gguf, None, prompts, n_predict, server=server)
+    base = _mean([before["tokens_per_s"], after["tokens_per_s"]])
+    for r in runs.values():
+        r["speedup_vs_target_only"] = r["tokens_per_s"] / base if r["tokens_per_s"] and base else None
+        same = [a == b for a, b in zip(r["contents"], before["contents"])]
+        r["greedy_equal"] = {"prompts": len(same), "equal": sum(same)}
+    baseline = {"tokens_per_s": base, "runs_tokens_per_s": [before["tokens_per_s"], after["tokens_per_s"]],
+                "predicted_n": [before["predicted_n"], after["predicted_n"]], "contents": before["contents"],
+                "prompts": before["prompts"], "command": before["command"], "server_version": before["server_version"]}
+    return runs, baseline
+
+
 def llama_bench(model_gguf: str | Path, *, prompt_sizes: list[int] = (), n_gen: int = 16, depth: int = 64,
                 threads: int = 2, repetitions: int = 3, server: Path | None = None) -> dict[int, float]:
     """llama.cpp's own `llama-bench` (next to llama-server) on one GGUF at `depth` tokens of context: seconds of
@@ -426,18 +458,16 @@ def search_llama_cpp(
     for t in threads:
         alone[t].append(check_with_llama_cpp(target_gguf, None, prompts, n_predict, threads=t, server=server))
     base = {t: [r["tokens_per_s"] for r in runs] for t, runs in alone.items()}
+    mean_alone = {t: _mean(v) for t, v in base.items()}
+    fastest_alone = max(threads, key=lambda t: mean_alone[t] or 0.0)
     for row in rows:
-        speeds = [x for x in base[row["threads"]] if x]
-        row["target_alone_tokens_per_s"] = sum(speeds) / len(speeds) if speeds else None
-        row["speedup_vs_target_only"] = (row["tokens_per_s"] / row["target_alone_tokens_per_s"]
-                                         if row["tokens_per_s"] and row["target_alone_tokens_per_s"] else None)
+        row["target_alone_tokens_per_s"] = mean_alone[row["threads"]]
+        # against the target alone at the same thread count, and against the best it does alone at any count
+        for key, over in (("speedup_vs_target_only", mean_alone[row["threads"]]),
+                          ("speedup_vs_fastest_target_alone", mean_alone[fastest_alone])):
+            row[key] = row["tokens_per_s"] / over if row["tokens_per_s"] and over else None
         ref = alone[row["threads"]][0]["contents"]
         row["greedy_equal"] = {"prompts": len(ref), "equal": sum(a == b for a, b in zip(row.pop("contents"), ref))}
-    mean_alone = {t: sum(x for x in v if x) / max(1, len([x for x in v if x])) for t, v in base.items()}
-    fastest_alone = max(threads, key=lambda t: mean_alone[t])
-    for row in rows:  # against the best the target does alone at any thread count: what a user compares with
-        row["speedup_vs_fastest_target_alone"] = (row["tokens_per_s"] / mean_alone[fastest_alone]
-                                                  if row["tokens_per_s"] and mean_alone[fastest_alone] else None)
     best = {}
     for name in drafts:
         mine = [r for r in rows if r["draft"] == name and r["tokens_per_s"]]
