@@ -270,7 +270,6 @@ def ttt_logits(head: Eagle3Head, features: Tensor, tokens: Tensor, steps: int) -
     return out
 
 
-
 class HeadDraft:
     """An Eagle3Head as the draft of `decode.speculative.generate`.
 

@@ -129,9 +129,6 @@ class RoundClock:
     prefill_s: list[float] = field(default_factory=list)  # one per generate call
     rounds: list[tuple[int, float, float, float]] = field(default_factory=list)
 
-    def merge(self, other: "RoundClock") -> "RoundClock":
-        return RoundClock(self.prefill_s + other.prefill_s, self.rounds + other.rounds)
-
 
 @dataclass
 class Result:

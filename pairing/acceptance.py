@@ -36,7 +36,7 @@ from decode.loading import Loaded
 from decode.sampling import SamplingParams, fit_vocab, greedy_token, to_probs
 from decode.textgen import eos_ids, prompt_ids
 from pairing.cost import expected_tau
-from pairing.depth import depth_rates_censored, round_matrix, tokens_per_round
+from pairing.depth import depth_rates_censored, depth_rates_from_rounds, round_matrix, tokens_per_round
 
 K_RANGE = range(1, 17)
 TOKEN_LEVEL = "teacher-forced"
@@ -106,16 +106,7 @@ class Acceptance:
         the same over its own matrices (depth j judged where its position lies in the row)."""
         if self.matrices is None:
             return depth_rates_censored([r for r in self.rows if r], K_max)
-        num, den = [0.0] * K_max, [0.0] * K_max
-        for m in self.accept_rows():
-            T = m.shape[0]
-            surv = torch.ones(T, dtype=torch.float64)
-            for j in range(min(K_max, m.shape[1])):
-                live = torch.arange(T) + j < T  # depth j+1 of a round from s judges position s+j
-                den[j] += float(surv[live].sum())
-                surv = surv * m[:, j]
-                num[j] += float(surv[live].sum())
-        return [n / d if d > 0 else 0.0 for n, d in zip(num, den)]
+        return depth_rates_from_rounds(self.accept_rows(), K_max)
 
 
 class _Tally:
@@ -364,7 +355,7 @@ def measure_head_acceptance(
         seq = torch.tensor(list(r["prompt_ids"]) + list(r["continuation_ids"]), device=device)
         out = target.model(input_ids=seq[None], output_hidden_states=True, use_cache=False)
         feats = torch.cat([out.hidden_states[i][0] for i in layers], dim=-1)
-        p = to_probs(out.logits[0].to(torch.float64 if params.greedy else out.logits.dtype), params)
+        p = to_probs(out.logits[0], params)
         m = torch.zeros(C, depth, dtype=torch.float64)
         for j, logits in enumerate(ttt_logits(head, feats, seq, min(depth, C)), start=1):
             lo, hi = max(0, 3 - P - j), C - j + 1  # starts whose depth j lies in the row

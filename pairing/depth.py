@@ -154,6 +154,23 @@ def round_matrix(beta: Tensor | Sequence[float], depth: int) -> Tensor:
     return m
 
 
+def depth_rates_from_rounds(accepts: Sequence[Tensor], K_max: int) -> list[float]:
+    """`depth_rates_censored` for round matrices (`expected_rounds`'s `accept`, e.g. a head's, whose depth j from
+    start s need not be depth 1 at s+j-1): a_j = sum prod_{i<=j} A[s,i] / sum prod_{i<j} A[s,i] over the starts s
+    whose depth j lies in the row (s + j - 1 < T), j = 1..K_max; 0 where no round reached depth j."""
+    _check_k(K_max, "K_max")
+    num, den = [0.0] * K_max, [0.0] * K_max
+    for a in accepts:
+        T = a.shape[0]
+        surv = torch.ones(T, dtype=torch.float64)
+        for j in range(min(K_max, a.shape[1])):
+            live = torch.arange(T) + j < T
+            den[j] += float(surv[live].sum())
+            surv = surv * a[:, j].to(torch.float64)
+            num[j] += float(surv[live].sum())
+    return [n / d if d > 0 else 0.0 for n, d in zip(num, den)]
+
+
 def expected_rounds(accept: Tensor, K: int, *, budget: int | None = None) -> float:
     """E[number of target forwards] the decoder needs to emit a row of T = len(accept) tokens at K drafts a round.
 
@@ -249,7 +266,7 @@ def best_k_from_depth(a: Sequence[float], c: float, v: dict[int, float]) -> tupl
 
 
 __all__ = [
-    "BetaRows", "best_k_from_depth", "expected_rounds", "round_matrix", "tokens_per_round", "depth_rates", "depth_rates_censored", "depth_survival",
+    "BetaRows", "best_k_from_depth", "depth_rates_from_rounds", "expected_rounds", "round_matrix", "tokens_per_round", "depth_rates", "depth_rates_censored", "depth_survival",
     "expected_tau_from_depth_rates", "expected_tau_from_runs", "predicted_speedup_from_depth",
     "speedup_curve_from_depth",
 ]

@@ -88,6 +88,7 @@ class Candidate:
     compat: object
     row: dict = field(default_factory=dict)
     head: object | None = None  # a decode.head.Eagle3Head for head:PATH
+    acc: object | None = None  # its pairing.acceptance.Acceptance, once measured
 
 
 HEAD_PREFIX = "head:"
@@ -168,14 +169,11 @@ def _breakdown(row: dict, val: dict) -> dict:
     }
 
 
-def _predict(acc, cost: CostModel, dcost: DecoderCost | None, tokens: float, domain: str | None = None) -> dict[int, float]:
-    """K -> predicted speedup: tokens per round walked on the rows (`Acceptance.tokens_per_round`) over the
-    decoder's round cost when calibrated, else over the isolated c and v(K)."""
-    out = {}
-    for K in range(1, MAX_K + 1):
-        tau = acc.tokens_per_round(K, domain)
-        out[K] = dcost.speedup(tau, K, tokens) if dcost else speedup_from_tau(tau, K, cost.c, cost.v[K])
-    return out
+def _predict(taus: dict[int, float], cost: CostModel, dcost: DecoderCost | None, tokens: float) -> dict[int, float]:
+    """K -> predicted speedup: tokens per round walked on the rows (`Acceptance.tokens_per_round`, K -> tau) over
+    the decoder's round cost when calibrated, else over the isolated c and v(K)."""
+    return {K: dcost.speedup(tau, K, tokens) if dcost else speedup_from_tau(tau, K, cost.c, cost.v[K])
+            for K, tau in taus.items()}
 
 
 def _argmax(curve: dict[int, float]) -> int:
@@ -236,14 +234,18 @@ def run_pair(target_spec: str, out: Path, cfg: PairConfig, *, prompts: str = "co
     calib_prompts = _calibration_prompts(refs, cfg.calibrate_prompts)
     v_ratios: dict[int, float] | None = None
     for cand, acc in zip(cands, accs):
+        cand.acc = acc
+        # tokens per round at every K, walked once: overall and per domain
+        taus = {K: acc.tokens_per_round(K) for K in range(1, MAX_K + 1)}
+        taus_by_domain = {d: {K: acc.tokens_per_round(K, d) for K in range(1, MAX_K + 1)} for d in acc.alpha_by_domain}
         d_runner = _draft(cand, t_runner.max_seq_len, cfg)
+        timed_draft = None if cand.head is not None else d_runner  # a head's step is timed in the decoder only
         if v_ratios is None:  # v(K) is the target's alone: measure the whole curve once
-            cost = measure_cost(t_runner, None if cand.head is not None else d_runner, ks=range(1, MAX_K + 1),
-                                repeats=3, warmup=1, context=context, device=device)
+            cost = measure_cost(t_runner, timed_draft, ks=range(1, MAX_K + 1), repeats=3, warmup=1, context=context,
+                                device=device)
             v_ratios = cost.v
         else:  # c side by side with the target step; v(K) reused as ratios to that step
-            quick = measure_cost(t_runner, None if cand.head is not None else d_runner, ks=[1], repeats=5, warmup=1,
-                                 context=context, device=device)
+            quick = measure_cost(t_runner, timed_draft, ks=[1], repeats=5, warmup=1, context=context, device=device)
             cost = CostModel(quick.target_step_s, quick.draft_step_s,
                              {K: v * quick.target_step_s for K, v in v_ratios.items()}, quick.context, quick.repeats)
         dcost = None
@@ -251,7 +253,7 @@ def run_pair(target_spec: str, out: Path, cfg: PairConfig, *, prompts: str = "co
             if cand.head is not None:  # a head's step is only timed inside the decoder: calibrate at c = 0.1 first
                 cost = CostModel(cost.target_step_s, 0.1 * cost.target_step_s, cost.verify_s, cost.context,
                                  cost.repeats)
-            k0 = _argmax(_predict(acc, cost, None, mean_tokens[None]))
+            k0 = _argmax(_predict(taus, cost, None, mean_tokens[None]))
             dcost = calibrate_decoder(t_runner, d_runner, calib_prompts, k=k0, isolated=cost,
                                       max_new_tokens=min(cfg.calibrate_tokens, cfg.max_new_tokens),
                                       eos_ids=eos_ids(target), device=device, progress=progress)
@@ -260,9 +262,9 @@ def run_pair(target_spec: str, out: Path, cfg: PairConfig, *, prompts: str = "co
                                  cost.verify_s, cost.context, cost.repeats)
         tau_iid_curve = speedup_curve(acc.alpha, cost.c, cost.v)
         del d_runner
-        curve = _predict(acc, cost, dcost, mean_tokens[None])
+        curve = _predict(taus, cost, dcost, mean_tokens[None])
         k = _argmax(curve)
-        by_domain = {d: _predict(acc, cost, dcost, mean_tokens[d], d) for d in acc.alpha_by_domain}
+        by_domain = {d: _predict(t, cost, dcost, mean_tokens[d]) for d, t in taus_by_domain.items()}
         cand.row = {
             "draft": cand.spec,
             "params": _params_million(cand.head if cand.head is not None else cand.loaded.model),
@@ -280,9 +282,8 @@ def run_pair(target_spec: str, out: Path, cfg: PairConfig, *, prompts: str = "co
             "alpha_by_position": acc.by_position,
             "depth_rates": acc.depth_rates(MAX_K),
             "expected_tau": {str(K): t for K, t in acc.expected_tau.items()},
-            "tokens_per_round": {str(K): acc.tokens_per_round(K) for K in range(1, MAX_K + 1)},
-            "tokens_per_round_by_domain": {d: {str(K): acc.tokens_per_round(K, d) for K in range(1, MAX_K + 1)}
-                                           for d in acc.alpha_by_domain},
+            "tokens_per_round": {str(K): t for K, t in taus.items()},
+            "tokens_per_round_by_domain": {d: {str(K): t for K, t in ts.items()} for d, ts in taus_by_domain.items()},
             "cost_ratio": cost.c,
             "verify_cost": {str(K): v for K, v in cost.v.items()},
             "timings": cost.to_dict(),
@@ -298,7 +299,6 @@ def run_pair(target_spec: str, out: Path, cfg: PairConfig, *, prompts: str = "co
             "measured_speedup": None,
             "validation": None,
         }
-    cands_order = {c.spec: i for i, c in enumerate(cands)}  # accs follow this order
     cands.sort(key=lambda c: c.row["predicted_speedup"], reverse=True)
 
     if cfg.validate:
@@ -310,8 +310,7 @@ def run_pair(target_spec: str, out: Path, cfg: PairConfig, *, prompts: str = "co
             vals = {K: _validate(target, t_runner, cand, val_prompts, refs, K, cfg, device)
                     for K in sorted({best, *cfg.validate_ks})}
             val = vals[best]
-            val["expected_tau_same_prompts"] = accs[cands_order[cand.spec]].tokens_per_round(
-                best, ids={p.id for p in val_prompts})
+            val["expected_tau_same_prompts"] = cand.acc.tokens_per_round(best, ids={p.id for p in val_prompts})
             cand.row["validation"] = val
             cand.row["measured_speedup"] = val["measured_speedup"]
             gap = abs(val["measured_speedup"] - cand.row["predicted_speedup"]) / val["measured_speedup"]

@@ -10,7 +10,7 @@ import torch
 
 from pairing.cost import best_k, expected_tau, speedup_curve
 from pairing.depth import (
-    best_k_from_depth, depth_rates, depth_rates_censored, depth_survival, expected_rounds,
+    best_k_from_depth, depth_rates, depth_rates_censored, depth_rates_from_rounds, depth_survival, expected_rounds,
     expected_tau_from_depth_rates, expected_tau_from_runs, predicted_speedup_from_depth, round_matrix,
     speedup_curve_from_depth, tokens_per_round,
 )
@@ -358,3 +358,13 @@ def test_expected_rounds_bad_input() -> None:
         expected_rounds(torch.ones(5, 2, dtype=torch.float64), 4)  # K needs 4 depths
     with pytest.raises(ValueError):
         tokens_per_round([torch.zeros(0, 2)], 1)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_rates_from_round_matrices_are_kaplan_meier_on_standalone_rows(seed: int) -> None:
+    """A standalone draft's round matrices give exactly the censored rates of its rows (zeros past the longest)."""
+    rows = random_rows(seed, 7, (1, 12))
+    got = depth_rates_from_rounds([round_matrix(r, 16) for r in rows], 16)
+    want = brute_kaplan_meier(rows, 16)
+    assert got[: len(want)] == pytest.approx(want, abs=1e-12) and all(x == 0.0 for x in got[len(want):])
+    assert depth_rates_censored(rows, 16) == pytest.approx(want, abs=1e-12)
