@@ -66,6 +66,7 @@ PARTIAL = "rows.partial.jsonl"
 TOPK_DIR = "topk.partial"  # the target's top-k kept while it generated, a file per batch
 STATS = "stats.json"
 SETTINGS = "settings.json"
+SHARDS = "shards"  # one folder per process of a data-parallel run (`accelerate launch`)
 
 FEATURES = datasets.Features(
     {
@@ -162,7 +163,8 @@ def generate_data(
     speculative: bool = False,
     batch_size: int = 8,
     topk: int = 0,
-) -> datasets.Dataset:
+    shard: tuple[int, int] | None = None,
+) -> datasets.Dataset | None:
     """Prompt + continuation rows for distillation (see the module docstring); resumes or loads `out`.
 
     `speculative=False` generates the target's rows with the target alone: the same text, and faster when the
@@ -170,7 +172,12 @@ def generate_data(
     `batch_size` prompts are decoded together where a model decodes alone (1 = one at a time). `topk` > 0
     keeps the target's top-k log-probs of every row it decodes plainly in a batch (Llama-family targets) in
     `<out>/topk.partial/`; `captured_topk` returns them once every row has them (the teacher cache, no
-    second pass)."""
+    second pass).
+
+    `shard=(rank, world)`: generate only this process's contiguous share of the prompts into
+    `<out>/shards/<rank>-of-<world>/` (each row seeded by its index in the whole list, so the shards hold the
+    rows one process would) and return None; `merge_shards` then makes the dataset. `gen_data` does both under
+    `accelerate launch`."""
     _check_args(source, mix, max_new_tokens, temperature, prompts)
     if batch_size < 1:
         raise DraftsmithError(f"batch_size must be >= 1, got {batch_size}")
@@ -187,14 +194,24 @@ def generate_data(
     if final.is_dir():
         return datasets.load_from_disk(str(final))
 
-    part = out / PARTIAL
-    rows = read_partial(part, prompts)
     from_draft = draft_prompts(len(prompts), source, mix, seed)
+    offset, home = 0, out
+    if shard is not None:
+        rank, world = shard
+        offset, end = shard_bounds(len(prompts), rank, world)
+        home = out / SHARDS / f"{rank}-of-{world}"
+        home.mkdir(parents=True, exist_ok=True)
+        prompts = prompts[offset:end]
+        from_draft = {i - offset for i in from_draft if offset <= i < end}
+    part = home / PARTIAL
+    rows = read_partial(part, prompts)
     if len(rows) < len(prompts):
         before, t0 = len(rows), time.perf_counter()
         _generate_rows(target, draft, prompts, rows, part, from_draft, max_new_tokens, temperature, seed, chat,
-                       progress, speculative, batch_size, topk)
-        _record_speed(out / STATS, rows[before:], time.perf_counter() - t0, batch_size)
+                       progress, speculative, batch_size, topk, offset)
+        _record_speed(home / STATS, rows[before:], time.perf_counter() - t0, batch_size)
+    if shard is not None:
+        return None
 
     ds = save_rows(rows, FEATURES, {"draftsmith_distill_data": settings}, final)
     part.unlink(missing_ok=True)
@@ -204,10 +221,11 @@ def generate_data(
 def _generate_rows(
     target: Loaded, draft: Loaded, prompts: list[Prompt], rows: list[dict], part: Path, from_draft: set[int],
     max_new_tokens: int, temperature: float, seed: int, chat: bool, progress: bool, speculative: bool = True,
-    batch_size: int = 1, topk: int = 0,
+    batch_size: int = 1, topk: int = 0, offset: int = 0,
 ) -> None:
     """Generate the rows after `rows`, `batch_size` prompts at a time, appending each finished batch to `part`
-    (in prompt order) and to `rows`."""
+    (in prompt order) and to `rows`. Prompt i samples from a generator seeded by (seed, offset + i): its
+    index in the whole list when these prompts are one shard of it."""
     ids = [prompt_ids(target.tokenizer, p.prompt, chat=chat) for p in prompts]
     for p, x in zip(prompts, ids):
         if not x:
@@ -245,7 +263,7 @@ def _generate_rows(
     with part.open("a", encoding="utf-8") as f:
         for start in range(len(rows), len(prompts), batch_size):
             chunk = range(start, min(start + batch_size, len(prompts)))
-            gens = {i: torch.Generator(device=device).manual_seed(prompt_seed(seed, i)) if temperature > 0 else None
+            gens = {i: torch.Generator(device=device).manual_seed(prompt_seed(seed, offset + i)) if temperature > 0 else None
                     for i in chunk}
             outs: dict[int, list[int]] = {}
             tops: dict[int, tuple] = {}
@@ -279,6 +297,48 @@ def _generate_rows(
             append_rows(f, rows[-len(chunk):])  # a checkpoint per batch
             bar.update(len(chunk))
     bar.close()
+
+
+def shard_bounds(n: int, rank: int, world: int) -> tuple[int, int]:
+    """[start, end) of process `rank`'s contiguous share of n prompts (the shares differ by at most one)."""
+    if world < 1 or not 0 <= rank < world:
+        raise DraftsmithError(f"shard {rank} of {world}: rank must lie in [0, world)")
+    return rank * n // world, (rank + 1) * n // world
+
+
+def merge_shards(out: Path, prompts: list[Prompt], world: int) -> datasets.Dataset:
+    """The dataset of a data-parallel run: every shard's rows in prompt order, their kept top-k (as one file per
+    shard under `topk.partial/`, as `captured_topk` reads them), and stats.json (tokens summed; seconds: the
+    slowest shard, the run's wall time). The shard folders are removed once the dataset is in place."""
+    out = Path(out)
+    final = out / DATASET_DIR
+    if final.is_dir():
+        return datasets.load_from_disk(str(final))
+    rows: list[dict] = []
+    stats = {"rows": 0, "new_tokens": 0, "seconds": 0.0, "processes": world}
+    for rank in range(world):
+        lo, hi = shard_bounds(len(prompts), rank, world)
+        home = out / SHARDS / f"{rank}-of-{world}"
+        got = read_partial(home / PARTIAL, prompts[lo:hi])
+        if len(got) != hi - lo:
+            raise DraftsmithError(f"{home}: {len(got)} of {hi - lo} rows; rerun the same command to finish it")
+        rows += [{**r, "index": lo + r["index"]} for r in got]
+        kept = captured_topk(home, hi - lo)
+        if kept is not None:
+            _save_topk(out / TOPK_DIR, lo, list(zip(*kept)))
+        s = read_json(home / STATS, missing_ok=True, what="shard stats") or {}
+        stats["rows"] += s.get("rows", 0)
+        stats["new_tokens"] += s.get("new_tokens", 0)
+        stats["seconds"] = max(stats["seconds"], s.get("seconds", 0.0))
+        stats["batch_size"] = s.get("batch_size")
+    stats["tokens_per_s"] = stats["new_tokens"] / max(stats["seconds"], 1e-9)
+    settings = read_json(out / SETTINGS, what="settings file")
+    ds = save_rows(rows, FEATURES, {"draftsmith_distill_data": settings}, final)
+    atomic_write_json(out / STATS, stats)
+    import shutil
+
+    shutil.rmtree(out / SHARDS, ignore_errors=True)
+    return ds
 
 
 def _save_topk(folder: Path, start: int, tops: list[tuple]) -> None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import errno
 import json
-import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -207,40 +206,28 @@ def cmd_gen_prompts(args: argparse.Namespace) -> int:
 
 
 def cmd_gen_data(args: argparse.Namespace) -> int:
-    from decode.loading import load
-    from decode.prompts import load_prompts
-    from distill.data import TOPK_DIR, captured_topk, data_stats, generate_data, training_rows
-    from distill.pipeline import DistillConfig
-    from distill.teacher_cache import build_teacher_cache, write_teacher_cache
-    from distill.train import TEACHER_CACHE_DIR
-    from pairing.derive import resolve_candidate
+    from distill.pipeline import DistillConfig, gen_data
 
-    cfg = _config(DistillConfig, args)
     c = _common(args)
-    prompts = load_prompts(c["prompts"], limit_per_domain=c["limit_per_domain"])
-    target = load(args.target, device=c["device"])
-    ds = generate_data(target, load(resolve_candidate(cfg.draft), device=c["device"]),
-                       prompts, args.out, source=cfg.data, mix=cfg.mix, max_new_tokens=cfg.max_new_tokens,
-                       temperature=cfg.data_temperature, seed=cfg.train.seed, speculative=cfg.speculative_data,
-                       batch_size=cfg.gen_batch_size,
-                       topk=cfg.train.teacher_topk if cfg.train.teacher == "cache" else 0)
-    print(f"{len(ds)} rows in {args.out}/dataset")
-    stats = data_stats(args.out)
+    got = gen_data(args.target, Path(args.out), _config(DistillConfig, args), prompts=c["prompts"],
+                   limit_per_domain=c["limit_per_domain"], device=c["device"])
+    if _rank() > 0:
+        return 0  # the main process reports
+    print(f"{len(got['dataset'])} rows in {args.out}/dataset")
+    stats = got["stats"]
     if stats:
+        procs = f" on {stats['processes']} processes" if stats.get("processes") else ""
         print(f"generated {stats['new_tokens']} tokens in {stats['seconds']:.0f} s: {stats['tokens_per_s']:.1f} "
-              f"tokens/s at batch {stats['batch_size']}")
-    if cfg.train.teacher == "cache":  # the target's top-k now, where every training run on this data finds it
-        rows, root = training_rows(ds), Path(args.out) / TEACHER_CACHE_DIR
-        kept = captured_topk(args.out, len(ds)) if len(rows) == len(ds) else None
-        if kept is not None:  # kept while the target generated: no second pass
-            cache = write_teacher_cache(target, rows, root, *kept, dtype=cfg.train.teacher_cache_dtype)
-            shutil.rmtree(Path(args.out) / TOPK_DIR, ignore_errors=True)  # now in the cache: not kept twice
-        else:
-            cache = build_teacher_cache(target, rows, root, k=cfg.train.teacher_topk,
-                                        dtype=cfg.train.teacher_cache_dtype, batch_size=cfg.train.batch_size)
-        how = "kept while generating" if kept is not None else "computed"
-        print(f"teacher top-{cache.k} cache ({how}) in {cache.folder}")
+              f"tokens/s at batch {stats['batch_size']}{procs}")
+    if got["cache"] is not None:
+        print(f"teacher top-{got['cache'].k} cache ({got['how']}) in {got['cache'].folder}")
     return 0
+
+
+def _rank() -> int:
+    import os
+
+    return int(os.environ.get("RANK", "0"))
 
 
 # --- parser -----------------------------------------------------------------------------------
@@ -284,11 +271,14 @@ def cmd_export(args: argparse.Namespace) -> int:
     extra = {"formats": ["hf", "gguf"]} if formats in ("all", ["all"]) else {}
     if extra:
         del args.__dict__["cfg:formats"]
-    summary = export(args.draft, args.target, args.out, _config(ExportConfig, args, extra))
+    summary = export(args.draft, args.target, args.out, _config(ExportConfig, args, extra), before=args.before)
     for name, line in (summary.get("serving") or {}).items():
         print(f"{name}: {line}")
     for t, lc in (summary.get("llama_cpp") or {}).items():
         print(f"llama.cpp ({t} draft): {llama_cpp_result(lc, summary.get('llama_cpp_target_only'))}")
+    if summary.get("llama_cpp_before"):
+        print(f"llama.cpp (un-distilled {args.before}): "
+              f"{llama_cpp_result(summary['llama_cpp_before'], summary.get('llama_cpp_target_only'))}")
     search = summary.get("llama_cpp_search")
     if search:
         alone = {t: sum(v) / len(v) for t, v in search["target_alone_tokens_per_s"].items() if all(v)}
@@ -452,7 +442,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="export a (distilled) draft: HF folder, GGUF for llama.cpp, vLLM/SGLang lines")
     p.add_argument("--draft", required=True, help="HF folder (e.g. a distill run's best/), zoo name or derive spec")
     p.add_argument("--target", required=True, help="the target the draft serves (its GGUF gives the tokenizer)")
-    add_options(p, ExportConfig, taken={"draft", "target"},
+    p.add_argument("--before", help="with --check-llama-cpp: also serve this draft (the one before distillation: zoo "
+                                    "name, folder, .gguf or derive spec) at the same K, side by side")
+    add_options(p, ExportConfig, taken={"draft", "target", "before"},
                 aliases={"formats": ["--format"], "gguf_types": ["--gguf-type"]})
     p.add_argument("--out", type=Path, required=True)
     p.set_defaults(func=cmd_export)

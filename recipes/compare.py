@@ -15,7 +15,16 @@ from decode.errors import DraftsmithError
 from decode.io import atomic_write_json, read_json
 from recipes.report import Doc, fmt
 
-COLUMNS = ["target", "draft", "kind", "alpha", "positions", "best K", "predicted", "measured", "run"]
+COLUMNS = ["target", "draft", "kind", "alpha", "positions", "best K", "predicted", "measured (ours)", "llama.cpp",
+           "run"]
+
+
+def _llama_cpp(lc: dict | None) -> dict | None:
+    """What the leaderboard keeps of one llama-server run: speedup over the target alone, K, acceptance."""
+    if not lc or lc.get("speedup_vs_target_only") is None:
+        return None
+    return {"speedup": lc["speedup_vs_target_only"], "k": lc.get("draft_max"), "accepted": lc.get("accepted"),
+            "drafted": lc.get("drafted")}
 
 
 def rows_of_run(folder: Path) -> list[dict]:
@@ -23,12 +32,15 @@ def rows_of_run(folder: Path) -> list[dict]:
     rows: list[dict] = []
     board = (read_json(folder / "pairing" / "leaderboard.json", missing_ok=True, what="leaderboard")
              or read_json(folder / "leaderboard.json", missing_ok=True, what="leaderboard"))
+    exported = read_json(folder / "export" / "export.json", missing_ok=True, what="export result") or {}
+    before = exported.get("llama_cpp_before") or {}
     if board:
         for c in board["candidates"]:
             rows.append({
                 "target": board["target"], "draft": c["draft"], "kind": c["kind"], "alpha": c["alpha"],
                 "alpha_by_domain": c["alpha_by_domain"], "positions": c["positions"], "best_k": c["best_k"],
                 "predicted_speedup": c["predicted_speedup"], "measured_speedup": c["measured_speedup"],
+                "llama_cpp": _llama_cpp(before) if before.get("draft") == c["draft"] else None,
                 "run": str(folder),
             })
     distilled = (read_json(folder / "distill" / "distill.json", missing_ok=True, what="distill result")
@@ -44,6 +56,7 @@ def rows_of_run(folder: Path) -> list[dict]:
             "alpha_by_domain": None, "positions": None, "best_k": bench.get("k"), "predicted_speedup": None,
             "measured_speedup": (bench.get("speedup_vs_target_only") or {}).get("draft_after")
             or (distilled.get("speed") or {}).get("speedup_vs_target_only", {}).get("draft_after"),
+            "llama_cpp": _llama_cpp(next(iter((exported.get("llama_cpp") or {}).values()), None)),
             "run": str(folder),
         })
     return rows
@@ -65,7 +78,8 @@ def merge_runs(folders: list[Path]) -> dict:
     rows.sort(key=lambda r: (r["target"], -(r["alpha"] or 0.0)))
     return {"rows": rows, "runs": [str(f) for f in folders], "without_results": empty,
             "definitions": {"alpha": "teacher-forced mean of sum_x min(p, q) on held-out / reference continuations",
-                            "measured": "tokens/s with the draft / tokens/s of the same decoder without it"}}
+                            "measured": "tokens/s with the draft / tokens/s of the same decoder without it",
+                            "llama_cpp": "llama-server's tokens/s with the draft / without it (the export check)"}}
 
 
 def _table(merged: dict) -> tuple[list[str], list[list[str]]]:
@@ -76,8 +90,15 @@ def _table(merged: dict) -> tuple[list[str], list[list[str]]]:
             alpha += f" (from {fmt(r['alpha_before'])})"
         rows.append([r["target"], r["draft"], r["kind"], alpha, fmt(r["positions"]), fmt(r["best_k"]),
                      fmt(r["predicted_speedup"], 2) + ("x" if r["predicted_speedup"] else ""),
-                     fmt(r["measured_speedup"], 2) + ("x" if r["measured_speedup"] else ""), r["run"]])
+                     fmt(r["measured_speedup"], 2) + ("x" if r["measured_speedup"] else ""),
+                     _llama_cpp_cell(r.get("llama_cpp")), r["run"]])
     return COLUMNS, rows
+
+
+def _llama_cpp_cell(lc: dict | None) -> str:
+    if not lc:
+        return "-"
+    return f"{lc['speedup']:.2f}x (K={lc['k']}, {lc['accepted']}/{lc['drafted']})"
 
 
 def write_merged(merged: dict, out: Path) -> Doc:
@@ -86,7 +107,8 @@ def write_merged(merged: dict, out: Path) -> Doc:
     doc = Doc("draftsmith leaderboard")
     doc.p(f"{len(merged['rows'])} rows from {len(merged['runs'])} run folders. alpha: teacher-forced acceptance; "
           "predicted: the leaderboard's (tokens per round walked as the decoder walks them, round cost timed in the "
-          "decoder); measured: our decoder with / without the draft.")
+          "decoder); measured: our decoder with / without the draft; llama.cpp: llama-server with / without it, from "
+          "the run's export check (K, accepted/drafted).")
     doc.table(*_table(merged))
     if merged["without_results"]:
         doc.p("Folders without results yet: " + ", ".join(merged["without_results"]))

@@ -260,6 +260,36 @@ def _export(doc: Doc, run: Path) -> None:
         doc.p(f"Warning: {w}")
 
 
+def side_by_side(bench: dict | None, exp: dict | None) -> list[list]:
+    """Rows [draft, our K, our speedup, llama.cpp K, llama.cpp speedup, llama.cpp accepted/drafted] for the
+    un-distilled and the distilled draft: validate/bench.json's decoder beside export.json's llama-server."""
+    exp, bench = exp or {}, bench or {}
+    ours = bench.get("speedup_vs_target_only") or {}
+    rows = []
+    drafts = [("un-distilled draft", "draft_before", exp.get("llama_cpp_before"))]
+    drafts += [(f"distilled draft ({t})", "draft_after", lc) for t, lc in (exp.get("llama_cpp") or {}).items()]
+    for label, key, lc in drafts:
+        if ours.get(key) is None and not lc:
+            continue
+        acc = f"{lc['accepted']}/{lc['drafted']}" if lc and lc.get("drafted") else None
+        rows.append([label, bench.get("k") if key in ours else None, ours.get(key),
+                     (lc or {}).get("draft_max"), (lc or {}).get("speedup_vs_target_only"), acc])
+    return rows
+
+
+def _engines(doc: Doc, run: Path) -> None:
+    exp = read_json(run / "export" / "export.json", missing_ok=True, what="export result")
+    if not exp or not (exp.get("llama_cpp") or exp.get("llama_cpp_before")):
+        return
+    bench = read_json(run / "validate" / "bench.json", missing_ok=True, what="bench result")
+    doc.h("Our decoder and llama.cpp, side by side")
+    doc.p("Speedup over the target alone, each engine against its own target-alone run (ours: validate, "
+          "held-out prompts; llama.cpp: llama-server in the export check, between two runs of the target alone).")
+    doc.table(["draft", "our K", "our decoder", "llama.cpp K", "llama.cpp", "llama.cpp accepted/drafted"],
+              [[d, k, f"{a:.2f}x" if a else None, lk, f"{b:.2f}x" if b else None, acc]
+               for d, k, a, lk, b, acc in side_by_side(bench, exp)])
+
+
 def write_report(run: Path) -> Path:
     """report.md + report.html (+ report/*.png) in `run`, from the stages that have written their results."""
     run = Path(run)
@@ -272,6 +302,7 @@ def write_report(run: Path) -> Path:
     _distill(doc, run)
     _validation(doc, run)
     _export(doc, run)
+    _engines(doc, run)
     if recipe_text:
         doc.h("Resolved recipe")
         doc.code(recipe_text.rstrip())

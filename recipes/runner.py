@@ -168,7 +168,9 @@ def stage_export(recipe: Recipe, run: RunFolder) -> dict:
         raise DraftsmithError(f"export: no distilled draft at {best_dir}; run the distill stage first")
     bench = read_json(run.path("validate") / "bench.json", missing_ok=True, what="validation result") or {}
     info = {"recipe": recipe.name, **run_info(bench)}  # the rest comes from distill/distill.json next to best/
-    summary = export(str(best_dir), recipe.target, run.path("export"), recipe.export, info=info)
+    distilled = read_json(run.path("distill") / "distill.json", missing_ok=True, what="distillation result") or {}
+    summary = export(str(best_dir), recipe.target, run.path("export"), recipe.export, info=info,
+                     before=distilled.get("draft"))  # llama.cpp serves the un-distilled draft too, side by side
     return {"formats": recipe.export.formats, "serving": summary.get("serving")}
 
 

@@ -77,13 +77,14 @@ def tiny_loaded(seed: int, folder: Path, tokenizer: PreTrainedTokenizerFast, *, 
 
 def write_run_folder(run: Path, *, target: str = "tiny-target", candidates: dict[str, float] | None = None,
                      distilled: tuple[str, float, float] | None = None, bench: dict | None = None,
-                     domains: tuple[str, ...] = ("chat", "code")) -> Path:
+                     export: dict | None = None, domains: tuple[str, ...] = ("chat", "code")) -> Path:
     """A synthetic recipe run folder with the files the pair and distill stages write (no model involved).
 
     `candidates`: draft -> alpha for pairing/leaderboard.json (alpha the same in every domain; best K 3,
     c 0.1, predicted speedup 1 + alpha). `distilled`: (draft, alpha before, alpha after) for
     distill/distill.json and distill/log.jsonl (40 steps; evals at steps 0 and 40, domain alphas before/after
-    offset by -/+0.05 around the overall alpha). `bench`: written as validate/bench.json as given.
+    offset by -/+0.05 around the overall alpha). `bench`, `export`: written as validate/bench.json and
+    export/export.json as given.
     state.json marks every stage written as done."""
     import json
 
@@ -120,5 +121,9 @@ def write_run_folder(run: Path, *, target: str = "tiny-target", candidates: dict
         (run / "validate").mkdir(exist_ok=True)
         (run / "validate" / "bench.json").write_text(json.dumps(bench))
         stages["validate"] = {"status": "done", "seconds": 5.0, "finished": "2026-01-01T00:00:47+00:00"}
+    if export is not None:
+        (run / "export").mkdir(exist_ok=True)
+        (run / "export" / "export.json").write_text(json.dumps(export))
+        stages["export"] = {"status": "done", "seconds": 9.0, "finished": "2026-01-01T00:00:56+00:00"}
     (run / "state.json").write_text(json.dumps({"stages": stages}))
     return run

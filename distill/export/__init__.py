@@ -193,13 +193,30 @@ def _check_llama_cpp(t_gguf: Path, drafts: dict[str, Path], prompts: list[list[i
     return runs, baseline
 
 
+def before_gguf(before: str, out: Path, gguf_type: str, t_gguf: Path, prompts: list[list[int]],
+                failed: list[str]) -> tuple[Path, str]:
+    """(GGUF, where it comes from) of the un-distilled draft `before`, to serve beside the distilled one: the
+    file itself, the zoo's own file for a zoo model, else written here as `before-<type>.gguf`."""
+    if before.lower().endswith(".gguf") and Path(before).expanduser().is_file():
+        return Path(before).expanduser(), "given"
+    if before in zoo.MODELS:
+        return zoo.gguf_path(before), "the zoo's own file"
+    loaded, model = load_draft(before)
+    path = out / f"before-{gguf_type}.gguf"
+    export_gguf(model, loaded.tokenizer, path, gguf_type, t_gguf, prepare_vocab(model, loaded.tokenizer, t_gguf),
+                f"un-distilled draft for comparison: {before}", prompts, failed)
+    return path, f"written here ({gguf_type})"
+
+
 def export(draft: str, target: str, out: Path, cfg: ExportConfig | None = None, *, info: dict | None = None,
-           n_prompts: int = 3, max_new_tokens: int = 32, progress: bool = True) -> dict:
+           n_prompts: int = 3, max_new_tokens: int = 32, before: str | None = None, progress: bool = True) -> dict:
     """Write and check the draft in `cfg.formats` under `out`; returns export.json's content.
 
     `cfg.best_k` (> 0) overrides the K of the serving lines; `info` overrides what the model card says (keys:
     best_k, speedup, speedup_detail, alpha_before, alpha_after, loss, data_source). `cfg.check_llama_cpp` serves
-    the target with each GGUF draft through llama-server (distill.export.llama_cpp)."""
+    the target with each GGUF draft through llama-server (distill.export.llama_cpp); with `before` (the draft
+    before distillation: a spec) the same check serves it too, at the same K, for the side-by-side report
+    (`llama_cpp_before`)."""
     cfg = cfg or ExportConfig()
     fmt, best_k, target_gguf, check_llama_cpp = cfg.fmt, cfg.best_k or None, cfg.target_gguf, cfg.check_llama_cpp
     types = list(cfg.gguf_types) if "gguf" in cfg.formats else []
@@ -239,9 +256,15 @@ def export(draft: str, target: str, out: Path, cfg: ExportConfig | None = None, 
     summary["serving"] = serving_lines(str(tgt.path), str(hf_dir.resolve()) if "hf" in summary else None,
                                        str(t_gguf) if t_gguf else None, first_gguf, k)
     if check_llama_cpp:
+        served = {g["gguf_type"]: Path(g["path"]) for g in summary["gguf"]}
+        if before:
+            _say(f"the un-distilled draft {before} for the side-by-side check", progress)
+            served["before"], source = before_gguf(before, out, types[0], t_gguf, prompts, failed)
         summary["llama_cpp"], summary["llama_cpp_target_only"] = _check_llama_cpp(
-            t_gguf, {g["gguf_type"]: Path(g["path"]) for g in summary["gguf"]}, prompts, k, failed, warnings,
-            progress)
+            t_gguf, served, prompts, k, failed, warnings, progress)
+        if before:
+            summary["llama_cpp_before"] = {**summary["llama_cpp"].pop("before"), "draft": before,
+                                           "gguf": str(served["before"]), "gguf_source": source}
         if cfg.llama_cpp_search:
             from distill.export.llama_cpp import search_llama_cpp
 
@@ -263,5 +286,5 @@ def export(draft: str, target: str, out: Path, cfg: ExportConfig | None = None, 
     return summary
 
 
-__all__ = ["DEFAULT_K", "EXPORT_FORMATS", "ExportConfig", "GGUF_TOL", "GGUF_TYPES", "choose_k", "export", "load_draft", "provenance",
-           "target_gguf_for"]
+__all__ = ["DEFAULT_K", "EXPORT_FORMATS", "ExportConfig", "GGUF_TOL", "GGUF_TYPES", "before_gguf", "choose_k", "export",
+           "load_draft", "provenance", "target_gguf_for"]

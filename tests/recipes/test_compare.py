@@ -57,6 +57,27 @@ def test_write_merged_writes_json_markdown_and_html(runs, tmp_path: Path) -> Non
     assert html.count("<tr>") == 5 and "d3" in html and "0.750 (from 0.600)" in html
 
 
+def lc_run(speedup: float, k: int, accepted: int, drafted: int) -> dict:
+    return {"speedup_vs_target_only": speedup, "draft_max": k, "accepted": accepted, "drafted": drafted}
+
+
+def test_llama_cpp_speedups_stand_beside_ours(tmp_path: Path) -> None:
+    """The run's export check served the un-distilled draft (d2) and the distilled one: each row shows llama.cpp's
+    speedup beside our decoder's; a candidate llama.cpp did not serve shows none."""
+    run = write_run_folder(tmp_path / "a", candidates={"d1": 0.4, "d2": 0.6}, distilled=("d2", 0.6, 0.75),
+                           bench={"k": 2, "speedup_vs_target_only": {"draft_before": 1.1, "draft_after": 1.4}},
+                           export={"llama_cpp": {"q8_0": lc_run(0.9, 2, 30, 40)},
+                                   "llama_cpp_before": {**lc_run(0.8, 2, 20, 40), "draft": "d2"}})
+    rows = {r["draft"]: r for r in merge_runs([run])["rows"]}
+    assert rows["d2 + distill(fkl, target, 40 steps)"]["llama_cpp"] == {"speedup": 0.9, "k": 2, "accepted": 30,
+                                                                         "drafted": 40}
+    assert rows["d2"]["llama_cpp"]["speedup"] == 0.8 and rows["d1"]["llama_cpp"] is None
+    write_merged(merge_runs([run]), tmp_path / "board")
+    md = (tmp_path / "board" / "leaderboard.md").read_text()
+    assert "| measured (ours) | llama.cpp |" in md
+    assert "| 1.40x | 0.90x (K=2, 30/40) |" in md and "| 0.80x (K=2, 20/40) |" in md
+
+
 def test_bad_folders_are_one_line_errors(runs, tmp_path: Path) -> None:
     with pytest.raises(DraftsmithError, match="at least one run folder"):
         merge_runs([])

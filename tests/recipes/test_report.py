@@ -76,3 +76,26 @@ def test_validation_section_reads_the_typed_result(tmp_path: Path) -> None:
     assert "| distilled draft | 16.000 | 2.00x | 2.769 | 0.487 | yes |" in md
     assert "Distilled vs un-distilled draft: 2.50x tokens/s." in md
     assert (run / "report" / "speed.png").read_bytes().startswith(PNG)
+
+
+def test_report_puts_our_decoder_beside_llama_cpp(tmp_path: Path) -> None:
+    lc = {"speedup_vs_target_only": 0.85, "draft_max": 3, "accepted": 50, "drafted": 60, "prompts": 2,
+          "tokens_per_s": 8.5}
+    run = write_run_folder(tmp_path / "r", candidates={"d2": 0.6}, distilled=("d2", 0.6, 0.75),
+                           bench={"k": 2, "speedup_vs_target_only": {"draft_before": 1.1, "draft_after": 1.4}},
+                           export={"llama_cpp": {"q8_0": lc}, "llama_cpp_before": {**lc, "speedup_vs_target_only": 0.7,
+                                                                                   "accepted": 40, "draft": "d2"},
+                                   "llama_cpp_target_only": {"tokens_per_s": 10.0, "runs_tokens_per_s": [10.0, 10.0]},
+                                   "best_k": 3, "best_k_source": "given", "serving": {}})
+    (run / "validate" / "bench.json").unlink()  # the validation section needs a full result; this one is partial
+    from recipes.report import side_by_side
+
+    rows = side_by_side({"k": 2, "speedup_vs_target_only": {"draft_before": 1.1, "draft_after": 1.4}},
+                        {"llama_cpp": {"q8_0": lc}, "llama_cpp_before": {**lc, "speedup_vs_target_only": 0.7}})
+    assert rows == [["un-distilled draft", 2, 1.1, 3, 0.7, "50/60"], ["distilled draft (q8_0)", 2, 1.4, 3, 0.85, "50/60"]]
+    write_report(run)
+    md = (run / "report.md").read_text()
+    assert "## Our decoder and llama.cpp, side by side" in md
+    assert "| un-distilled draft | - | - | 3 | 0.70x | 40/60 |" in md
+    assert "| distilled draft (q8_0) | - | - | 3 | 0.85x | 50/60 |" in md
+    assert side_by_side(None, None) == []

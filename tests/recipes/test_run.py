@@ -149,6 +149,37 @@ def test_leaderboard_merges_two_runs_into_one_table(world: dict, whole: Path, tm
     assert draftsmith(world, "leaderboard", str(world["root"] / "nope")).returncode == 2
 
 
+def test_gen_data_on_two_processes_equals_one_process(world: dict) -> None:
+    """`accelerate launch --multi_gpu --num_processes 2 ... gen-data` (on CPU: torchrun's launcher, gloo): each process samples its half of the prompts (each row
+    seeded by its place in the whole list), the main process merges the halves and builds the teacher cache; the
+    dataset and the cache equal a single process's. (Batches of 3 over 6 prompts: both runs decode the same
+    batches, so float32 rounding is the same too.)"""
+    import datasets
+    from safetensors.torch import load_file
+
+    target = str(world["root"] / "target")
+    common = ["gen-data", "--target", target, "--draft", f"derive:{target}:keep=1", "--prompts",
+              str(world["root"] / "prompts.jsonl"), "--limit-per-domain", "3", "--max-new-tokens", "6",
+              "--plain-data", "--batch-size", "3", "--teacher", "cache", "--teacher-topk", "4"]
+    one, two = world["root"] / "dp-one", world["root"] / "dp-two"
+    r = draftsmith(world, *common, "--out", str(one))
+    assert r.returncode == 0, r.stderr[-2000:]
+    launch = [str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "recipes.cli"]
+    r = subprocess.run([*launch, *common, "--out", str(two)], capture_output=True, text=True, timeout=900,
+                       env={**world["env"], "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("6 rows in") == 1 and "on 2 processes" in r.stdout and "kept while generating" in r.stdout
+    a, b = (datasets.load_from_disk(str(f / "dataset")).to_list() for f in (one, two))
+    assert len(a) == 6 and a == b and {row["domain"] for row in a} == {"code", "chat"}
+    assert not (two / "shards").exists() and json.loads((two / "stats.json").read_text())["processes"] == 2
+    caches = [sorted((f / "teacher-topk").rglob("*.safetensors")) for f in (one, two)]
+    assert caches[0] and len(caches[0]) == len(caches[1])
+    for x, y in zip(*caches):
+        tx, ty = load_file(str(x)), load_file(str(y))
+        assert tx.keys() == ty.keys() and all(torch.equal(tx[k], ty[k]) for k in tx)
+
+
 def test_gen_data_cli_writes_a_resumable_dataset_with_the_flags_it_was_given(world: dict) -> None:
     """`draftsmith gen-data` alone: the flags reach the rows and the folder's settings; a rerun loads, and a
     rerun with other settings is a one-line refusal that leaves the rows alone."""

@@ -261,7 +261,8 @@ def test_llama_cpp_check_compares_each_draft_with_the_target_alone_before_and_af
     def fake_server(target_gguf, draft_gguf, prompts, n_predict=64, draft_max=3, **kw):
         calls.append(Path(draft_gguf).name if draft_gguf else None)
         alone = draft_gguf is None
-        tps = {None: 20.0 if calls.count(None) == 1 else 30.0, "draft-f16.gguf": 50.0, "draft-q8_0.gguf": 10.0}
+        tps = {None: 20.0 if calls.count(None) == 1 else 30.0, "draft-f16.gguf": 50.0, "draft-q8_0.gguf": 10.0,
+               "before-f16.gguf": 40.0}
         contents = [f"text {i}" for i in range(len(prompts))]
         if not alone and "q8_0" in str(draft_gguf):
             contents[0] = "other text"
@@ -286,3 +287,13 @@ def test_llama_cpp_check_compares_each_draft_with_the_target_alone_before_and_af
     assert s["ok"] and any("differs from the target alone on 1 of 2" in w for w in s["warnings"])
     card = (out / "README.md").read_text()
     assert "50.0 tok/s vs 25.0 for the target alone (20.0, 30.0): 2.00x" in card
+    # with the un-distilled draft beside it: its GGUF is written here (not a zoo model) and served in the same check
+    calls.clear()
+    s = export(str(world["llama_draft"]), str(world["llama_target"]), tmp_path / "out2",
+               ExportConfig(formats=["gguf"], gguf_types=["f16"], target_gguf=str(world["target_gguf"]),
+                            check_llama_cpp=True), n_prompts=2, before=str(world["llama_draft"]), progress=False)
+    assert calls == [None, "draft-f16.gguf", "before-f16.gguf", None]
+    assert set(s["llama_cpp"]) == {"f16"} and (tmp_path / "out2" / "before-f16.gguf").is_file()
+    b = s["llama_cpp_before"]
+    assert b["draft"] == str(world["llama_draft"]) and b["gguf_source"] == "written here (f16)"
+    assert b["draft_max"] == s["llama_cpp"]["f16"]["draft_max"] and b["speedup_vs_target_only"] == 1.6
