@@ -43,6 +43,19 @@ def rows_of_run(folder: Path) -> list[dict]:
                 "llama_cpp": _llama_cpp(before) if before.get("draft") == c["draft"] else None,
                 "run": str(folder),
             })
+    head = read_json(folder / "distill" / "head.json", missing_ok=True, what="head result")
+    if head:
+        bench = read_json(folder / "validate" / "bench.json", missing_ok=True, what="bench result") or {}
+        runs = (exported.get("llama_cpp") or {}).get("runs") or {}
+        lc = runs.get(str(bench.get("k"))) or max(runs.values(), key=lambda r: r.get("speedup_vs_target_only") or 0,
+                                                     default=None)
+        rows.append({
+            "target": head["target"], "draft": f"head (EAGLE-3, {head['train_summary']['tokens_seen']} tokens seen)",
+            "kind": "head", "alpha": head["agreement_after"][0], "alpha_before": None, "alpha_by_domain": None,
+            "positions": None, "best_k": bench.get("k"), "predicted_speedup": None,
+            "measured_speedup": (bench.get("speedup_vs_target_only") or {}).get("draft_after"),
+            "llama_cpp": _llama_cpp(lc), "run": str(folder),
+        })
     distilled = (read_json(folder / "distill" / "distill.json", missing_ok=True, what="distill result")
                  or read_json(folder / "distill.json", missing_ok=True, what="distill result"))
     if distilled:

@@ -24,7 +24,7 @@ import yaml
 from decode import zoo
 from decode.errors import DraftsmithError
 from distill.export import ExportConfig
-from distill.export import ExportConfig
+from distill.head_pipeline import HEAD, HeadRunConfig
 from distill.pipeline import DistillConfig
 from distill.validate import ValidateConfig
 from pairing.derive import parse_derive_spec
@@ -53,6 +53,7 @@ class Recipe:
     distill: DistillConfig = field(default_factory=DistillConfig)
     validate: ValidateConfig = field(default_factory=ValidateConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
+    head: HeadRunConfig = field(default_factory=HeadRunConfig)  # used when distill.draft is 'head'
     stages: list[str] = field(default_factory=lambda: list(STAGES))  # pair, distill, validate, export (a subset)
 
     def __post_init__(self) -> None:
@@ -186,7 +187,7 @@ def _check_models(recipe: Recipe) -> None:
     check_model_spec(recipe.target, "target")
     for i, spec in enumerate(recipe.pair.candidates):
         check_model_spec(spec, f"pair.candidates[{i}]")
-    if recipe.distill.draft != "best":
+    if recipe.distill.draft not in ("best", HEAD):
         check_model_spec(recipe.distill.draft, "distill.draft")
     check_prompts(recipe.prompts, "prompts")
 

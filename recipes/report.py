@@ -151,7 +151,35 @@ def _pairing(doc: Doc, run: Path) -> None:
     doc.table(head, rows)
 
 
+def _head(doc: Doc, h: dict) -> None:
+    """A head run's distill stage: data, training, held-out agreement by depth against tokens seen."""
+    cfg, ts, d = h["config"], h["train_summary"], h["data"]
+    doc.h("Draft head (EAGLE-3 style)")
+    doc.p(f"A head for `{h['target']}` reading layers {h['aux_layers']}: {d['rows']} training rows "
+          f"({d['tokens']} tokens, {d['new_tokens']} generated at {d.get('generate_tokens_per_s', 0):.0f} tokens/s; "
+          f"{cfg['samples']} samples per prompt at temperature {cfg['temperature']}) from {h['train_prompts']} "
+          f"prompts; {ts['steps']} steps of {cfg['rows_per_step']} rows ({ts['tokens_seen']} tokens seen) in "
+          f"{ts['seconds'] / 60:.1f} min; draft vocabulary {cfg['draft_vocab_size']} ids "
+          f"({100 * ts['draft_vocab_coverage']:.1f}% of the target's predictions). Agreement with the target's "
+          f"greedy token on {h['held_out_prompts']} held-out prompts (teacher-forced; depths >= 2 fed by the head):")
+    depths = len(h["agreement_after"])
+    doc.table(["tokens seen", *[f"depth {j + 1}" for j in range(depths)]],
+              [[c["tokens"], *c["agreement_by_depth"]] for c in h["curve"]])
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    for j in range(depths):
+        ax.plot([c["tokens"] for c in h["curve"]], [c["agreement_by_depth"][j] or 0 for c in h["curve"]],
+                marker="o", label=f"depth {j + 1}")
+    ax.set_xlabel("training tokens seen"), ax.set_ylabel("held-out agreement"), ax.set_ylim(0, 1), ax.legend()
+    doc.image("head_agreement.png", png_bytes(fig))
+    plt.close(fig)
+
+
 def _distill(doc: Doc, run: Path) -> None:
+    head = read_json(run / "distill" / "head.json", missing_ok=True, what="head result")
+    if head:
+        _head(doc, head)
+        return
     log = _jsonl(run / "distill" / "log.jsonl")
     result = read_json(run / "distill" / "distill.json", missing_ok=True, what="distill result")
     if not log and not result:
@@ -216,15 +244,16 @@ def _validation(doc: Doc, run: Path) -> None:
           "target forward, bonus token included.")
     tps = val.tok_per_s
     rows = []
-    for name, label in _DECODERS.items():
+    for name, label in {**_DECODERS, **(b.get("labels") or {})}.items():
         if name in val.stats:
             st = val.stats[name]
             rows.append([label, tps[name], "1.00x" if name == "target_only" else f"{val.speedup(name):.2f}x",
                          st.mean_tau, st.acceptance_rate,
                          "-" if name == "target_only" else fmt(val.greedy_equal[name])])
     doc.table(["decoder", "tok/s", "vs target alone", "mean tau", "accepted/drafted", "greedy equal"], rows)
-    if "draft_after" in val.stats:
-        doc.p(f"Distilled vs un-distilled draft: {tps['draft_after'] / tps['draft_before']:.2f}x tokens/s.")
+    if "draft_after" in val.stats and "draft_before" in val.stats:
+        what = "Head vs standalone draft" if b.get("kind") == "head" else "Distilled vs un-distilled draft"
+        doc.p(f"{what}: {tps['draft_after'] / tps['draft_before']:.2f}x tokens/s.")
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 2.8))
     names = [r[0] for r in rows]
@@ -239,6 +268,23 @@ def _export(doc: Doc, run: Path) -> None:
     if not e:
         return
     doc.h("Export")
+    if "vllm" in e and "sglang" in e:  # a head: distill.export.heads
+        rows = [["vLLM speculators", e["vllm"], "config contract"], ["SGLang EAGLE-3", e["sglang"], "config contract"]]
+        if e.get("gguf"):
+            rows.append(["GGUF (eagle3)", e["gguf"]["path"], "llama.cpp's converter"])
+        doc.table(["what", "path", "checked"], rows)
+        lc = e.get("llama_cpp")
+        if lc:
+            base = lc["target_alone_mean_tokens_per_s"]
+            doc.p(f"llama-server, `--spec-type draft-eagle3`, target alone {base:.1f} tok/s "
+                  f"({', '.join(f'{x:.1f}' for x in lc['target_alone_tokens_per_s'])}):")
+            doc.table(["K", "accepted/drafted", "tok/s", "vs target alone", "greedy text equal"],
+                      [[k, f"{r['accepted']}/{r['drafted']}", r["tokens_per_s"], f"{r['speedup_vs_target_only']:.2f}x",
+                        f"{r['greedy_equal']['equal']}/{r['greedy_equal']['prompts']}"] for k, r in lc["runs"].items()])
+        doc.p(f"Serving lines, K = {e.get('k')}:")
+        for name, line in (e.get("serving") or {}).items():
+            doc.code(f"# {name}\n{line}")
+        return
     rows = []
     if e.get("hf"):
         c = e["hf"]["checks"]
@@ -266,8 +312,13 @@ def side_by_side(bench: dict | None, exp: dict | None) -> list[list]:
     exp, bench = exp or {}, bench or {}
     ours = bench.get("speedup_vs_target_only") or {}
     rows = []
-    drafts = [("un-distilled draft", "draft_before", exp.get("llama_cpp_before"))]
-    drafts += [(f"distilled draft ({t})", "draft_after", lc) for t, lc in (exp.get("llama_cpp") or {}).items()]
+    if "vllm" in exp:  # a head's export: llama.cpp served it at one or more K (`runs`)
+        labels = bench.get("labels") or {}
+        drafts = [(labels.get("draft_before", "standalone draft"), "draft_before", None)]
+        drafts += [("head", "draft_after", lc) for lc in ((exp.get("llama_cpp") or {}).get("runs") or {None: None}).values()]
+    else:
+        drafts = [("un-distilled draft", "draft_before", exp.get("llama_cpp_before"))]
+        drafts += [(f"distilled draft ({t})", "draft_after", lc) for t, lc in (exp.get("llama_cpp") or {}).items()]
     for label, key, lc in drafts:
         if ours.get(key) is None and not lc:
             continue

@@ -31,7 +31,8 @@ import torch
 
 from decode.errors import DraftsmithError
 from decode.io import atomic_write_json, read_json
-from decode.prompts import load_prompts
+from decode.prompts import first_per_domain, load_prompts
+from distill.head_pipeline import HEAD, head_result, run_head, validate_head
 from distill.pipeline import run_distill, split_prompts
 from distill.validate import validate_distilled
 from pairing.leaderboard import run_pair
@@ -68,6 +69,8 @@ def stage_settings(recipe: Recipe, stage: str, state: dict) -> dict:
     if stage == "pair":
         return {**base, "pair": asdict(recipe.pair)}
     if stage == "distill":
+        if recipe.distill.draft == HEAD:  # a head: its own section, and the held-out split
+            return {**base, "head": asdict(recipe.head), "eval_per_domain": recipe.distill.eval_per_domain}
         return {**base, "distill": asdict(recipe.distill),
                 "pair": asdict(recipe.pair) if recipe.distill.draft == "best" else None}
     upstream = state.get("distill", {}).get("settings")
@@ -135,7 +138,20 @@ def _log_recipe_to_wandb(recipe: Recipe, run: RunFolder) -> None:
     wandb_run.finish()
 
 
+def top_standalone(run: RunFolder) -> str | None:
+    """The pair stage's best token-level candidate (a head run times it beside the head), if the stage ran."""
+    board = read_json(run.path("pair") / "leaderboard.json", missing_ok=True, what="leaderboard") or {}
+    return next((c["draft"] for c in board.get("candidates", [])
+                 if c["compatible"] and not c["draft"].startswith("head:")), None)
+
+
 def stage_distill(recipe: Recipe, run: RunFolder) -> dict:
+    if recipe.distill.draft == HEAD:
+        result = run_head(recipe.target, run.path("distill"), recipe.head, prompts=recipe.prompts,
+                          limit_per_domain=recipe.limit_per_domain, eval_per_domain=recipe.distill.eval_per_domain,
+                          device=recipe.device)
+        return {"draft": HEAD, "agreement_before": result["agreement_before"],
+                "agreement_after": result["agreement_after"]}
     draft = choose_draft(recipe, run)
     _log_recipe_to_wandb(recipe, run)
     result = run_distill(recipe.target, draft, run.path("distill"), recipe.distill, prompts=recipe.prompts,
@@ -145,6 +161,18 @@ def stage_distill(recipe: Recipe, run: RunFolder) -> dict:
 
 
 def stage_validate(recipe: Recipe, run: RunFolder) -> dict:
+    if recipe.distill.draft == HEAD:
+        head = head_result(run.path("distill"))
+        if head is None:
+            raise DraftsmithError("validate: no trained head here; run the distill stage first")
+        held_out = split_prompts(load_prompts(recipe.prompts, limit_per_domain=recipe.limit_per_domain),
+                                 recipe.distill.eval_per_domain)[1]
+        v = recipe.validate
+        result = validate_head(recipe.target, Path(head["head"]), first_per_domain(held_out, v.prompts_per_domain),
+                               standalone=top_standalone(run), agreement=head["agreement_after"], k=v.k,
+                               max_k=min(v.max_k, 4), max_new_tokens=v.max_new_tokens,
+                               out=run.path("validate") / "bench.json", quant=v.draft_quant, device=recipe.device)
+        return {"k": result["k"], "speedup_vs_target_only": result["speedup_vs_target_only"], "greedy_equal": True}
     distilled = read_json(run.path("distill") / "distill.json", missing_ok=True, what="distillation result")
     draft = distilled["draft"] if distilled else choose_draft(recipe, run)
     if distilled:  # the tuned draft's alpha, else the un-distilled one's (best/ is absent)
@@ -163,6 +191,20 @@ def stage_validate(recipe: Recipe, run: RunFolder) -> dict:
 def stage_export(recipe: Recipe, run: RunFolder) -> dict:
     from distill.export import export
 
+    if recipe.distill.draft == HEAD:
+        from distill.export.heads import export_head
+
+        head = head_result(run.path("distill"))
+        if head is None:
+            raise DraftsmithError("export: no trained head here; run the distill stage first")
+        bench = read_json(run.path("validate") / "bench.json", missing_ok=True, what="validation result") or {}
+        e = recipe.export
+        k = e.best_k or bench.get("k") or 1
+        summary = export_head(head["head"], recipe.target, run.path("export"), k=k, gguf="gguf" in e.formats,
+                              check_llama_cpp=e.check_llama_cpp, target_gguf=e.target_gguf,
+                              ks=sorted(set(e.llama_cpp_ks) | {k}) if e.llama_cpp_search else [k])
+        return {"formats": ["vllm", "sglang"] + (["gguf"] if "gguf" in summary else []),
+                "serving": summary.get("serving")}
     best_dir = run.path("distill") / "best"
     if not best_dir.is_dir():
         raise DraftsmithError(f"export: no distilled draft at {best_dir}; run the distill stage first")

@@ -210,3 +210,42 @@ def test_gen_data_cli_writes_a_resumable_dataset_with_the_flags_it_was_given(wor
     r = draftsmith(world, *[a if a != "5" else "6" for a in args])
     assert r.returncode == 2 and "other settings (max_new_tokens)" in r.stderr and "Traceback" not in r.stderr
     assert datasets.load_from_disk(str(out / "dataset")).to_list() == ds.to_list()
+
+
+def test_a_head_recipe_runs_every_stage(world: dict) -> None:
+    """`distill.draft: head`: the distill stage trains an EAGLE-3 head on the target's text and features, validate
+    times it beside the target alone and the pair stage's best standalone draft (greedy-equal), export writes
+    the vLLM and SGLang folders; the report and the cross-run leaderboard show the head."""
+    target = save_tiny(world["root"] / "target8", 0, 8)  # aux layers [2, 4, 5]
+    recipe = {
+        "name": "tiny-head", "target": str(target), "prompts": str(world["root"] / "prompts.jsonl"),
+        "pair": {"candidates": [f"derive:{target}:keep=2"], "prompts_per_domain": 2, "max_new_tokens": 8,
+                 "draft_quant": None, "calibrate_prompts": 0},
+        "distill": {"draft": "head", "eval_per_domain": 2},
+        "head": {"samples": 2, "max_new_tokens": 8, "gen_batch_size": 4, "draft_vocab_size": 16, "epochs": 2,
+                 "rows_per_step": 2, "train_minutes": 0, "eval_every": 4},
+        "validate": {"prompts_per_domain": 1, "max_new_tokens": 8, "max_k": 3, "draft_quant": None},
+        "export": {"formats": ["hf"]},
+    }
+    path = world["root"] / "tiny-head.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    out = world["root"] / "runs" / "head"
+    r = draftsmith(world, "run", str(path), "--out", str(out))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    head = json.loads((out / "distill" / "head.json").read_text())
+    assert head["kind"] == "head" and head["aux_layers"] == [2, 4, 5] and len(head["agreement_after"]) == 3
+    assert (out / "distill" / "head" / "best" / "model.safetensors").is_file()
+    bench = json.loads((out / "validate" / "bench.json").read_text())
+    assert set(bench["tok_per_s"]) == {"target_only", "draft_before", "draft_after"}
+    assert bench["greedy_equal"] == {"draft_before": True, "draft_after": True}
+    assert bench["draft"] == f"derive:{target}:keep=2" and "best predicted" in bench["k_reason"]
+    for rel in ("export/vllm/config.json", "export/sglang/config.json", "report/head_agreement.png"):
+        assert (out / rel).is_file(), rel
+    report = (out / "report.md").read_text()
+    for needle in ("Draft head (EAGLE-3 style)", "| head |", "standalone draft (derive:", "vLLM speculators",
+                   "Head vs standalone draft"):
+        assert needle in report, needle
+    r = draftsmith(world, "leaderboard", str(out), "--out", str(world["root"] / "head-board"))
+    assert r.returncode == 0, r.stderr
+    rows = json.loads((world["root"] / "head-board" / "leaderboard.json").read_text())["rows"]
+    assert [row["kind"] for row in rows if row["kind"] == "head"] == ["head"]

@@ -1,0 +1,175 @@
+"""A draft head through the recipe line: data and training (`run_head`), then timing beside the target alone and
+a standalone draft (`validate_head`). `draftsmith run` calls these when a recipe says `distill.draft: head`.
+
+    from distill.head_pipeline import HeadRunConfig, run_head, validate_head
+    result = run_head("smollm2-135m-instruct", Path("runs/x/distill"), HeadRunConfig(train_minutes=12.5),
+                      prompts="code,json,summarize,chat", eval_per_domain=4)
+
+Prompts split as in distillation (the first `eval_per_domain` of every domain held out). `out/data/`: the
+target's sampled continuations of the training prompts with its features (`distill.head_data`); `out/held/`:
+greedy continuations of the held-out prompts; `out/head/`: training (`distill.head_train`; `best/` by held-out
+depth-1 agreement, resumable); `out/head.json`: this run's result. Every step resumes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from decode.bench import validate_drafts
+from decode.errors import DraftsmithError
+from decode.head import HeadDraft, load_head
+from decode.io import atomic_write_json, read_json
+from decode.loading import load
+from decode.model import draft_quant, make_runner
+from decode.prompts import Prompt, load_prompts
+from decode.textgen import eos_ids, machine_info, prompt_ids, versions
+from distill.head_data import HeadDataConfig, build_head_data, load_head_data
+from distill.head_train import HeadTrainConfig, train_head
+from pairing.cost import COST_CONTEXT, calibrate_decoder, measure_cost
+from pairing.derive import resolve_candidate
+
+HEAD = "head"  # distill.draft's value that trains a head instead of distilling a standalone draft
+HEAD_RESULT = "head.json"
+
+
+@dataclass
+class HeadRunConfig:
+    """A recipe's `head:` section: the head's data and training (used when distill.draft is `head`)."""
+
+    samples: int = 12  # sampled continuations of the target per training prompt
+    max_new_tokens: int = 128  # tokens per continuation
+    temperature: float = 0.8  # of the training continuations (held-out ones are greedy)
+    gen_batch_size: int = 64  # rows the target decodes together
+    draft_vocab_size: int = 8192  # ids the head can propose: the target's most frequent predictions
+    ttt_steps: int = 3  # depths unrolled in training (EAGLE-3's training-time test)
+    lr: float = 1e-3  # peak AdamW learning rate
+    epochs: float = 10.0  # passes over the data (at most; train_minutes usually ends training first)
+    rows_per_step: int = 8  # sequences per optimizer step
+    train_minutes: float = 12.5  # training time budget (the cosine schedule is fitted to it); 0 = epochs decide
+    eval_every: int = 50  # steps between held-out evaluations
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("samples", "max_new_tokens", "gen_batch_size", "draft_vocab_size", "ttt_steps",
+                     "rows_per_step", "eval_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.lr <= 0 or self.epochs <= 0 or self.train_minutes < 0 or self.temperature < 0:
+            raise ValueError("lr and epochs must be > 0, train_minutes and temperature >= 0")
+
+
+def aux_layers_for(n_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's default feature layers: low, middle, high ([2, L/2, L-3], as llama.cpp's converter assumes)."""
+    if n_layers < 4:
+        raise DraftsmithError(f"a head reads 3 target layers [2, L/2, L-3]: the target has only {n_layers}")
+    return 2, n_layers // 2, n_layers - 3
+
+
+def run_head(target_spec: str, out: Path, cfg: HeadRunConfig, *, prompts: str = "code,json,summarize,chat",
+             limit_per_domain: int | None = None, eval_per_domain: int = 4, device: str = "cpu",
+             progress: bool = True) -> dict:
+    """Data, held-out references and training into `out`; returns (and writes out/head.json) the result."""
+    from distill.pipeline import split_prompts
+
+    out = Path(out)
+    target = load(target_spec, device=device)
+    aux = aux_layers_for(target.model.config.num_hidden_layers)
+    train_p, held_p = split_prompts(load_prompts(prompts, limit_per_domain=limit_per_domain), eval_per_domain)
+    t0 = time.perf_counter()
+    data = build_head_data(target, train_p, out / "data", HeadDataConfig(
+        samples=cfg.samples, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed,
+        batch_size=cfg.gen_batch_size, aux_layers=aux), progress=progress)
+    held = build_head_data(target, held_p, out / "held", HeadDataConfig(
+        samples=1, max_new_tokens=cfg.max_new_tokens, temperature=0.0, batch_size=cfg.gen_batch_size,
+        aux_layers=aux), progress=progress)
+    data_seconds = time.perf_counter() - t0
+    summary = train_head(target, load_head_data(out / "data"), load_head_data(out / "held"), out / "head",
+                         HeadTrainConfig(draft_vocab_size=cfg.draft_vocab_size, ttt_steps=cfg.ttt_steps, lr=cfg.lr,
+                                         epochs=cfg.epochs, rows_per_step=cfg.rows_per_step,
+                                         eval_every=cfg.eval_every, max_minutes=cfg.train_minutes, seed=cfg.seed),
+                         aux_layers=aux, progress=progress)
+    evals = summary["evals"]
+    best = next((e for e in evals if e["step"] == summary["best_step"]), evals[-1])
+    result = {
+        "kind": HEAD, "target": target_spec, "head": str(out / "head" / "best"), "aux_layers": list(aux),
+        "config": asdict(cfg), "train_prompts": len(train_p), "held_out_prompts": len(held_p),
+        "held_out_ids": [p.id for p in held_p], "data": data, "held_data": held,
+        "data_seconds_this_session": data_seconds,
+        "agreement_before": evals[0]["agreement_by_depth"], "agreement_after": best["agreement_by_depth"],
+        "curve": [{"tokens": e["tokens"], "agreement_by_depth": e["agreement_by_depth"]} for e in evals],
+        "train_summary": {k: v for k, v in summary.items() if k != "evals"},
+    }
+    atomic_write_json(out / HEAD_RESULT, result)
+    return result
+
+
+def tau_from_depths(rates: list[float | None], k: int) -> float:
+    """Tokens per round at K from acceptance by depth (depth j given depths < j accepted; the last measured rate
+    carries to deeper depths): 1 + sum_{i<=K} prod_{j<=i} a_j."""
+    known = [r for r in rates if r is not None] or [0.0]
+    tau, run = 1.0, 1.0
+    for i in range(k):
+        run *= known[min(i, len(known) - 1)]
+        tau += run
+    return tau
+
+
+def validate_head(target_spec: str, head_dir: Path, prompts: list[Prompt], *, standalone: str | None,
+                  agreement: list[float | None], k: int, max_k: int, max_new_tokens: int, out: Path,
+                  quant: str | None = "int8", device: str = "cpu") -> dict:
+    """Time the target alone, the head (`draft_after`) and, when given, the standalone draft the pair stage
+    ranked first (`draft_before`), interleaved on the same held-out prompts in one run; write `out`.
+
+    K: `k` when > 0, else the best predicted from `agreement` (held-out acceptance by depth) and the round
+    cost timed in the decoder (a 2-prompt calibration decode of the head). Refuses a run whose output differs
+    from the target's greedy output, after writing the numbers."""
+    torch.set_grad_enabled(False)
+    target = load(target_spec, device=device)
+    head = load_head(head_dir, target.model.get_input_embeddings())
+    ids = [prompt_ids(target.tokenizer, p.prompt) for p in prompts]
+    max_len = max(max(len(i) for i in ids) + max_new_tokens, COST_CONTEXT) + max(k, max_k) + 2
+    t_run = make_runner(target.model, max_len)
+    drafts: dict = {}
+    if standalone:
+        before = load(resolve_candidate(standalone), device=device)
+        drafts["draft_before"] = make_runner(before.model, max_len, quantize=draft_quant(before.model, quant))
+    drafts["draft_after"] = HeadDraft(head, max_len)
+    if k:
+        why = "set by the recipe"
+    else:
+        iso = measure_cost(t_run, None, ks=range(1, max_k + 1), context=COST_CONTEXT, repeats=3, warmup=1,
+                           device=device)
+        dc = calibrate_decoder(t_run, drafts["draft_after"], ids[:2], k=1, isolated=iso, max_new_tokens=32,
+                               eos_ids=eos_ids(target), device=device)
+        curve = {K: dc.speedup(tau_from_depths(agreement, K), K, max_new_tokens) for K in range(1, max_k + 1)}
+        k = max(curve, key=lambda K: (curve[K], -K))
+        why = (f"best predicted from the head's held-out acceptance by depth and its round cost timed in the decoder "
+               f"({', '.join(f'K={K}: {x:.2f}x' for K, x in curve.items())})")
+        drafts["draft_after"] = HeadDraft(head, max_len)  # a fresh cache for the timed run
+    val = validate_drafts(t_run, drafts, ids, k=k, max_new_tokens=max_new_tokens, eos_ids=eos_ids(target),
+                          names=[p.id for p in prompts], device=device)
+    result = {"target": target_spec, "draft": standalone, "distilled": str(head_dir), "kind": HEAD,
+              "labels": {"draft_before": f"standalone draft ({standalone})", "draft_after": "head"},
+              **val.to_dict(), "k_reason": why, "draft_quant": quant if standalone else None,
+              "alpha": agreement[0] if agreement else None, "cost_ratio": None, "verify_cost": {},
+              "machine": machine_info(), "versions": versions()}
+    if standalone:
+        result["speedup_after_vs_before"] = val.tok_per_s["draft_after"] / val.tok_per_s["draft_before"]
+    atomic_write_json(out, result)
+    if not all(val.greedy_equal.values()):
+        raise DraftsmithError(f"validate: speculative output differs from the target's greedy output "
+                              f"({val.greedy_equal}); see {out}")
+    return result
+
+
+def head_result(folder: Path) -> dict | None:
+    """out/head.json of a head run (None when absent)."""
+    return read_json(Path(folder) / HEAD_RESULT, missing_ok=True, what="head result")
+
+
+__all__ = ["HEAD", "HeadRunConfig", "aux_layers_for", "head_result", "run_head", "tau_from_depths",
+           "validate_head"]
