@@ -89,6 +89,46 @@ def skipped_note(summary: dict) -> str | None:
             f"{kept}, before the loss diverged; lower lr if this repeats")
 
 
+@dataclass
+class DataConfig:
+    """A recipe's `data:` section: prompts the target writes itself (`gen-prompts`), then its answers with the
+    teacher's top-k (`gen-data`, with the distill section's data settings), for the distill stage to train on.
+    n = 0: no data stage (distill generates its rows from the recipe's own prompts)."""
+
+    n: int = 0  # prompts to keep, shared evenly across the domains (0 = no data stage)
+    domains: list[str] = field(default_factory=lambda: ["code", "json", "summarize", "chat"])  # what they ask for
+    prompt_temperature: float = 0.8  # sampling temperature of the requests
+    max_prompt_tokens: int = 96  # a request longer than this is dropped
+    dedup_threshold: float = 0.7  # word 3-gram Jaccard similarity at or above which a request is a near-duplicate
+    batch_size: int = 64  # requests decoded together
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.n < 0 or self.batch_size < 1 or self.max_prompt_tokens < 1:
+            raise ValueError("n must be >= 0, batch_size and max_prompt_tokens >= 1")
+        if self.n and not self.domains:
+            raise ValueError("domains: name at least one (code, json, summarize, chat)")
+
+
+def run_data(target_spec: str, out: Path, data: DataConfig, cfg: DistillConfig, *, device: str = "cpu") -> dict:
+    """The data stage: out/prompts (the target's own requests) then out/rows (its answers, the teacher cache
+    beside them); both resume. Returns what the stage reports."""
+    from decode.io import read_json
+    from distill.prompt_gen import generate_prompts
+
+    out = Path(out)
+    target = load(target_spec, device=device)
+    generate_prompts(target, data.n, list(data.domains), out / "prompts", temperature=data.prompt_temperature,
+                     seed=data.seed, batch_size=data.batch_size, max_prompt_tokens=data.max_prompt_tokens,
+                     dedup_threshold=data.dedup_threshold)
+    del target
+    got = gen_data(target_spec, out / "rows", cfg, prompts=str(out / "prompts"), device=device)
+    p = read_json(out / "prompts" / "stats.json", what="prompt statistics")
+    return {"prompts": p["kept"], "unique_fraction": p["unique_fraction"], "rows": len(got["dataset"]),
+            "new_tokens": (got["stats"] or {}).get("new_tokens"), "tokens_per_s": (got["stats"] or {}).get("tokens_per_s"),
+            "data_dir": str(out / "rows")}
+
+
 def gen_data(target_spec: str, out: Path, cfg: DistillConfig, *, prompts: str = "code,json,summarize,chat",
              limit_per_domain: int | None = None, device: str = "cpu", progress: bool = True) -> dict:
     """`draftsmith gen-data`: the rows of `distill.data.generate_data` for the prompts, then (teacher = cache)

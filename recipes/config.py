@@ -25,12 +25,12 @@ from decode import zoo
 from decode.errors import DraftsmithError
 from distill.export import ExportConfig
 from distill.head_pipeline import HEAD, HeadRunConfig
-from distill.pipeline import DistillConfig
+from distill.pipeline import DataConfig, DistillConfig
 from distill.validate import ValidateConfig
 from pairing.derive import parse_derive_spec
 from pairing.leaderboard import PairConfig
 
-STAGES = ("pair", "distill", "validate", "export")
+STAGES = ("pair", "data", "distill", "validate", "export")  # data runs only when the recipe's data.n > 0
 DEVICES = ("cpu", "cuda")
 # recipe keys renamed since the first recipes: an old key gets a one-line error naming the new one
 RENAMED = {"pair.limit_per_domain": "pair.prompts_per_domain", "export.gguf_type": "export.gguf_types"}
@@ -50,11 +50,12 @@ class Recipe:
     prompts: str = "code,json,summarize,chat"  # built-in suite names, or a .jsonl/.csv/.parquet file or datasets folder
     limit_per_domain: int | None = None  # keep the first N prompts of each domain (held-out ones included)
     device: str = "cpu"  # cpu | cuda: where models run (training: where accelerate puts it)
+    data: DataConfig = field(default_factory=DataConfig)  # prompts and answers the target writes (n > 0)
     distill: DistillConfig = field(default_factory=DistillConfig)
     validate: ValidateConfig = field(default_factory=ValidateConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     head: HeadRunConfig = field(default_factory=HeadRunConfig)  # used when distill.draft is 'head'
-    stages: list[str] = field(default_factory=lambda: list(STAGES))  # pair, distill, validate, export (a subset)
+    stages: list[str] = field(default_factory=lambda: list(STAGES))  # pair, data, distill, validate, export (a subset)
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:

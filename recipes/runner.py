@@ -39,7 +39,7 @@ from pairing.leaderboard import run_pair
 from recipes.config import STAGES, Recipe, dump_recipe
 from recipes.report import write_report
 
-STAGE_DIRS = {"pair": "pairing", "distill": "distill", "validate": "validate", "export": "export"}
+STAGE_DIRS = {"pair": "pairing", "data": "data", "distill": "distill", "validate": "validate", "export": "export"}
 
 
 def _now() -> str:
@@ -68,11 +68,18 @@ def stage_settings(recipe: Recipe, stage: str, state: dict) -> dict:
     base = {"target": recipe.target, "prompts": recipe.prompts, "limit_per_domain": recipe.limit_per_domain}
     if stage == "pair":
         return {**base, "pair": asdict(recipe.pair)}
+    if stage == "data":
+        d = asdict(recipe.distill)
+        return {"target": recipe.target, "data": asdict(recipe.data),
+                "rows": {k: d[k] for k in ("draft", "data", "mix", "max_new_tokens", "data_temperature",
+                                           "speculative_data", "gen_batch_size")},
+                "teacher": {k: d["train"][k] for k in ("teacher", "teacher_topk", "teacher_cache_dtype", "seed")}}
     if stage == "distill":
         if recipe.distill.draft == HEAD:  # a head: its own section, and the held-out split
             return {**base, "head": asdict(recipe.head), "eval_per_domain": recipe.distill.eval_per_domain}
         return {**base, "distill": asdict(recipe.distill),
-                "pair": asdict(recipe.pair) if recipe.distill.draft == "best" else None}
+                "pair": asdict(recipe.pair) if recipe.distill.draft == "best" else None,
+                **({"data": asdict(recipe.data)} if recipe.data.n else {})}
     upstream = state.get("distill", {}).get("settings")
     if stage == "validate":
         return {**base, "validate": asdict(recipe.validate), "distill": upstream}
@@ -154,7 +161,15 @@ def stage_distill(recipe: Recipe, run: RunFolder) -> dict:
                 "agreement_after": result["agreement_after"]}
     draft = choose_draft(recipe, run)
     _log_recipe_to_wandb(recipe, run)
-    result = run_distill(recipe.target, draft, run.path("distill"), recipe.distill, prompts=recipe.prompts,
+    cfg = recipe.distill
+    if recipe.data.n:  # train on the data stage's rows (held-out prompts still come from the recipe's prompts)
+        if not (run.path("data") / "rows" / "dataset").is_dir():
+            raise DraftsmithError("distill: the recipe has a data section (data.n > 0) but the data stage has not "
+                                  "finished here; add data to --stages")
+        import dataclasses
+
+        cfg = dataclasses.replace(cfg, data_dir=str(run.path("data") / "rows"))
+    result = run_distill(recipe.target, draft, run.path("distill"), cfg, prompts=recipe.prompts,
                          limit_per_domain=recipe.limit_per_domain, resume=True, device=recipe.device)
     return {"draft": draft, "alpha_before": result["alpha_before"], "alpha_after": result["alpha_after"],
             "alpha_gain": result["alpha_gain"], "skipped_steps": result["skipped_steps"]}
@@ -239,8 +254,21 @@ def _report(run: RunFolder, say: Callable[[str], None]) -> None:
         say(f"warning: could not write the report: {type(e).__name__}: {e}")
 
 
+def stage_data(recipe: Recipe, run: RunFolder) -> dict:
+    from distill.pipeline import run_data
+
+    if recipe.distill.draft not in ("best", HEAD):
+        draft = recipe.distill.draft
+    else:  # gen-data's rows are the target's; the draft only matters for on-policy rows or speculative generation
+        draft = choose_draft(recipe, run) if recipe.distill.draft == "best" else recipe.target
+    import dataclasses
+
+    return run_data(recipe.target, run.path("data"), recipe.data, dataclasses.replace(recipe.distill, draft=draft),
+                    device=recipe.device)
+
+
 STAGE_FUNCS: dict[str, Callable[[Recipe, RunFolder], dict]] = {
-    "pair": stage_pair, "distill": stage_distill, "validate": stage_validate, "export": stage_export,
+    "pair": stage_pair, "data": stage_data, "distill": stage_distill, "validate": stage_validate, "export": stage_export,
 }
 
 
@@ -258,6 +286,8 @@ def run_recipe(recipe: Recipe, out: Path | None = None, *, stages: list[str] | N
     (run.out / "recipe.yaml").write_text(dump_recipe(recipe))
 
     for stage in wanted:
+        if stage == "data" and not recipe.data.n:
+            continue  # no data section: distill makes its rows from the recipe's prompts
         settings = stage_settings(recipe, stage, run.state)
         entry = run.state.get(stage)
         changed = "; ".join(_diff(entry.get("settings"), settings)[:3]) if entry is not None else ""

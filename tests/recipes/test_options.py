@@ -17,7 +17,7 @@ from recipes.options import field_help, leaf_fields, options_to_config
 
 TARGET = "smollm2-135m-instruct"
 DERIVED = f"derive:{TARGET}:keep=2"
-CONTROLS = {"--help", "--out", "--restart", "--target", "--candidates", "--draft", "--plain-data"}
+CONTROLS = {"--help", "--out", "--restart", "--target", "--candidates", "--draft", "--before", "--plain-data"}  # inputs, not settings
 
 
 def parse(*argv: str):

@@ -249,3 +249,33 @@ def test_a_head_recipe_runs_every_stage(world: dict) -> None:
     assert r.returncode == 0, r.stderr
     rows = json.loads((world["root"] / "head-board" / "leaderboard.json").read_text())["rows"]
     assert [row["kind"] for row in rows if row["kind"] == "head"] == ["head"]
+
+
+def test_a_recipe_with_a_data_section_trains_on_what_the_target_wrote(world: dict) -> None:
+    """`data: {n: 4}`: the data stage has the target write 4 requests (gen-prompts) and answer them with its top-k
+    kept (gen-data); distill trains on those rows, held-out prompts still from the recipe's prompts."""
+    from tests.distill.test_prompt_gen import EOS, chat_tokenizer
+
+    target = helpers.save_tiny(world["root"] / "chat-target", chat_tokenizer(), 0, vocab_size=EOS + 1, eos_id=EOS)
+    recipe = {
+        "name": "tiny-data", "target": str(target), "prompts": str(world["root"] / "prompts.jsonl"),
+        "pair": {"candidates": [f"derive:{target}:keep=1"], "prompts_per_domain": 2, "max_new_tokens": 6,
+                 "draft_quant": None, "calibrate_prompts": 0},
+        "data": {"n": 4, "domains": ["code", "chat"], "max_prompt_tokens": 24, "batch_size": 4},
+        "distill": {"draft": "best", "max_new_tokens": 6, "eval_per_domain": 2, "gen_batch_size": 4,
+                    "train": {"steps": 4, "batch_size": 2, "eval_every": 4, "save_every": 2, "teacher": "cache",
+                              "teacher_topk": 4}},
+        "validate": {"prompts_per_domain": 1, "max_new_tokens": 6, "k": 1, "draft_quant": None},
+        "export": {"formats": ["hf"]},
+    }
+    path = world["root"] / "tiny-data.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    out = world["root"] / "runs" / "data"
+    r = draftsmith(world, "run", str(path), "--out", str(out))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    state = json.loads((out / "state.json").read_text())["stages"]
+    assert list(state) == ["pair", "data", "distill", "validate", "export"]
+    assert state["data"]["result"]["prompts"] == 4 and state["data"]["result"]["rows"] == 4
+    distilled = json.loads((out / "distill" / "distill.json").read_text())
+    assert distilled["data_dir"] == str(out / "data" / "rows") and distilled["data_rows"] == 4
+    assert any((out / "data" / "rows" / "teacher-topk").glob("*/done.json"))
