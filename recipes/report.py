@@ -151,6 +151,23 @@ def _pairing(doc: Doc, run: Path) -> None:
     doc.table(head, rows)
 
 
+def _data(doc: Doc, run: Path) -> None:
+    """The data stage: how many requests the target wrote and kept, and how fast it answered them."""
+    p = read_json(run / "data" / "prompts" / "stats.json", missing_ok=True, what="prompt statistics")
+    r = read_json(run / "data" / "rows" / "stats.json", missing_ok=True, what="data stats")
+    if not p and not r:
+        return
+    doc.h("Data the target wrote")
+    if p:
+        doc.p(f"{p['kept']} requests kept ({', '.join(f'{d} {n}' for d, n in p['kept_by_domain'].items())}); unique "
+              f"fraction {p['unique_fraction']:.3f}; rejected: "
+              f"{', '.join(f'{k} {v}' for k, v in p['rejected'].items())}.")
+    if r:
+        doc.p(f"{r['rows']} answers, {r['new_tokens']} new tokens in {r['seconds']:.0f} s: {r['tokens_per_s']:.1f} "
+              f"tokens/s at batch {r.get('batch_size')}" + (f" on {r['processes']} processes" if r.get("processes")
+                                                              else "") + ".")
+
+
 def _head(doc: Doc, h: dict) -> None:
     """A head run's distill stage: data, training, held-out agreement by depth against tokens seen."""
     cfg, ts, d = h["config"], h["train_summary"], h["data"]
@@ -350,6 +367,7 @@ def write_report(run: Path) -> Path:
     state = (read_json(run / "state.json", missing_ok=True, what="run state") or {}).get("stages", {})
     _stages(doc, state)
     _pairing(doc, run)
+    _data(doc, run)
     _distill(doc, run)
     _validation(doc, run)
     _export(doc, run)

@@ -196,11 +196,10 @@ def _check_llama_cpp(t_gguf: Path, drafts: dict[str, Path], prompts: list[list[i
 def before_gguf(before: str, out: Path, gguf_type: str, t_gguf: Path, prompts: list[list[int]],
                 failed: list[str]) -> tuple[Path, str]:
     """(GGUF, where it comes from) of the un-distilled draft `before`, to serve beside the distilled one: the
-    file itself, the zoo's own file for a zoo model, else written here as `before-<type>.gguf`."""
+    file itself when it is a .gguf, else written here as `before-<type>.gguf`, the type of the distilled draft's
+    first GGUF (so that only training differs between the two)."""
     if before.lower().endswith(".gguf") and Path(before).expanduser().is_file():
         return Path(before).expanduser(), "given"
-    if before in zoo.MODELS:
-        return zoo.gguf_path(before), "the zoo's own file"
     loaded, model = load_draft(before)
     path = out / f"before-{gguf_type}.gguf"
     export_gguf(model, loaded.tokenizer, path, gguf_type, t_gguf, prepare_vocab(model, loaded.tokenizer, t_gguf),

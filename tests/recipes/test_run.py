@@ -279,3 +279,5 @@ def test_a_recipe_with_a_data_section_trains_on_what_the_target_wrote(world: dic
     distilled = json.loads((out / "distill" / "distill.json").read_text())
     assert distilled["data_dir"] == str(out / "data" / "rows") and distilled["data_rows"] == 4
     assert any((out / "data" / "rows" / "teacher-topk").glob("*/done.json"))
+    report = (out / "report.md").read_text()
+    assert "## Data the target wrote" in report and "4 requests kept (code 2, chat 2)" in report
