@@ -109,7 +109,7 @@ def restore_checkpoint(checkpoint: Path, config: dict[str, Any], n_rows: int, st
         torch.cuda.set_rng_state_all(rng["cuda"])
     order.restore(trainer["epoch"], trainer["index"], rng["data"])
     keys = ("step", "alpha_before", "best_alpha", "best_step", "evals_without_gain", "skipped_steps", "stopped_early")
-    return {k: trainer[k] for k in keys}
+    return {**{k: trainer[k] for k in keys}, **({"refresh": trainer["refresh"]} if "refresh" in trainer else {})}
 
 
 def _as_tuple(x):

@@ -242,7 +242,7 @@ def _generate_rows(
 
     # which rows a model decodes alone: batched through its HF model, unless batch_size is 1 (then a runner)
     batched = batch_size > 1
-    V = _target_vocab(target)
+    V = target_vocab(target)
     need_target = any(i not in from_draft for i in todo)
     need_draft = any(i in from_draft for i in todo)
     t_runner = make_runner(target.model, max_seq_len) if need_target and (speculative or not batched) else None
@@ -386,7 +386,7 @@ def data_stats(out: Path) -> dict | None:
     return read_json(Path(out) / STATS, missing_ok=True, what="data stats")
 
 
-def _target_vocab(target: Loaded) -> int:
+def target_vocab(target: Loaded) -> int:
     """The target's number of logit rows."""
     return target.model.get_output_embeddings().weight.shape[0]
 

@@ -100,19 +100,21 @@ class DataConfig:
     prompt_temperature: float = 0.8  # sampling temperature of the requests
     max_prompt_tokens: int = 96  # a request longer than this is dropped
     dedup_threshold: float = 0.7  # word 3-gram Jaccard similarity at or above which a request is a near-duplicate
-    batch_size: int = 64  # requests decoded together
+    batch_size: int = 64  # requests (then answers) decoded together
+    max_new_tokens: int = 160  # tokens per answer (distill.max_new_tokens stays the held-out references' length)
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.n < 0 or self.batch_size < 1 or self.max_prompt_tokens < 1:
-            raise ValueError("n must be >= 0, batch_size and max_prompt_tokens >= 1")
+        if self.n < 0 or self.batch_size < 1 or self.max_prompt_tokens < 1 or self.max_new_tokens < 1:
+            raise ValueError("n must be >= 0, batch_size, max_prompt_tokens and max_new_tokens >= 1")
         if self.n and not self.domains:
             raise ValueError("domains: name at least one (code, json, summarize, chat)")
 
 
 def run_data(target_spec: str, out: Path, data: DataConfig, cfg: DistillConfig, *, device: str = "cpu") -> dict:
     """The data stage: out/prompts (the target's own requests) then out/rows (its answers, the teacher cache
-    beside them); both resume. Returns what the stage reports."""
+    beside them; `data.max_new_tokens` and `data.batch_size`, the rest of the rows' settings from the distill
+    section); both resume. Returns what the stage reports."""
     from decode.io import read_json
     from distill.prompt_gen import generate_prompts
 
@@ -122,7 +124,10 @@ def run_data(target_spec: str, out: Path, data: DataConfig, cfg: DistillConfig, 
                      seed=data.seed, batch_size=data.batch_size, max_prompt_tokens=data.max_prompt_tokens,
                      dedup_threshold=data.dedup_threshold)
     del target
-    got = gen_data(target_spec, out / "rows", cfg, prompts=str(out / "prompts"), device=device)
+    import dataclasses
+
+    rows_cfg = dataclasses.replace(cfg, max_new_tokens=data.max_new_tokens, gen_batch_size=data.batch_size)
+    got = gen_data(target_spec, out / "rows", rows_cfg, prompts=str(out / "prompts"), device=device)
     p = read_json(out / "prompts" / "stats.json", what="prompt statistics")
     return {"prompts": p["kept"], "unique_fraction": p["unique_fraction"], "rows": len(got["dataset"]),
             "new_tokens": (got["stats"] or {}).get("new_tokens"), "tokens_per_s": (got["stats"] or {}).get("tokens_per_s"),

@@ -115,6 +115,7 @@ class TrainConfig:
     teacher: str = "online"  # online (the target scores every batch) | cache (its top-k, computed once to disk)
     teacher_topk: int = 64  # k of the cache (capped at the vocabulary; k = V is exact)
     teacher_cache_dtype: str = "float32"  # float32 | float16: the cached log-probs
+    refresh_every: int = 0  # > 0: every N steps the on-policy (draft) rows are resampled from the current student
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -140,10 +141,13 @@ class TrainConfig:
             "lora_r": self.lora_r >= 0, "lora_alpha": self.lora_alpha >= 1, "eval_every": self.eval_every >= 1,
             "early_stop_patience": self.early_stop_patience >= 0, "save_every": self.save_every >= 1,
             "max_bad_steps": self.max_bad_steps >= 1, "seed": self.seed >= 0, "teacher_topk": self.teacher_topk >= 1,
+            "refresh_every": self.refresh_every >= 0,
         }
         for name, ok in checks.items():
             if not (ok and math.isfinite(getattr(self, name))):
                 _bad(name, f"out of range: {getattr(self, name)!r}")
+        if self.refresh_every and self.teacher == "cache":
+            _bad("refresh_every", "resampled rows need the online teacher (teacher: online): a cache holds fixed rows")
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "TrainConfig":
@@ -330,6 +334,10 @@ def train(
 
     check_vocab(target, draft)
     rows = training_rows(data)
+    onpolicy = onpolicy_rows(data) if cfg.refresh_every else []
+    if cfg.refresh_every and not onpolicy:
+        raise DraftsmithError("refresh_every: the data has no on-policy rows (source 'draft'); generate it with "
+                              "data: draft or mixed")
     out = Path(out)
     try:
         accelerator = Accelerator(mixed_precision=cfg.mixed_precision)
@@ -372,6 +380,8 @@ def train(
                                    defaults=TrainConfig().to_dict())
         if main and (latest / "log.jsonl").is_file():  # drop lines the interrupted run wrote after the checkpoint
             shutil.copyfile(latest / "log.jsonl", out / "log.jsonl")
+        for i, cont in (state.get("refresh") or {}).get("rows", {}).items():  # the resampled rows it trained on
+            rows[int(i)] = (rows[int(i)][0], cont)
     model, optimizer = accelerator.prepare(student, optimizer)
     student = accelerator.unwrap_model(model)
     run = _wandb_run(cfg, out, main)
@@ -445,6 +455,11 @@ def train(
                 if cfg.early_stop_patience and state["evals_without_gain"] >= cfg.early_stop_patience:
                     state["stopped_early"] = True
             finished = last or state["stopped_early"]
+            if cfg.refresh_every and step % cfg.refresh_every == 0 and not finished:
+                state["refresh"] = refresh_onpolicy(student, rows, onpolicy, step // cfg.refresh_every, cfg.seed,
+                                                    draft, target, device)
+                log({"step": step, "refresh": state["refresh"]["round"], "rows": len(onpolicy),
+                     "new_tokens": sum(len(c) for c in state["refresh"]["rows"].values())})
             if step % cfg.save_every == 0 or finished:
                 checkpoint()
     finally:
@@ -473,6 +488,45 @@ def train(
     if main:
         atomic_write_json(out / "summary.json", summary)
     return summary
+
+
+def onpolicy_rows(data: datasets.Dataset) -> list[int]:
+    """Indices (into `training_rows(data)`) of the rows the draft wrote (source 'draft')."""
+    if "source" not in data.column_names:
+        return []
+    kept = [s for p, c, s in zip(data["prompt_ids"], data["continuation_ids"], data["source"]) if p and c]
+    return [i for i, s in enumerate(kept) if s == "draft"]
+
+
+@torch.no_grad()
+def refresh_onpolicy(student: nn.Module, rows: list, onpolicy: list[int], round_: int, seed: int, draft: Loaded,
+                     target: Loaded, device) -> dict:
+    """Resample the on-policy rows from the current student (temperature 1, at most as long as the longest of
+    them was; row i seeded from (seed, round, i)), in place; returns {round, rows} for the checkpoint, so that a
+    resumed run trains on the same rows."""
+    from decode.batch import generate_batch
+    from decode.textgen import eos_ids
+    from distill.data import target_vocab
+    from pairing.reference import prompt_seed
+
+    max_new = max(len(rows[i][1]) for i in onpolicy)
+    was_training = student.training
+    student.eval()
+    new: dict[str, list[int]] = {}
+    try:
+        for a in range(0, len(onpolicy), 16):
+            chunk = onpolicy[a : a + 16]
+            gens = [torch.Generator(device=device).manual_seed(prompt_seed(seed + 1_000_003 * round_, i)) for i in chunk]
+            outs = generate_batch(student, [rows[i][0] for i in chunk], max_new_tokens=max_new,
+                                  sampling=SamplingParams(1.0), eos_ids=eos_ids(draft), generators=gens,
+                                  vocab_size=target_vocab(target), lean=False)
+            for i, cont in zip(chunk, outs):
+                if cont:  # a row that ended at once keeps its old text (a row needs a continuation token)
+                    rows[i] = (rows[i][0], list(cont))
+                new[str(i)] = rows[i][1]
+    finally:
+        student.train(was_training)
+    return {"round": round_, "rows": new}
 
 
 def _step(cfg: TrainConfig, rows, order: DataOrder, model, teacher, cache: TeacherTopK | None, accelerator, params,
@@ -513,4 +567,4 @@ def _step(cfg: TrainConfig, rows, order: DataOrder, model, teacher, cache: Teach
 
 
 __all__ = ["MARKER", "DataOrder", "TrainConfig", "lora_target_modules", "lr_factor", "make_student", "merged_model",
-           "student_from_checkpoint", "train"]
+           "onpolicy_rows", "refresh_onpolicy", "student_from_checkpoint", "train"]

@@ -71,8 +71,7 @@ def stage_settings(recipe: Recipe, stage: str, state: dict) -> dict:
     if stage == "data":
         d = asdict(recipe.distill)
         return {"target": recipe.target, "data": asdict(recipe.data),
-                "rows": {k: d[k] for k in ("draft", "data", "mix", "max_new_tokens", "data_temperature",
-                                           "speculative_data", "gen_batch_size")},
+                "rows": {k: d[k] for k in ("draft", "data", "mix", "data_temperature", "speculative_data")},
                 "teacher": {k: d["train"][k] for k in ("teacher", "teacher_topk", "teacher_cache_dtype", "seed")}}
     if stage == "distill":
         if recipe.distill.draft == HEAD:  # a head: its own section, and the held-out split

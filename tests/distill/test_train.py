@@ -201,3 +201,49 @@ def test_schedule_warms_up_then_decays_without_a_zero_lr_step() -> None:
     assert cos[0] == 1.0 and all(a > b > 0 for a, b in zip(cos, cos[1:]))
     lin = [lr_factor(s, 2, 12, "linear") for s in range(12)]
     assert lin[2] == 1.0 and lin[-1] == pytest.approx(0.1) and math.isclose(lin[7], 0.5)
+
+
+def test_on_policy_rows_are_resampled_from_the_student_and_a_resume_trains_on_the_same(setup, tmp_path,
+                                                                                       monkeypatch) -> None:
+    """refresh_every=2: after steps 2 and 4 the draft's rows are resampled from the student of that step (checked
+    against a sample from the checkpointed student); a run that crashes after its step-2 checkpoint resumes with
+    the resampled rows and ends with the uninterrupted run's weights."""
+    from distill.data import training_rows
+    from distill.train import onpolicy_rows, refresh_onpolicy
+
+    target, draft, refs = setup
+    data = refs.add_column("source", ["draft", "target"] * (len(refs) // 2))
+    cfg = TrainConfig(**{**FAST, "lr": 1e-2, "steps": 5, "save_every": 2, "eval_every": 5, "refresh_every": 2})
+    whole = train(target, draft, data, refs, tmp_path / "a", cfg, progress=False)
+    assert [(x["step"], x["refresh"]) for x in _log(tmp_path / "a") if "refresh" in x] == [(2, 1), (4, 2)]
+
+    class Crash(Exception):
+        pass
+
+    save = train_mod.save_checkpoint
+
+    def save_then_crash(*args, **kwargs):
+        save(*args, **kwargs)
+        raise Crash
+
+    monkeypatch.setattr(train_mod, "save_checkpoint", save_then_crash)
+    with pytest.raises(Crash):
+        train(target, draft, data, refs, tmp_path / "b", cfg, progress=False)
+    ckpt = tmp_path / "b" / "checkpoints" / "step-2"
+    saved = json.loads((ckpt / "trainer.json").read_text())["refresh"]
+    onpolicy = onpolicy_rows(data)
+    assert saved["round"] == 1 and sorted(map(int, saved["rows"])) == onpolicy == [0, 2, 4, 6]
+    rows = training_rows(data)
+    student = student_from_checkpoint(draft, ckpt, cfg)
+    again = refresh_onpolicy(student, rows, onpolicy, 1, cfg.seed, draft, target, "cpu")
+    assert again["rows"] == saved["rows"]  # what the step-2 student samples
+    assert any(saved["rows"][str(i)] != list(data[i]["continuation_ids"]) for i in onpolicy)
+    monkeypatch.setattr(train_mod, "save_checkpoint", save)
+    resumed = train(target, draft, data, refs, tmp_path / "b", cfg, progress=False)
+    a, b = _weights(tmp_path / "a", 5), _weights(tmp_path / "b", 5)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert {k: v for k, v in resumed.items() if k != "paths"} == {k: v for k, v in whole.items() if k != "paths"}
+    with pytest.raises(DraftsmithError, match="no on-policy rows"):
+        train(target, draft, refs, refs, tmp_path / "c", cfg, progress=False)
+    with pytest.raises(DraftsmithError, match="refresh_every"):
+        TrainConfig(refresh_every=2, teacher="cache")

@@ -261,7 +261,7 @@ def test_a_recipe_with_a_data_section_trains_on_what_the_target_wrote(world: dic
         "name": "tiny-data", "target": str(target), "prompts": str(world["root"] / "prompts.jsonl"),
         "pair": {"candidates": [f"derive:{target}:keep=1"], "prompts_per_domain": 2, "max_new_tokens": 6,
                  "draft_quant": None, "calibrate_prompts": 0},
-        "data": {"n": 4, "domains": ["code", "chat"], "max_prompt_tokens": 24, "batch_size": 4},
+        "data": {"n": 4, "domains": ["code", "chat"], "max_prompt_tokens": 24, "batch_size": 4, "max_new_tokens": 5},
         "distill": {"draft": "best", "max_new_tokens": 6, "eval_per_domain": 2, "gen_batch_size": 4,
                     "train": {"steps": 4, "batch_size": 2, "eval_every": 4, "save_every": 2, "teacher": "cache",
                               "teacher_topk": 4}},
@@ -279,5 +279,6 @@ def test_a_recipe_with_a_data_section_trains_on_what_the_target_wrote(world: dic
     distilled = json.loads((out / "distill" / "distill.json").read_text())
     assert distilled["data_dir"] == str(out / "data" / "rows") and distilled["data_rows"] == 4
     assert any((out / "data" / "rows" / "teacher-topk").glob("*/done.json"))
+    assert json.loads((out / "data" / "rows" / "settings.json").read_text())["max_new_tokens"] == 5
     report = (out / "report.md").read_text()
     assert "## Data the target wrote" in report and "4 requests kept (code 2, chat 2)" in report
