@@ -164,6 +164,7 @@ def generate_data(
     batch_size: int = 8,
     topk: int = 0,
     shard: tuple[int, int] | None = None,
+    engine: str = "hf",
 ) -> datasets.Dataset | None:
     """Prompt + continuation rows for distillation (see the module docstring); resumes or loads `out`.
 
@@ -177,14 +178,23 @@ def generate_data(
     `shard=(rank, world)`: generate only this process's contiguous share of the prompts into
     `<out>/shards/<rank>-of-<world>/` (each row seeded by its index in the whole list, so the shards hold the
     rows one process would) and return None; `merge_shards` then makes the dataset. `gen_data` does both under
-    `accelerate launch`."""
+    `accelerate launch`.
+
+    `engine="vllm"` decodes the target's rows with vLLM where it is installed (`vllm_rows`: its own batching,
+    its own sampler, so other text for a seed than `hf`; the engine is part of the folder's settings)."""
     _check_args(source, mix, max_new_tokens, temperature, prompts)
+    if engine not in ("hf", "vllm"):
+        raise DraftsmithError(f"engine must be hf or vllm, got {engine!r}")
+    if engine == "vllm" and speculative:
+        raise DraftsmithError("engine vllm decodes the target's rows itself: drop speculative (use --plain-data)")
     if batch_size < 1:
         raise DraftsmithError(f"batch_size must be >= 1, got {batch_size}")
     check_vocab(target, draft)
     out = Path(out)
     settings = _settings(target, draft, prompts, source, mix, max_new_tokens, temperature, seed, chat,
                          speculative)
+    if engine != "hf":  # absent for hf, so folders made before engines existed still resume
+        settings["engine"] = engine
     try:
         out.mkdir(parents=True, exist_ok=True)
         _check_settings(out, settings)
@@ -208,7 +218,7 @@ def generate_data(
     if len(rows) < len(prompts):
         before, t0 = len(rows), time.perf_counter()
         _generate_rows(target, draft, prompts, rows, part, from_draft, max_new_tokens, temperature, seed, chat,
-                       progress, speculative, batch_size, topk, offset)
+                       progress, speculative, batch_size, topk, offset, engine)
         _record_speed(home / STATS, rows[before:], time.perf_counter() - t0, batch_size)
     if shard is not None:
         return None
@@ -221,7 +231,7 @@ def generate_data(
 def _generate_rows(
     target: Loaded, draft: Loaded, prompts: list[Prompt], rows: list[dict], part: Path, from_draft: set[int],
     max_new_tokens: int, temperature: float, seed: int, chat: bool, progress: bool, speculative: bool = True,
-    batch_size: int = 1, topk: int = 0, offset: int = 0,
+    batch_size: int = 1, topk: int = 0, offset: int = 0, engine: str = "hf",
 ) -> None:
     """Generate the rows after `rows`, `batch_size` prompts at a time, appending each finished batch to `part`
     (in prompt order) and to `rows`. Prompt i samples from a generator seeded by (seed, offset + i): its
@@ -255,8 +265,9 @@ def _generate_rows(
         if alone.vocab_size != V:
             alone = TargetVocab(alone, V)
 
-    keep_topk = topk > 0 and lean_supported(target.model.config)[0]
+    keep_topk = topk > 0 and (engine == "vllm" or lean_supported(target.model.config)[0])
     device = next(target.model.parameters()).device
+    llm = vllm_engine(target) if engine == "vllm" and need_target else None
     sampling = SamplingParams(temperature=temperature)
     stop = eos_ids(target)
     bar = tqdm(total=len(prompts), initial=len(rows), desc="distill data", unit="prompt", disable=not progress)
@@ -272,6 +283,13 @@ def _generate_rows(
                 if not group:
                     continue
                 who = draft if on_policy else target
+                if llm is not None and not on_policy:
+                    toks, got_tops = vllm_rows(llm, [ids[i] for i in group], max_new_tokens=max_new_tokens,
+                                               temperature=temperature, seeds=[prompt_seed(seed, offset + i) for i in group],
+                                               eos_ids=stop, topk=topk if keep_topk else 0)
+                    outs.update(zip(group, toks))
+                    tops.update(zip(group, got_tops))
+                    continue
                 if batched and (on_policy or not speculative):
                     kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=stop,
                               generators=[gens[i] for i in group], vocab_size=V)
@@ -297,6 +315,41 @@ def _generate_rows(
             append_rows(f, rows[-len(chunk):])  # a checkpoint per batch
             bar.update(len(chunk))
     bar.close()
+
+
+def vllm_engine(target: Loaded):
+    """vLLM's LLM over the target's HF folder; a one-line error where vLLM is not installed."""
+    try:
+        from vllm import LLM
+    except ImportError:
+        raise DraftsmithError("engine vllm: vllm is not installed here (it needs a CUDA machine: pip install vllm); "
+                              "use engine hf") from None
+    return LLM(model=str(target.path), tokenizer=str(target.path), seed=0)
+
+
+def vllm_rows(llm, prompts: list[list[int]], *, max_new_tokens: int, temperature: float, seeds: list[int],
+              eos_ids: list[int], topk: int = 0) -> tuple[list[list[int]], list[tuple[Tensor, Tensor]]]:
+    """Each prompt's new tokens from vLLM (request i sampled with its own seed; stops at an EOS id, which is
+    kept, as `decode.batch` keeps it) and, with topk > 0, the top-k log-probs (raw, temperature 1, as the
+    teacher cache stores them) of each new token's position: (values, indices), each (C, k)."""
+    from vllm import SamplingParams as VllmSampling
+
+    params = [VllmSampling(temperature=temperature, max_tokens=max_new_tokens, seed=s, stop_token_ids=list(eos_ids),
+                           include_stop_str_in_output=True, logprobs=topk or None) for s in seeds]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    tokens, tops = [], []
+    for o in outs:
+        c = o.outputs[0]
+        tokens.append(list(c.token_ids))
+        if topk:
+            values = torch.full((len(c.token_ids), topk), float("-inf"))
+            indices = torch.zeros((len(c.token_ids), topk), dtype=torch.long)
+            for t, lp in enumerate(c.logprobs or []):  # id -> Logprob: the top-k, plus the sampled id if outside them
+                best = sorted(lp.items(), key=lambda kv: -kv[1].logprob)[:topk]
+                for j, (tok, v) in enumerate(best):
+                    values[t, j], indices[t, j] = v.logprob, tok
+            tops.append((values, indices))
+    return tokens, tops
 
 
 def shard_bounds(n: int, rank: int, world: int) -> tuple[int, int]:

@@ -44,6 +44,7 @@ class DistillConfig:
     data_temperature: float = 1.0  # sampling temperature of the data rows (0 = greedy)
     speculative_data: bool = False  # generate the target's rows with the draft's proposals (pays once alpha is high)
     gen_batch_size: int = 8  # prompts decoded together where a model decodes alone
+    engine: str = "hf"  # hf | vllm: what decodes the target's rows (vllm where installed: its own batching and GPUs)
     eval_per_domain: int = 6  # held-out prompts per domain, never trained on
     speed_prompts: int = 0  # held-out prompts timed before/after distillation (0 = leave it to the validate stage)
     speed_k: int = 3  # K for that before/after timing
@@ -57,6 +58,8 @@ class DistillConfig:
             raise ValueError(f"mix must be in [0, 1], got {self.mix}")
         if self.data_temperature < 0:
             raise ValueError(f"data_temperature must be >= 0, got {self.data_temperature}")
+        if self.engine not in ("hf", "vllm"):
+            raise ValueError(f"engine must be hf or vllm, got {self.engine!r}")
         for name in ("max_new_tokens", "eval_per_domain", "gen_batch_size", "speed_k"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -158,7 +161,7 @@ def gen_data(target_spec: str, out: Path, cfg: DistillConfig, *, prompts: str = 
     topk = cfg.train.teacher_topk if cfg.train.teacher == "cache" else 0
     ds = generate_data(target, draft, rows, out, source=cfg.data, mix=cfg.mix, max_new_tokens=cfg.max_new_tokens,
                        temperature=cfg.data_temperature, seed=cfg.train.seed, speculative=cfg.speculative_data,
-                       batch_size=cfg.gen_batch_size, topk=topk, shard=shard,
+                       batch_size=cfg.gen_batch_size, topk=topk, shard=shard, engine=cfg.engine,
                        progress=progress and (state is None or state.is_local_main_process))
     result: dict = {"cache": None, "how": None}
     if shard is not None:

@@ -348,7 +348,7 @@ def cmd_leaderboard(args: argparse.Namespace) -> int:
 
 
 # the DistillConfig settings `gen-data` takes (the rest are training settings)
-GEN_DATA_SETTINGS = {"draft", "data", "mix", "max_new_tokens", "data_temperature", "speculative_data", "gen_batch_size",
+GEN_DATA_SETTINGS = {"draft", "data", "mix", "max_new_tokens", "data_temperature", "speculative_data", "gen_batch_size", "engine",
                      "seed", "teacher", "teacher_topk", "teacher_cache_dtype"}
 
 

@@ -243,3 +243,75 @@ def test_a_data_folder_is_read_back_for_its_target_only(pair, tmp_path) -> None:
     datasets.Dataset.from_dict({"text": ["a"]}).save_to_disk(str(tmp_path / "plain"))
     with pytest.raises(DraftsmithError, match="lacks column"):
         load_data_folder(tmp_path / "plain", target)
+
+
+def test_engine_vllm_is_a_one_line_error_where_vllm_is_absent(pair, tmp_path, monkeypatch) -> None:
+    import sys
+
+    target, draft = pair
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
+    with pytest.raises(DraftsmithError, match="vllm is not installed here"):
+        generate_data(target, draft, PROMPTS, tmp_path / "v", source="target", engine="vllm", progress=False)
+    with pytest.raises(DraftsmithError, match="drop speculative"):
+        generate_data(target, draft, PROMPTS, tmp_path / "v", engine="vllm", speculative=True, progress=False)
+
+
+def test_engine_vllm_rows_and_top_k_land_where_hf_rows_do(pair, tmp_path, monkeypatch) -> None:
+    """vLLM's API stood in by a fake module (vLLM itself does not install here; the next test runs it where it
+    does): one request per target row with that row's seed and the EOS ids, the tokens become the rows, the top-k
+    of each position lands in the teacher cache's input sorted by log-prob, and on-policy rows stay the draft's."""
+    import sys
+    import types
+
+    seen = []
+
+    class Logprob:
+        def __init__(self, logprob: float) -> None:
+            self.logprob = logprob
+
+    class LLM:
+        def __init__(self, model: str, tokenizer: str, seed: int) -> None:
+            assert model == str(pair[0].path)
+
+        def generate(self, prompts, params, use_tqdm=False):
+            out = []
+            for p, sp in zip(prompts, params):
+                seen.append((p["prompt_token_ids"], sp.seed, sp.stop_token_ids, sp.logprobs, sp.max_tokens))
+                toks = [3 + sp.seed % 5, 4, EOS]
+                lps = [{t: Logprob(-0.1), 1: Logprob(-3.0), 2: Logprob(-2.0)} for t in toks]
+                out.append(types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=toks, logprobs=lps)]))
+            return out
+
+    def sampling(**kw):
+        return types.SimpleNamespace(**kw)
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM, SamplingParams=sampling))
+    target, draft = pair
+    ds = generate_data(target, draft, PROMPTS, tmp_path / "v", source="mixed", mix=0.5, temperature=1.0, seed=3,
+                       engine="vllm", batch_size=4, topk=2, progress=False)
+    on_policy = draft_prompts(len(PROMPTS), "mixed", 0.5, 3)
+    for i, row in enumerate(ds):
+        if i in on_policy:
+            assert row["source"] == "draft"
+        else:
+            assert row["source"] == "target" and row["continuation_ids"] == [3 + prompt_seed(3, i) % 5, 4, EOS]
+    assert sorted(s for _, s, _, _, _ in seen) == sorted(prompt_seed(3, i) for i in range(len(PROMPTS))
+                                                         if i not in on_policy)
+    assert all(stop == [EOS] and k == 2 and n == 64 for _, _, stop, k, n in seen)
+    assert json.loads((tmp_path / "v" / "settings.json").read_text())["engine"] == "vllm"
+    ds = generate_data(target, draft, PROMPTS, tmp_path / "t", source="target", temperature=1.0, seed=3,
+                       engine="vllm", batch_size=4, topk=2, progress=False)
+    values, indices = data_mod.captured_topk(tmp_path / "t", len(ds))
+    for row, v, ix in zip(ds, values, indices):
+        assert v.tolist() == [[pytest.approx(-0.1), pytest.approx(-2.0)]] * 3
+        assert ix.tolist() == [[t, 2] for t in row["continuation_ids"]]
+
+
+def test_engine_vllm_for_real(pair, tmp_path) -> None:
+    """Where vLLM imports (a CUDA machine): the tiny target's rows come from vLLM, EOS-terminated or full length."""
+    pytest.importorskip("vllm")
+    if not torch.cuda.is_available():
+        pytest.skip("vLLM needs a GPU")
+    target, draft = pair
+    ds = generate_data(target, draft, PROMPTS, tmp_path / "real", source="target", engine="vllm", progress=False)
+    assert len(ds) == len(PROMPTS) and all(1 <= len(c) <= 8 for c in ds["continuation_ids"])
