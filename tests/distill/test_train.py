@@ -42,6 +42,22 @@ def _weights(out: Path, step: int) -> dict[str, torch.Tensor]:
 FAST = dict(warmup_steps=0, batch_size=4, save_every=100, eval_every=100)
 
 
+class Crash(Exception):
+    pass
+
+
+def crash_after_saving(monkeypatch):
+    """The next checkpoint is written, then the run crashes; returns the real save for the resume."""
+    save = train_mod.save_checkpoint
+
+    def save_then_crash(*args, **kwargs):
+        save(*args, **kwargs)
+        raise Crash
+
+    monkeypatch.setattr(train_mod, "save_checkpoint", save_then_crash)
+    return save
+
+
 def test_training_lowers_the_divergence_and_raises_alpha(setup, tmp_path) -> None:
     target, draft, refs = setup
     before = [p.clone() for p in draft.model.parameters()]
@@ -77,16 +93,7 @@ def test_resume_after_a_crash_equals_an_uninterrupted_run(setup, tmp_path, monke
     cfg = TrainConfig(**{**FAST, "lr": 1e-2, "steps": 6, "save_every": 3, "eval_every": 2, "warmup_steps": 2})
     whole = train(target, draft, refs, refs, tmp_path / "a", cfg, progress=False)
 
-    class Crash(Exception):
-        pass
-
-    save = train_mod.save_checkpoint
-
-    def save_then_crash(*args, **kwargs):
-        save(*args, **kwargs)
-        raise Crash
-
-    monkeypatch.setattr(train_mod, "save_checkpoint", save_then_crash)
+    save = crash_after_saving(monkeypatch)
     with pytest.raises(Crash):
         train(target, draft, refs, refs, tmp_path / "b", cfg, progress=False)
     with (tmp_path / "b" / "log.jsonl").open("a") as f:  # the crash came later: lines past the checkpoint
@@ -217,16 +224,7 @@ def test_on_policy_rows_are_resampled_from_the_student_and_a_resume_trains_on_th
     whole = train(target, draft, data, refs, tmp_path / "a", cfg, progress=False)
     assert [(x["step"], x["refresh"]) for x in _log(tmp_path / "a") if "refresh" in x] == [(2, 1), (4, 2)]
 
-    class Crash(Exception):
-        pass
-
-    save = train_mod.save_checkpoint
-
-    def save_then_crash(*args, **kwargs):
-        save(*args, **kwargs)
-        raise Crash
-
-    monkeypatch.setattr(train_mod, "save_checkpoint", save_then_crash)
+    save = crash_after_saving(monkeypatch)
     with pytest.raises(Crash):
         train(target, draft, data, refs, tmp_path / "b", cfg, progress=False)
     ckpt = tmp_path / "b" / "checkpoints" / "step-2"
