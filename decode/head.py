@@ -213,7 +213,7 @@ class Eagle3Head(nn.Module):
 
     def project(self, features: Tensor) -> Tensor:
         """The target's features (T, 3H) -> g (T, H)."""
-        return _linear(features.to(self.fc.weight.dtype), self.fc)
+        return _linear(features.to(self.embed.dtype), self.fc)
 
     def forward(self, g: Tensor, tokens: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, pos: int,
                 mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -251,7 +251,7 @@ def ttt_logits(head: Eagle3Head, features: Tensor, tokens: Tensor, steps: int) -
     """Draft-vocabulary logits (E, N) of every entry at depths 1..steps (E = len(tokens) - 1)."""
     c, layer = head.config, head.midlayer
     E = tokens.shape[0] - 1
-    dtype = head.fc.weight.dtype
+    dtype = head.embed.dtype
     emb = F.embedding(tokens[1:], head.embed).to(dtype)  # token e+1 for entry e
     cos, sin = rope_tables(c, E, dtype, tokens.device)
     g = head.fc(features[:E].to(dtype))  # (E, H)
@@ -270,6 +270,34 @@ def ttt_logits(head: Eagle3Head, features: Tensor, tokens: Tensor, steps: int) -
     return out
 
 
+def quantize_head_int8(head: Eagle3Head) -> Eagle3Head:
+    """A copy of the head whose Linear layers (fc, the layer's projections, lm_head) hold dynamic int8 weights, one
+    scale per output channel (fbgemm, x86 CPUs), as standalone drafts get them: a step reads a quarter of the
+    bytes. Exactness is untouched (the target verifies every token). The target's embedding stays shared."""
+    import copy
+    import warnings
+
+    if head.embed.dtype != torch.float32 or head.embed.device.type != "cpu":
+        raise ValueError("int8 heads run on the CPU in float32 (fbgemm); keep this head as it is")
+    embed = head._buffers["embed"]
+    head._buffers["embed"] = None  # not copied: shared with the target
+    try:
+        q = copy.deepcopy(head)
+    finally:
+        head._buffers["embed"] = embed
+    q._buffers["embed"] = embed
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao's deprecation notices
+        qconfig = torch.ao.quantization.per_channel_dynamic_qconfig
+        return torch.ao.quantization.quantize_dynamic(q.eval(), {nn.Linear: qconfig}, dtype=torch.qint8, inplace=True)
+
+
+def head_quant(head: Eagle3Head, requested: str | None = "int8") -> str | None:
+    """The `quantize=` a HeadDraft gets: "int8" when asked for and the head can take it (float32 on the CPU)."""
+    ok = requested == "int8" and head.embed.dtype == torch.float32 and head.embed.device.type == "cpu"
+    return "int8" if ok else None
+
+
 class HeadDraft:
     """An Eagle3Head as the draft of `decode.speculative.generate`.
 
@@ -282,10 +310,14 @@ class HeadDraft:
 
     reads_target = True  # generate: capture `capture_layers` on the target and hand the features over
 
-    def __init__(self, head: Eagle3Head, max_seq_len: int) -> None:
+    def __init__(self, head: Eagle3Head, max_seq_len: int, *, quantize: str | None = None) -> None:
         c = head.config
+        if quantize == "int8":
+            head = quantize_head_int8(head)
+        elif quantize not in (None, "none"):
+            raise ValueError(f"unknown quantisation {quantize!r} (choose int8 or none)")
         self.head, self.vocab_size, self.capture_layers = head, c.vocab_size, c.aux_layers
-        dtype, device = head.fc.weight.dtype, head.fc.weight.device
+        dtype, device = head.embed.dtype, head.embed.device
         self.cache = KVCache(1, c.num_key_value_heads, max_seq_len, c.head_dim, dtype, device)
         self.cos, self.sin = rope_tables(c, max_seq_len, dtype, device)  # (S, D)
         self.tokens = torch.zeros(max_seq_len, dtype=torch.long, device=device)  # seq, as far as it was shown

@@ -21,7 +21,7 @@ import torch
 
 from decode.bench import validate_drafts
 from decode.errors import DraftsmithError
-from decode.head import HeadDraft, load_head
+from decode.head import HeadDraft, head_quant, load_head
 from decode.io import atomic_write_json, read_json
 from decode.loading import load
 from decode.model import draft_quant, make_runner
@@ -137,7 +137,8 @@ def validate_head(target_spec: str, head_dir: Path, prompts: list[Prompt], *, st
     if standalone:
         before = load(resolve_candidate(standalone), device=device)
         drafts["draft_before"] = make_runner(before.model, max_len, quantize=draft_quant(before.model, quant))
-    drafts["draft_after"] = HeadDraft(head, max_len)
+    hq = head_quant(head, quant)
+    drafts["draft_after"] = HeadDraft(head, max_len, quantize=hq)
     if k:
         why = "set by the recipe"
     else:
@@ -149,12 +150,12 @@ def validate_head(target_spec: str, head_dir: Path, prompts: list[Prompt], *, st
         k = max(curve, key=lambda K: (curve[K], -K))
         why = (f"best predicted from the head's held-out acceptance by depth and its round cost timed in the decoder "
                f"({', '.join(f'K={K}: {x:.2f}x' for K, x in curve.items())})")
-        drafts["draft_after"] = HeadDraft(head, max_len)  # a fresh cache for the timed run
+        drafts["draft_after"] = HeadDraft(head, max_len, quantize=hq)  # a fresh cache for the timed run
     val = validate_drafts(t_run, drafts, ids, k=k, max_new_tokens=max_new_tokens, eos_ids=eos_ids(target),
                           names=[p.id for p in prompts], device=device)
     result = {"target": target_spec, "draft": standalone, "distilled": str(head_dir), "kind": HEAD,
               "labels": {"draft_before": f"standalone draft ({standalone})", "draft_after": "head"},
-              **val.to_dict(), "k_reason": why, "draft_quant": quant if standalone else None,
+              **val.to_dict(), "k_reason": why, "draft_quant": quant if standalone else None, "head_quant": hq,
               "alpha": agreement[0] if agreement else None, "cost_ratio": None, "verify_cost": {},
               "machine": machine_info(), "versions": versions()}
     if standalone:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from decode.bench import validate_drafts
 from decode.errors import DraftsmithError
-from decode.head import Eagle3Head, HeadDraft, load_head
+from decode.head import Eagle3Head, HeadDraft, head_quant, load_head
 from decode.io import atomic_write_bytes, atomic_write_json, atomic_write_text
 from decode.loading import Loaded, load
 from decode.model import draft_quant, make_runner
@@ -115,7 +115,7 @@ def load_head_candidate(spec: str, target: Loaded) -> Eagle3Head:
 def _draft(cand: Candidate, max_seq_len: int, cfg: PairConfig):
     """The candidate as the decoder runs it: a HeadDraft, or a runner (int8 on CPU when configured)."""
     if cand.head is not None:
-        return HeadDraft(cand.head, max_seq_len)
+        return HeadDraft(cand.head, max_seq_len, quantize=head_quant(cand.head, cfg.draft_quant))
     return make_runner(cand.loaded.model, max_seq_len, quantize=draft_quant(cand.loaded.model, cfg.draft_quant))
 
 

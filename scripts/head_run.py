@@ -48,6 +48,8 @@ def main() -> None:
     ap.add_argument("--ks", default="1,2,3,4")
     ap.add_argument("--bench-new-tokens", type=int, default=64)
     ap.add_argument("--stages", default="data,train,bench")
+    ap.add_argument("--head-quant", default="none", choices=["none", "int8", "both"],
+                    help="bench the head in float32, with int8 Linear weights, or both side by side")
     args = ap.parse_args()
     stages = args.stages.split(",")
     target = load(args.target)
@@ -80,16 +82,21 @@ def main() -> None:
         t_run = make_runner(target.model, S)
         result = {"target": args.target, "head": str(args.out / "head" / "best"), "prompts": [p.id for p in held_p],
                   "by_k": {}, "machine": machine_info(), "versions": versions()}
+        quants = {"none": [None], "int8": ["int8"], "both": [None, "int8"]}[args.head_quant]
         for k in ks:
-            val = validate_drafts(t_run, {"head": HeadDraft(head, S)}, ids, k=k, max_new_tokens=args.bench_new_tokens,
+            drafts = {("head" if q is None else f"head-{q}"): HeadDraft(head, S, quantize=q) for q in quants}
+            val = validate_drafts(t_run, drafts, ids, k=k, max_new_tokens=args.bench_new_tokens,
                                   eos_ids=eos_ids(target), names=[p.id for p in held_p], desc=f"bench K={k}")
-            st = val.stats["head"]
-            result["by_k"][str(k)] = {**val.to_dict(), "speedup": val.speedup("head"), "mean_tau": st.mean_tau,
-                                      "acceptance_rate": st.acceptance_rate}
-            print(f"K={k}: target alone {val.tok_per_s['target_only']:.2f} tok/s, with head "
-                  f"{val.tok_per_s['head']:.2f} ({val.speedup('head'):.2f}x), tau {st.mean_tau:.2f}, "
-                  f"accepted/drafted {st.acceptance_rate:.3f}, greedy-equal {val.greedy_equal['head']}")
-        atomic_write_json(args.out / "bench.json", result)
+            result["by_k"][str(k)] = {**val.to_dict(), "speedup": {n: val.speedup(n) for n in drafts},
+                                      "mean_tau": {n: val.stats[n].mean_tau for n in drafts},
+                                      "acceptance_rate": {n: val.stats[n].acceptance_rate for n in drafts}}
+            for n in drafts:
+                st = val.stats[n]
+                print(f"K={k}: target alone {val.tok_per_s['target_only']:.2f} tok/s, with {n} "
+                      f"{val.tok_per_s[n]:.2f} ({val.speedup(n):.2f}x), tau {st.mean_tau:.2f}, "
+                      f"accepted/drafted {st.acceptance_rate:.3f}, greedy-equal {val.greedy_equal[n]}")
+        atomic_write_json(args.out / ("bench.json" if args.head_quant == "none" else f"bench-{args.head_quant}.json"),
+                          result)
 
 
 if __name__ == "__main__":

@@ -310,6 +310,33 @@ def test_greedy_equals_target_greedy_for_every_k(seed: int, N: int | None) -> No
                         policy=policy).tokens == ref
 
 
+def test_an_int8_head_stays_exact_accepts_about_as_often_and_leaves_the_head_alone() -> None:
+    """HeadDraft(quantize="int8"): a quantised copy (the head and the target's embedding untouched), greedy output
+    still the target's at every K, acceptance within a few tokens of the float32 head's."""
+    from decode.head import quantize_head_int8
+
+    hf = target_hf(9, mix=0.0).float()  # fbgemm's int8 is a float32 CPU kernel
+    head = mimic_head(hf, N=40)
+    before = {k: v.clone() for k, v in head.state_dict().items()}
+    q = quantize_head_int8(head)
+    assert type(q.lm_head) is not torch.nn.Linear and type(head.lm_head) is torch.nn.Linear
+    assert q.embed is head.embed and all(torch.equal(v, head.state_dict()[k]) for k, v in before.items())
+    target = make_runner(hf, 128)
+    accepted = {None: 0, "int8": 0}
+    for prompt, k in [([1, 2, 3], 1), ([5], 3), ([9, 9, 9, 1], 2)]:
+        ref = generate(target, prompt, max_new_tokens=25).tokens
+        for quant in accepted:
+            out = generate(target, prompt, draft=HeadDraft(head, 128, quantize=quant), max_new_tokens=25,
+                           policy=KPolicy(k=k))
+            assert out.tokens == ref, (quant, k)
+            accepted[quant] += out.stats.accepted
+    assert accepted[None] > 10 and abs(accepted["int8"] - accepted[None]) <= 0.2 * accepted[None]
+    with pytest.raises(ValueError, match="unknown quantisation"):
+        HeadDraft(head, 128, quantize="int4")
+    with pytest.raises(ValueError, match="float32"):
+        quantize_head_int8(mimic_head(target_hf(9, mix=0.0), N=40))
+
+
 def test_greedy_exact_with_the_hf_runner_and_one_draft_reused() -> None:
     hf = target_hf(9, mix=0.0)
     head = mimic_head(hf, N=40)
