@@ -270,6 +270,9 @@ def export(draft: str, target: str, out: Path, cfg: ExportConfig | None = None, 
             drafts = {f"draftsmith {g['gguf_type']}": Path(g["path"]) for g in summary["gguf"]}
             if draft in zoo.MODELS:  # the zoo's own (quantized) file, as users download it
                 drafts[f"zoo {zoo.gguf_path(draft).name}"] = zoo.gguf_path(draft)
+            if summary.get("llama_cpp_before"):  # the un-distilled draft, searched the same way
+                drafts[f"before {Path(summary['llama_cpp_before']['gguf']).name}"] = Path(
+                    summary["llama_cpp_before"]["gguf"])
             _say(f"llama.cpp search: {len(drafts)} draft(s) x K {cfg.llama_cpp_ks} x p-min {cfg.llama_cpp_p_mins} "
                  f"x threads {cfg.llama_cpp_threads}", progress)
             summary["llama_cpp_search"] = search_llama_cpp(

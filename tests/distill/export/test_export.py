@@ -297,3 +297,11 @@ def test_llama_cpp_check_compares_each_draft_with_the_target_alone_before_and_af
     b = s["llama_cpp_before"]
     assert b["draft"] == str(world["llama_draft"]) and b["gguf_source"] == "written here (f16)"
     assert b["draft_max"] == s["llama_cpp"]["f16"]["draft_max"] and b["speedup_vs_target_only"] == 1.6
+    searched = {}
+    monkeypatch.setattr(lc, "search_llama_cpp", lambda t, drafts, prompts, **kw: searched.update(drafts) or {})
+    export(str(world["llama_draft"]), str(world["llama_target"]), tmp_path / "out3",
+           ExportConfig(formats=["gguf"], gguf_types=["f16"], target_gguf=str(world["target_gguf"]),
+                        check_llama_cpp=True, llama_cpp_search=True), n_prompts=2, before=str(world["llama_draft"]),
+           progress=False)
+    assert {k: v.name for k, v in searched.items()} == {"draftsmith f16": "draft-f16.gguf",
+                                                        "before before-f16.gguf": "before-f16.gguf"}
