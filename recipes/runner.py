@@ -19,6 +19,7 @@ keys that changed: `--restart STAGE` redoes it and every stage after it.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import shutil
 import time
@@ -165,8 +166,6 @@ def stage_distill(recipe: Recipe, run: RunFolder) -> dict:
         if not (run.path("data") / "rows" / "dataset").is_dir():
             raise DraftsmithError("distill: the recipe has a data section (data.n > 0) but the data stage has not "
                                   "finished here; add data to --stages")
-        import dataclasses
-
         cfg = dataclasses.replace(cfg, data_dir=str(run.path("data") / "rows"))
     result = run_distill(recipe.target, draft, run.path("distill"), cfg, prompts=recipe.prompts,
                          limit_per_domain=recipe.limit_per_domain, resume=True, device=recipe.device)
@@ -260,8 +259,6 @@ def stage_data(recipe: Recipe, run: RunFolder) -> dict:
         draft = recipe.distill.draft
     else:  # gen-data's rows are the target's; the draft only matters for on-policy rows or speculative generation
         draft = choose_draft(recipe, run) if recipe.distill.draft == "best" else recipe.target
-    import dataclasses
-
     return run_data(recipe.target, run.path("data"), recipe.data, dataclasses.replace(recipe.distill, draft=draft),
                     device=recipe.device)
 
