@@ -257,8 +257,10 @@ def _validation(doc: Doc, run: Path) -> None:
     doc.h("Validation: tokens/s of our decoder")
     doc.p(f"{len(val.prompts)} held-out prompts x {val.max_new_tokens} new tokens, greedy, all decoders interleaved "
           f"in one run on {b['machine']['cpu']} ({b['machine']['cpu_count']} cores). K = {val.k} ({b['k_reason']}); "
-          f"draft weights {b['draft_quant'] or 'float32'}; measured c = {fmt(b['cost_ratio'])}. tau = tokens per "
-          "target forward, bonus token included.")
+          f"draft weights {b['draft_quant'] or 'float32'}"
+          + (f", head weights {b['head_quant'] or 'float32'}" if b.get("kind") == "head" else "")
+          + (f"; measured c = {fmt(b['cost_ratio'])}" if b.get("cost_ratio") is not None else "")
+          + ". tau = tokens per target forward, bonus token included.")
     tps = val.tok_per_s
     rows = []
     for name, label in {**_DECODERS, **(b.get("labels") or {})}.items():
