@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from decode.io import atomic_path, atomic_write_json, read_json
 from decode.kv_cache import KVCache
-from decode.model import _linear, _rms_norm, _rotate_half
+from decode.model import _linear, _rms_norm, _rotate_half, quantize_linears_int8
 
 
 def default_aux_layers(n_layers: int) -> tuple[int, int, int]:
@@ -275,9 +275,8 @@ def quantize_head_int8(head: Eagle3Head) -> Eagle3Head:
     scale per output channel (fbgemm, x86 CPUs), as standalone drafts get them: a step reads a quarter of the
     bytes. Exactness is untouched (the target verifies every token). The target's embedding stays shared."""
     import copy
-    import warnings
 
-    if head.embed.dtype != torch.float32 or head.embed.device.type != "cpu":
+    if head_quant(head) is None:
         raise ValueError("int8 heads run on the CPU in float32 (fbgemm); keep this head as it is")
     embed = head._buffers["embed"]
     head._buffers["embed"] = None  # not copied: shared with the target
@@ -286,10 +285,7 @@ def quantize_head_int8(head: Eagle3Head) -> Eagle3Head:
     finally:
         head._buffers["embed"] = embed
     q._buffers["embed"] = embed
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch.ao's deprecation notices
-        qconfig = torch.ao.quantization.per_channel_dynamic_qconfig
-        return torch.ao.quantization.quantize_dynamic(q.eval(), {nn.Linear: qconfig}, dtype=torch.qint8, inplace=True)
+    return quantize_linears_int8(q.eval())
 
 
 def head_quant(head: Eagle3Head, requested: str | None = "int8") -> str | None:

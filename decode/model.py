@@ -295,7 +295,6 @@ def quantize_int8(runner: Runner) -> Runner:
     if not isinstance(runner, nn.Module):
         raise ValueError("int8 quantisation needs the lean runner")
     import copy
-    import warnings
 
     original = runner
     head_t, original.head_t = original.head_t, None  # the int8 head replaces it: don't copy it
@@ -303,12 +302,19 @@ def quantize_int8(runner: Runner) -> Runner:
         runner = copy.deepcopy(original)  # the weights are shared with the HF model: quantise a copy
     finally:
         original.head_t = head_t
+    return quantize_linears_int8(runner)
+
+
+def quantize_linears_int8(module: nn.Module) -> nn.Module:
+    """Every nn.Linear of `module` (in place) as dynamic int8 weights, one scale per output channel (fbgemm)."""
+    import warnings
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.ao's deprecation notices
         # per output channel: a scale per row follows the weights more closely than one per matrix (SmolLM2's
         # int8 self-draft: accepted 0.55 vs 0.48 of drafted tokens on a code prompt), at no cost in speed
         qconfig = torch.ao.quantization.per_channel_dynamic_qconfig
-        return torch.ao.quantization.quantize_dynamic(runner, {nn.Linear: qconfig}, dtype=torch.qint8, inplace=True)
+        return torch.ao.quantization.quantize_dynamic(module, {nn.Linear: qconfig}, dtype=torch.qint8, inplace=True)
 
 
 def draft_quant(model, requested: str | None = "int8") -> str | None:

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -388,8 +389,6 @@ def merge_shards(out: Path, prompts: list[Prompt], world: int) -> datasets.Datas
     settings = read_json(out / SETTINGS, what="settings file")
     ds = save_rows(rows, FEATURES, {"draftsmith_distill_data": settings}, final)
     atomic_write_json(out / STATS, stats)
-    import shutil
-
     shutil.rmtree(out / SHARDS, ignore_errors=True)
     return ds
 

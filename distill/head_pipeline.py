@@ -30,6 +30,7 @@ from decode.textgen import eos_ids, machine_info, prompt_ids, versions
 from distill.head_data import HeadDataConfig, build_head_data, load_head_data
 from distill.head_train import HeadTrainConfig, train_head
 from pairing.cost import COST_CONTEXT, calibrate_decoder, measure_cost
+from pairing.depth import expected_tau_from_depth_rates
 from pairing.derive import resolve_candidate
 
 HEAD = "head"  # distill.draft's value that trains a head instead of distilling a standalone draft
@@ -107,15 +108,11 @@ def run_head(target_spec: str, out: Path, cfg: HeadRunConfig, *, prompts: str = 
     return result
 
 
-def tau_from_depths(rates: list[float | None], k: int) -> float:
-    """Tokens per round at K from acceptance by depth (depth j given depths < j accepted; the last measured rate
-    carries to deeper depths): 1 + sum_{i<=K} prod_{j<=i} a_j."""
+def carried_rates(rates: list[float | None], depth: int) -> list[float]:
+    """Acceptance at depths 1..depth from the measured ones (None: no positions there): the last measured rate
+    carries to deeper depths, as `pairing.depth.expected_tau_from_depth_rates` needs one rate per depth."""
     known = [r for r in rates if r is not None] or [0.0]
-    tau, run = 1.0, 1.0
-    for i in range(k):
-        run *= known[min(i, len(known) - 1)]
-        tau += run
-    return tau
+    return [known[min(j, len(known) - 1)] for j in range(depth)]
 
 
 def validate_head(target_spec: str, head_dir: Path, prompts: list[Prompt], *, standalone: str | None,
@@ -146,11 +143,11 @@ def validate_head(target_spec: str, head_dir: Path, prompts: list[Prompt], *, st
                            device=device)
         dc = calibrate_decoder(t_run, drafts["draft_after"], ids[:2], k=1, isolated=iso, max_new_tokens=32,
                                eos_ids=eos_ids(target), device=device)
-        curve = {K: dc.speedup(tau_from_depths(agreement, K), K, max_new_tokens) for K in range(1, max_k + 1)}
+        rates = carried_rates(agreement, max_k)
+        curve = {K: dc.speedup(expected_tau_from_depth_rates(rates, K), K, max_new_tokens) for K in range(1, max_k + 1)}
         k = max(curve, key=lambda K: (curve[K], -K))
         why = (f"best predicted from the head's held-out acceptance by depth and its round cost timed in the decoder "
                f"({', '.join(f'K={K}: {x:.2f}x' for K, x in curve.items())})")
-        drafts["draft_after"] = HeadDraft(head, max_len, quantize=hq)  # a fresh cache for the timed run
     val = validate_drafts(t_run, drafts, ids, k=k, max_new_tokens=max_new_tokens, eos_ids=eos_ids(target),
                           names=[p.id for p in prompts], device=device)
     result = {"target": target_spec, "draft": standalone, "distilled": str(head_dir), "kind": HEAD,
@@ -172,5 +169,4 @@ def head_result(folder: Path) -> dict | None:
     return read_json(Path(folder) / HEAD_RESULT, missing_ok=True, what="head result")
 
 
-__all__ = ["HEAD", "HeadRunConfig", "aux_layers_for", "head_result", "run_head", "tau_from_depths",
-           "validate_head"]
+__all__ = ["HEAD", "HeadRunConfig", "aux_layers_for", "carried_rates", "head_result", "run_head", "validate_head"]

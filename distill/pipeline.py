@@ -13,9 +13,13 @@ speculative speedup of the draft before and after, measured side by side by `dec
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import datasets
 import torch
 
 from decode.bench import Validation, validate_drafts
@@ -127,8 +131,6 @@ def run_data(target_spec: str, out: Path, data: DataConfig, cfg: DistillConfig, 
                      seed=data.seed, batch_size=data.batch_size, max_prompt_tokens=data.max_prompt_tokens,
                      dedup_threshold=data.dedup_threshold)
     del target
-    import dataclasses
-
     rows_cfg = dataclasses.replace(cfg, max_new_tokens=data.max_new_tokens, gen_batch_size=data.batch_size)
     got = gen_data(target_spec, out / "rows", rows_cfg, prompts=str(out / "prompts"), device=device)
     p = read_json(out / "prompts" / "stats.json", what="prompt statistics")
@@ -140,19 +142,18 @@ def run_data(target_spec: str, out: Path, data: DataConfig, cfg: DistillConfig, 
 def gen_data(target_spec: str, out: Path, cfg: DistillConfig, *, prompts: str = "code,json,summarize,chat",
              limit_per_domain: int | None = None, device: str = "cpu", progress: bool = True) -> dict:
     """`draftsmith gen-data`: the rows of `distill.data.generate_data` for the prompts, then (teacher = cache)
-    the target's top-k cache every training run on the folder finds. Returns {dataset, stats, cache, how}.
+    the target's top-k cache every training run on the folder finds. Returns {dataset, stats, cache, how, main}.
 
     Under `accelerate launch --num_processes N` (one machine or several) each process generates its share of
-    the prompts (`shard`), the main process merges the shards into the one dataset a single process would
-    have written and builds the cache, and every process returns the same result."""
-    import shutil
-
-    from distill.data import TOPK_DIR, captured_topk, data_stats, merge_shards, training_rows
+    the prompts (`shard`), the main process (`main`) merges the shards into the one dataset a single process
+    would have written and builds the cache, and every process returns the same dataset."""
+    from distill.data import DATASET_DIR, TOPK_DIR, captured_topk, data_stats, merge_shards, training_rows
     from distill.teacher_cache import build_teacher_cache, write_teacher_cache
     from distill.train import TEACHER_CACHE_DIR
 
     state = _distributed(device)
     shard = (state.process_index, state.num_processes) if state is not None else None
+    main = state is None or state.is_main_process
     if state is not None and device == "cuda":
         device = str(state.device)
     rows = load_prompts(prompts, limit_per_domain=limit_per_domain)
@@ -163,31 +164,26 @@ def gen_data(target_spec: str, out: Path, cfg: DistillConfig, *, prompts: str = 
                        temperature=cfg.data_temperature, seed=cfg.train.seed, speculative=cfg.speculative_data,
                        batch_size=cfg.gen_batch_size, topk=topk, shard=shard, engine=cfg.engine,
                        progress=progress and (state is None or state.is_local_main_process))
-    result: dict = {"cache": None, "how": None}
     if shard is not None:
         state.wait_for_everyone()
-        if state.is_main_process:
-            merge_shards(out, rows, state.num_processes)
-    if state is None or state.is_main_process:
-        import datasets
-
-        ds = ds if ds is not None else datasets.load_from_disk(str(Path(out) / "dataset"))
-        if cfg.train.teacher == "cache":  # the target's top-k now, where every training run on this data finds it
-            train_rows, root = training_rows(ds), Path(out) / TEACHER_CACHE_DIR
-            kept = captured_topk(out, len(ds)) if len(train_rows) == len(ds) else None
-            if kept is not None:  # kept while the target generated: no second pass
-                cache = write_teacher_cache(target, train_rows, root, *kept, dtype=cfg.train.teacher_cache_dtype)
-                shutil.rmtree(Path(out) / TOPK_DIR, ignore_errors=True)  # now in the cache: not kept twice
-            else:
-                cache = build_teacher_cache(target, train_rows, root, k=cfg.train.teacher_topk,
-                                            dtype=cfg.train.teacher_cache_dtype, batch_size=cfg.train.batch_size)
-            result.update(cache=cache, how="kept while generating" if kept is not None else "computed")
+        if main:
+            ds = merge_shards(out, rows, state.num_processes)
+    result: dict = {"cache": None, "how": None, "main": main}
+    if main and cfg.train.teacher == "cache":  # the target's top-k now, where every training run on it finds it
+        train_rows, root = training_rows(ds), Path(out) / TEACHER_CACHE_DIR
+        kept = captured_topk(out, len(ds)) if len(train_rows) == len(ds) else None
+        if kept is not None:  # kept while the target generated: no second pass
+            cache = write_teacher_cache(target, train_rows, root, *kept, dtype=cfg.train.teacher_cache_dtype)
+            shutil.rmtree(Path(out) / TOPK_DIR, ignore_errors=True)  # now in the cache: not kept twice
+        else:
+            cache = build_teacher_cache(target, train_rows, root, k=cfg.train.teacher_topk,
+                                        dtype=cfg.train.teacher_cache_dtype, batch_size=cfg.train.batch_size)
+        result.update(cache=cache, how="kept while generating" if kept is not None else "computed")
     if shard is not None:
-        state.wait_for_everyone()
-    import datasets
-
-    result["dataset"] = ds if ds is not None else datasets.load_from_disk(str(Path(out) / "dataset"))
-    result["stats"] = data_stats(out)
+        state.wait_for_everyone()  # the other processes read the merged dataset once it is in place
+        if not main:
+            ds = datasets.load_from_disk(str(Path(out) / DATASET_DIR))
+    result.update(dataset=ds, stats=data_stats(out))
     return result
 
 
@@ -195,8 +191,6 @@ def _distributed(device: str):
     """accelerate's PartialState when this process is one of several (`accelerate launch`), else None. On CPU
     the processes talk through gloo: launch them with `accelerate launch --multi_gpu --num_processes N` (its
     torchrun launcher; `--cpu` alone starts one process unless MPI is installed) or `torchrun`."""
-    import os
-
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return None
     from accelerate import PartialState

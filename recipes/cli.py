@@ -211,7 +211,7 @@ def cmd_gen_data(args: argparse.Namespace) -> int:
     c = _common(args)
     got = gen_data(args.target, Path(args.out), _config(DistillConfig, args), prompts=c["prompts"],
                    limit_per_domain=c["limit_per_domain"], device=c["device"])
-    if _rank() > 0:
+    if not got["main"]:
         return 0  # the main process reports
     print(f"{len(got['dataset'])} rows in {args.out}/dataset")
     stats = got["stats"]
@@ -222,12 +222,6 @@ def cmd_gen_data(args: argparse.Namespace) -> int:
     if got["cache"] is not None:
         print(f"teacher top-{got['cache'].k} cache ({got['how']}) in {got['cache'].folder}")
     return 0
-
-
-def _rank() -> int:
-    import os
-
-    return int(os.environ.get("RANK", "0"))
 
 
 # --- parser -----------------------------------------------------------------------------------

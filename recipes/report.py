@@ -287,7 +287,7 @@ def _export(doc: Doc, run: Path) -> None:
     if not e:
         return
     doc.h("Export")
-    if "vllm" in e and "sglang" in e:  # a head: distill.export.heads
+    if _head_export(e):
         rows = [["vLLM speculators", e["vllm"], "config contract"], ["SGLang EAGLE-3", e["sglang"], "config contract"]]
         if e.get("gguf"):
             rows.append(["GGUF (eagle3)", e["gguf"]["path"], "llama.cpp's converter"])
@@ -325,13 +325,18 @@ def _export(doc: Doc, run: Path) -> None:
         doc.p(f"Warning: {w}")
 
 
+def _head_export(e: dict) -> bool:
+    """export.json of a head (distill.export.heads.export_head) rather than of a standalone draft."""
+    return "vllm" in e and "sglang" in e
+
+
 def side_by_side(bench: dict | None, exp: dict | None) -> list[list]:
     """Rows [draft, our K, our speedup, llama.cpp K, llama.cpp speedup, llama.cpp accepted/drafted] for the
     un-distilled and the distilled draft: validate/bench.json's decoder beside export.json's llama-server."""
     exp, bench = exp or {}, bench or {}
     ours = bench.get("speedup_vs_target_only") or {}
     rows = []
-    if "vllm" in exp:  # a head's export: llama.cpp served it at one or more K (`runs`)
+    if _head_export(exp):  # llama.cpp served the head at one or more K (`runs`)
         labels = bench.get("labels") or {}
         drafts = [(labels.get("draft_before", "standalone draft"), "draft_before", None)]
         drafts += [("head", "draft_after", lc) for lc in ((exp.get("llama_cpp") or {}).get("runs") or {None: None}).values()]

@@ -267,12 +267,11 @@ def export(draft: str, target: str, out: Path, cfg: ExportConfig | None = None, 
         if cfg.llama_cpp_search:
             from distill.export.llama_cpp import search_llama_cpp
 
-            drafts = {f"draftsmith {g['gguf_type']}": Path(g["path"]) for g in summary["gguf"]}
-            if draft in zoo.MODELS:  # the zoo's own (quantized) file, as users download it
+            # the drafts the check served (the un-distilled one searched the same way), and for a zoo draft the
+            # zoo's own (quantized) file, as users download it
+            drafts = {(f"before {path.name}" if t == "before" else f"draftsmith {t}"): path for t, path in served.items()}
+            if draft in zoo.MODELS:
                 drafts[f"zoo {zoo.gguf_path(draft).name}"] = zoo.gguf_path(draft)
-            if summary.get("llama_cpp_before"):  # the un-distilled draft, searched the same way
-                drafts[f"before {Path(summary['llama_cpp_before']['gguf']).name}"] = Path(
-                    summary["llama_cpp_before"]["gguf"])
             _say(f"llama.cpp search: {len(drafts)} draft(s) x K {cfg.llama_cpp_ks} x p-min {cfg.llama_cpp_p_mins} "
                  f"x threads {cfg.llama_cpp_threads}", progress)
             summary["llama_cpp_search"] = search_llama_cpp(
