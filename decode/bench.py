@@ -21,6 +21,7 @@ import torch
 from tqdm import tqdm
 
 from decode.errors import DraftsmithError
+from decode.loading import Loaded
 from decode.io import atomic_write_json
 from decode.prompts import Prompt, load_prompts
 from decode.model import Runner, draft_quant as effective_quant
@@ -32,11 +33,23 @@ DEFAULT_N_PROMPTS = 4
 
 
 def _hf_generate(pair: Pair, ids: list[int], max_new_tokens: int, eos: list[int], assisted: bool) -> tuple[list[int], float]:
-    model = pair.target.model
+    return hf_generate(pair.target, ids, max_new_tokens, eos, draft=pair.draft if assisted else None)
+
+
+def hf_generate(target: Loaded, ids: list[int], max_new_tokens: int, eos: list[int], *, draft: Loaded | None = None,
+                k: int | None = None) -> tuple[list[int], float]:
+    """transformers' greedy `generate` on the target, alone or with `draft` as its assistant (K = `k` tokens a
+    round when given, else transformers' own schedule); a draft with another tokenizer runs as universal
+    assisted generation (its tokens decoded to text and re-encoded for the target). -> (new ids, seconds)."""
+    model = target.model
     kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
-                  pad_token_id=pair.target.tokenizer.pad_token_id or eos[0])
-    if assisted:
-        kwargs["assistant_model"] = pair.draft.model
+                  pad_token_id=target.tokenizer.pad_token_id or eos[0])
+    if draft is not None:
+        kwargs["assistant_model"] = draft.model
+        if k is not None:
+            kwargs.update(num_assistant_tokens=k, num_assistant_tokens_schedule="constant")
+        if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
+            kwargs.update(tokenizer=target.tokenizer, assistant_tokenizer=draft.tokenizer)
     x = torch.tensor([ids], device=model.device)
     t0 = time.perf_counter()
     with torch.inference_mode():
@@ -52,20 +65,42 @@ def _summary(tokens: int, seconds: float, per_prompt: list[dict]) -> dict:
 def side_by_side(
     target: Runner, drafts: dict[str, Runner | None], prompts: list[list[int]], *, k: int, max_new_tokens: int,
     eos_ids: list[int], desc: str | None = None, device: str | torch.device = "cpu",
+    ks: dict[str, int] | None = None,
 ) -> dict[str, tuple[Stats, list[list[int]]]]:
     """Our decoder on the same prompts with each draft (None = target only), interleaved per prompt so that
-    drift on a noisy machine hits every mode alike; a short warm-up first. Returns name -> (merged stats, tokens)."""
-    policy = KPolicy(k=k, k_max=max(16, k))
-    for d in drafts.values():
-        generate(target, prompts[0][:16], draft=d, max_new_tokens=4, policy=policy, device=device)  # warm-up
+    drift on a noisy machine hits every mode alike; a short warm-up first. Every draft drafts `k` tokens a round,
+    or `ks[name]` where given. Returns name -> (merged stats, tokens)."""
+    policies = {name: KPolicy(k=K, k_max=max(16, K)) for name in drafts for K in [(ks or {}).get(name, k)]}
+    for name, d in drafts.items():
+        generate(target, prompts[0][:16], draft=d, max_new_tokens=4, policy=policies[name], device=device)  # warm-up
     out: dict[str, tuple[Stats, list[list[int]]]] = {name: (Stats(), []) for name in drafts}
     for ids in tqdm(prompts, desc=desc, unit="prompt", disable=desc is None):
         for name, d in drafts.items():
-            res = generate(target, list(ids), draft=d, max_new_tokens=max_new_tokens, eos_ids=eos_ids, policy=policy,
-                           device=device)
+            res = generate(target, list(ids), draft=d, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
+                           policy=policies[name], device=device)
             stats, toks = out[name]
             out[name] = (stats.merge(res.stats), toks + [res.tokens])
     return out
+
+
+def hf_side_by_side(target: Loaded, draft: Loaded, prompts: list[list[int]], *, k: int, max_new_tokens: int,
+                    eos_ids: list[int], desc: str | None = None) -> dict:
+    """transformers' greedy `generate`, the target alone and with `draft` as its assistant at K = `k`, interleaved
+    per prompt after a warm-up: the measured speedup of a draft our token-level decoder cannot run (another
+    tokenizer: universal assisted generation). Greedy equality is checked per prompt."""
+    for d in (None, draft):
+        hf_generate(target, prompts[0][:16], 4, eos_ids, draft=d, k=k)  # warm-up
+    runs = {"hf_generate": [], "hf_assisted": []}
+    for ids in tqdm(prompts, desc=desc, unit="prompt", disable=desc is None):
+        for mode, d in (("hf_generate", None), ("hf_assisted", draft)):
+            runs[mode].append(hf_generate(target, list(ids), max_new_tokens, eos_ids, draft=d, k=k))
+    out = {mode: {"tokens": sum(len(t) for t, _ in r), "seconds": sum(s for _, s in r)} for mode, r in runs.items()}
+    for v in out.values():
+        v["tok_per_s"] = v["tokens"] / v["seconds"] if v["seconds"] else 0.0
+    base = out["hf_generate"]["tok_per_s"]
+    return {"k": k, "prompts": len(prompts), **out,
+            "measured_speedup": out["hf_assisted"]["tok_per_s"] / base if base else 0.0,
+            "greedy_equal": all(a == b for (a, _), (b, _) in zip(runs["hf_generate"], runs["hf_assisted"]))}
 
 
 @dataclass
@@ -81,6 +116,7 @@ class Validation:
     device: str
     stats: dict[str, Stats]
     greedy_equal: dict[str, bool | None]
+    ks: dict[str, int] = field(default_factory=dict)  # drafts timed at another K than `k`
 
     @property
     def drafts(self) -> list[str]:
@@ -102,7 +138,7 @@ class Validation:
     def to_dict(self) -> dict:
         """JSON form: the raw stats plus the flat views reports and leaderboards read."""
         return {
-            "k": self.k, "prompts": self.prompts, "max_new_tokens": self.max_new_tokens, "device": self.device,
+            "k": self.k, **({"ks": self.ks} if self.ks else {}), "prompts": self.prompts, "max_new_tokens": self.max_new_tokens, "device": self.device,
             "tok_per_s": self.tok_per_s,
             "seconds": {n: st.seconds for n, st in self.stats.items()},
             "tokens": {n: st.new_tokens for n, st in self.stats.items()},
@@ -117,13 +153,14 @@ class Validation:
     @classmethod
     def from_dict(cls, d: dict) -> "Validation":
         stats = {n: Stats.from_dict(s) for n, s in d["stats"].items()}
-        return cls(d["k"], list(d["prompts"]), d["max_new_tokens"], d["device"], stats, dict(d["greedy_equal"]))
+        return cls(d["k"], list(d["prompts"]), d["max_new_tokens"], d["device"], stats, dict(d["greedy_equal"]),
+                   dict(d.get("ks") or {}))
 
 
 def validate_drafts(
     target: Runner, drafts: dict[str, Runner], prompts: list[list[int]], *, k: int, max_new_tokens: int,
     eos_ids: list[int], names: list[str] | None = None, greedy: bool = True, desc: str | None = "validate",
-    device: str | torch.device = "cpu",
+    device: str | torch.device = "cpu", ks: dict[str, int] | None = None,
 ) -> Validation:
     """The measured speedup: target alone and with each draft on the same prompts, side by side in one run.
 
@@ -136,11 +173,11 @@ def validate_drafts(
     if not prompts:
         raise DraftsmithError("validation needs at least one prompt")
     runs = side_by_side(target, {"target_only": None, **drafts}, prompts, k=k, max_new_tokens=max_new_tokens,
-                        eos_ids=eos_ids, desc=desc, device=device)
+                        eos_ids=eos_ids, desc=desc, device=device, ks=ks)
     reference = runs["target_only"][1]
     equal = {n: (toks == reference if greedy else None) for n, (_, toks) in runs.items() if n != "target_only"}
     return Validation(k, names or [str(i) for i in range(len(prompts))], max_new_tokens, str(device),
-                      {n: st for n, (st, _) in runs.items()}, equal)
+                      {n: st for n, (st, _) in runs.items()}, equal, {n: K for n, K in (ks or {}).items() if K != k})
 
 
 @dataclass

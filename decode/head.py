@@ -247,8 +247,9 @@ def ttt_mask(E: int, j: int, device=None) -> Tensor:
     return torch.cat(blocks, dim=1)
 
 
-def ttt_logits(head: Eagle3Head, features: Tensor, tokens: Tensor, steps: int) -> list[Tensor]:
-    """Draft-vocabulary logits (E, N) of every entry at depths 1..steps (E = len(tokens) - 1)."""
+def ttt_logits(head: Eagle3Head, features: Tensor, tokens: Tensor, steps: int, start: int = 0) -> list[Tensor]:
+    """Draft-vocabulary logits (E - start, N) of entries [start, E) at depths 1..steps (E = len(tokens) - 1).
+    Every entry is still computed (the later ones attend to it); `start` only skips the output head before it."""
     c, layer = head.config, head.midlayer
     E = tokens.shape[0] - 1
     dtype = head.embed.dtype
@@ -266,7 +267,7 @@ def ttt_logits(head: Eagle3Head, features: Tensor, tokens: Tensor, steps: int) -
                                            enable_gqa=c.num_key_value_heads != c.num_attention_heads)[0]
         h = g + layer.self_attn.o_proj(o.transpose(0, 1).reshape(E, -1))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
-        out.append(head.lm_head(head.norm(h)))
+        out.append(head.lm_head(head.norm(h[start:])))
     return out
 
 

@@ -117,9 +117,10 @@ def carried_rates(rates: list[float | None], depth: int) -> list[float]:
 
 def validate_head(target_spec: str, head_dir: Path, prompts: list[Prompt], *, standalone: str | None,
                   agreement: list[float | None], k: int, max_k: int, max_new_tokens: int, out: Path,
-                  quant: str | None = "int8", device: str = "cpu") -> dict:
+                  quant: str | None = "int8", device: str = "cpu", standalone_k: int | None = None) -> dict:
     """Time the target alone, the head (`draft_after`) and, when given, the standalone draft the pair stage
-    ranked first (`draft_before`), interleaved on the same held-out prompts in one run; write `out`.
+    ranked first (`draft_before`, at `standalone_k`, its best predicted K, when given), interleaved on the same
+    held-out prompts in one run; write `out`.
 
     K: `k` when > 0, else the best predicted from `agreement` (held-out acceptance by depth) and the round
     cost timed in the decoder (a 2-prompt calibration decode of the head). Refuses a run whose output differs
@@ -128,7 +129,7 @@ def validate_head(target_spec: str, head_dir: Path, prompts: list[Prompt], *, st
     target = load(target_spec, device=device)
     head = load_head(head_dir, target.model.get_input_embeddings())
     ids = [prompt_ids(target.tokenizer, p.prompt) for p in prompts]
-    max_len = max(max(len(i) for i in ids) + max_new_tokens, COST_CONTEXT) + max(k, max_k) + 2
+    max_len = max(max(len(i) for i in ids) + max_new_tokens, COST_CONTEXT) + max(k, max_k, standalone_k or 0) + 2
     t_run = make_runner(target.model, max_len)
     drafts: dict = {}
     if standalone:
@@ -148,8 +149,9 @@ def validate_head(target_spec: str, head_dir: Path, prompts: list[Prompt], *, st
         k = max(curve, key=lambda K: (curve[K], -K))
         why = (f"best predicted from the head's held-out acceptance by depth and its round cost timed in the decoder "
                f"({', '.join(f'K={K}: {x:.2f}x' for K, x in curve.items())})")
+    ks = {"draft_before": standalone_k} if standalone and standalone_k else None
     val = validate_drafts(t_run, drafts, ids, k=k, max_new_tokens=max_new_tokens, eos_ids=eos_ids(target),
-                          names=[p.id for p in prompts], device=device)
+                          names=[p.id for p in prompts], device=device, ks=ks)
     result = {"target": target_spec, "draft": standalone, "distilled": str(head_dir), "kind": HEAD,
               "labels": {"draft_before": f"standalone draft ({standalone})", "draft_after": "head"},
               **val.to_dict(), "k_reason": why, "draft_quant": quant if standalone else None, "head_quant": hq,

@@ -11,6 +11,9 @@ round starts after token e-j+2. Every depth of entry e predicts token e+2: the l
 distribution at position e+1 over the draft vocabulary (its logits recomputed from the stored final hidden
 state with the target's own lm_head rows), the loss forward KL(p || q), depth j weighted 0.8^(j-1).
 
+A prompt sampled several times is trained on once: its other rows start at the prompt's last entry (the
+forward still runs over the whole row, whose entries the later ones attend to).
+
 The draft vocabulary is the `draft_vocab_size` ids the target predicts most often in the training data; the
 head's lm_head starts as the target's rows for those ids and its final norm as the target's. The best head
 by held-out depth-1 agreement (greedy, continuation positions only) is kept in `out/best/`; `out/checkpoint/`
@@ -48,24 +51,28 @@ class HeadTrainConfig:
     rows_per_step: int = 8  # sequences per optimizer step
     eval_every: int = 50  # steps between held-out evaluations
     max_minutes: float = 0.0  # time budget: the schedule is fitted to it after 10 timed steps; 0 = epochs decide
+    dedup_prompts: bool = True  # a prompt's own positions are trained on once (its first row), not once per sample
     seed: int = 0
 
 
-def _row_loss(head: Eagle3Head, row: dict, w_draft: Tensor, steps: int) -> tuple[Tensor, int, list[tuple[int, int]]]:
-    """Summed weighted KL over the row's valid entries, their count, and (correct, counted) per depth."""
+def _row_loss(head: Eagle3Head, row: dict, w_draft: Tensor, steps: int,
+              start: int = 0) -> tuple[Tensor, int, list[tuple[int, int]]]:
+    """Summed weighted KL over the row's valid entries from `start` on, their count, and (correct, counted) per
+    depth (continuation entries only)."""
     tokens, final = row["tokens"], row["final"].float()
-    with torch.no_grad():  # the target's logits over the draft vocabulary at positions 1..T-1
-        p_log = F.log_softmax(final[1:] @ w_draft.T, dim=-1)  # (E, N); final is already after the target's norm
+    with torch.no_grad():  # the target's logits over the draft vocabulary at positions start+1..T-1
+        p_log = F.log_softmax(final[start + 1 :] @ w_draft.T, dim=-1)  # (E - start, N); final is after the norm
     target_ids = head.draft_ids
-    label = row["next"][1:]  # the target's greedy next token after position e+1
+    label = row["next"][start + 1 :]  # the target's greedy next token after position e+1
+    entry = torch.arange(start, start + len(label))  # the entries the rows below belong to
     total, n, acc = 0.0, 0, []
-    for j, logits in enumerate(ttt_logits(head, row["features"], tokens, steps), start=1):
-        valid = torch.arange(len(label)) >= j - 1
+    for j, logits in enumerate(ttt_logits(head, row["features"], tokens, steps, start), start=1):
+        valid = entry >= j - 1
         logq = F.log_softmax(logits.float(), dim=-1)
         kl = (p_log.exp() * (p_log - logq)).sum(-1)
         total = total + 0.8 ** (j - 1) * kl[valid].sum()
         n += int(valid.sum()) if j == 1 else 0
-        cont = valid & (torch.arange(len(label)) + 1 >= row["prompt_len"])
+        cont = valid & (entry + 1 >= row["prompt_len"])
         hit = target_ids[logits.argmax(-1)] == label
         acc.append((int((hit & cont).sum()), int(cont.sum())))
     return total, n, acc
@@ -123,6 +130,7 @@ def train_head(target: Loaded, rows: list[dict], held_out: list[dict], out: Path
     t_start = time.perf_counter() - state["seconds"]
     if state["step"] == 0:
         _eval_and_keep(head, held_out, w_draft, cfg, state, out, log_path, tokens=0)
+    starts = _loss_starts(rows, cfg.dedup_prompts)
     t_loop, s0 = time.perf_counter(), state["step"]
     while state["step"] < plan["total"]:
         if cfg.max_minutes and time.perf_counter() - t_start > 60 * cfg.max_minutes:
@@ -136,12 +144,12 @@ def train_head(target: Loaded, rows: list[dict], held_out: list[dict], out: Path
             state["planned_steps"] = plan["total"]
             bar.total = plan["total"]
         s = state["step"]
-        batch = [rows[int(i)] for i in order[s * cfg.rows_per_step : (s + 1) * cfg.rows_per_step]]
+        batch = [int(i) for i in order[s * cfg.rows_per_step : (s + 1) * cfg.rows_per_step]]
         opt.zero_grad(set_to_none=True)
-        n_tok = sum(len(r["tokens"]) - 1 for r in batch)
+        n_tok = sum(len(rows[i]["tokens"]) - 1 - starts[i] for i in batch)
         loss_sum = 0.0
-        for row in batch:
-            loss, _, _ = _row_loss(head, row, w_draft, cfg.ttt_steps)
+        for i in batch:
+            loss, _, _ = _row_loss(head, rows[i], w_draft, cfg.ttt_steps, starts[i])
             (loss / n_tok).backward()
             loss_sum += float(loss.detach())
         if not math.isfinite(loss_sum):
@@ -165,9 +173,22 @@ def train_head(target: Loaded, rows: list[dict], held_out: list[dict], out: Path
                "tokens_seen": state.get("tokens", 0), "best_step": state["best_step"],
                "best_agreement_depth1": state["best"], "evals": state["log"], "config": asdict(cfg),
                "draft_vocab_coverage": coverage, "train_rows": len(rows), "held_out_rows": len(held_out),
-               "train_tokens": sum(len(r["tokens"]) for r in rows)}
+               "train_tokens": sum(len(r["tokens"]) for r in rows),
+               "train_entries": sum(len(r["tokens"]) - 1 - a for r, a in zip(rows, starts))}
     atomic_write_json(out / "summary.json", summary)
     return summary
+
+
+def _loss_starts(rows: list[dict], dedup: bool) -> list[int]:
+    """The first entry each row is trained on: 0, or, for a row whose prompt an earlier row already had (another
+    sample of it), the prompt's last entry, whose label is the continuation's first token."""
+    seen: set[bytes] = set()
+    starts = []
+    for row in rows:
+        key = row["tokens"][: row["prompt_len"]].numpy().tobytes()
+        starts.append(max(row["prompt_len"] - 1, 0) if dedup and key in seen else 0)
+        seen.add(key)
+    return starts
 
 
 def _eval_and_keep(head, held_out, w_draft, cfg, state, out, log_path, *, tokens: int) -> None:

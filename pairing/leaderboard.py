@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 
-from decode.bench import validate_drafts
+from decode.bench import hf_side_by_side, validate_drafts
 from decode.errors import DraftsmithError
 from decode.head import Eagle3Head, HeadDraft, head_quant, load_head
 from decode.io import atomic_write_bytes, atomic_write_json, atomic_write_text
@@ -325,6 +325,21 @@ def run_pair(target_spec: str, out: Path, cfg: PairConfig, *, prompts: str = "co
                     str(K): abs(x - cand.row["predicted_speedup_by_k"][str(K)]) / x for K, x in measured.items()}
                 cand.row["measured_best_k"] = mk
                 cand.row["best_k_shortfall"] = 1 - measured[best] / measured[mk]  # 0 when the predicted K is best
+        cross = [c for c in cands if not c.compat.compatible and c.loaded is not None] if cfg.temperature == 0 else []
+        for cand in cross[: cfg.validate]:
+            # another tokenizer: our token-level decoder cannot run it; transformers' universal assisted
+            # generation can (text-level), measured against transformers' generate on the target alone
+            best = cand.row["best_k"]
+            by_id = {r["id"]: r for r in refs}
+            val = hf_side_by_side(target, cand.loaded, [by_id[p.id]["prompt_ids"] for p in val_prompts], k=best,
+                                  max_new_tokens=cfg.max_new_tokens, eos_ids=eos_ids(target),
+                                  desc=f"validate {cand.spec} (transformers)")
+            val["engine"] = "transformers universal assisted generation vs transformers generate"
+            cand.row["validation"] = val
+            cand.row["measured_speedup"] = val["measured_speedup"]
+            if val["measured_speedup"]:
+                cand.row["prediction_error"] = (abs(val["measured_speedup"] - cand.row["predicted_speedup"])
+                                                / val["measured_speedup"])
         for cand in cands:
             if not cand.compat.compatible and cand.row["measured_speedup"] is None:
                 cand.row["validation_note"] = "cross-tokenizer: the token-level decoder cannot run it; not validated"
@@ -400,7 +415,12 @@ def markdown(board: dict) -> str:
               "tokens / over 1; predicted speedup: tau(K) walked on the teacher-forced rows as the decoder walks them, over the round cost timed in the decoder (docs/design.md); tau counts the bonus token."]
     for c in board["candidates"]:
         v = c.get("validation")
-        if v:
+        if v and v.get("engine"):  # a cross-tokenizer draft, measured in transformers
+            lines.append(f"\nValidated `{c['draft']}` at K={v['k']} on {v['prompts']} prompts in {v['engine']}: "
+                         f"{v['hf_generate']['tok_per_s']:.2f} tok/s alone, {v['hf_assisted']['tok_per_s']:.2f} with "
+                         f"the draft, measured {v['measured_speedup']:.2f}x vs predicted {c['predicted_speedup']:.2f}x "
+                         f"for our decoder, greedy equal: {v['greedy_equal']}.")
+        elif v:
             lines.append(f"\nValidated `{c['draft']}` at K={v['k']} on {v['prompts']} prompts: target-only "
                          f"{v['target_only_tok_per_s']:.2f} tok/s, speculative {v['speculative_tok_per_s']:.2f} tok/s, "
                          f"measured {v['measured_speedup']:.2f}x vs predicted {c['predicted_speedup']:.2f}x "

@@ -256,7 +256,9 @@ def _validation(doc: Doc, run: Path) -> None:
     val = Validation.from_dict(b)  # the typed result of decode.bench.validate_drafts; the rest is the stage's context
     doc.h("Validation: tokens/s of our decoder")
     doc.p(f"{len(val.prompts)} held-out prompts x {val.max_new_tokens} new tokens, greedy, all decoders interleaved "
-          f"in one run on {b['machine']['cpu']} ({b['machine']['cpu_count']} cores). K = {val.k} ({b['k_reason']}); "
+          f"in one run on {b['machine']['cpu']} ({b['machine']['cpu_count']} cores). K = {val.k} ({b['k_reason']})"
+          + ("".join(f", {dict(_DECODERS, **(b.get('labels') or {})).get(n, n)} at K = {K}" for n, K in val.ks.items()))
+          + "; "
           f"draft weights {b['draft_quant'] or 'float32'}"
           + (f", head weights {b['head_quant'] or 'float32'}" if b.get("kind") == "head" else "")
           + (f"; measured c = {fmt(b['cost_ratio'])}" if b.get("cost_ratio") is not None else "")
@@ -266,18 +268,19 @@ def _validation(doc: Doc, run: Path) -> None:
     for name, label in {**_DECODERS, **(b.get("labels") or {})}.items():
         if name in val.stats:
             st = val.stats[name]
-            rows.append([label, tps[name], "1.00x" if name == "target_only" else f"{val.speedup(name):.2f}x",
+            rows.append([label, "-" if name == "target_only" else val.ks.get(name, val.k), tps[name],
+                         "1.00x" if name == "target_only" else f"{val.speedup(name):.2f}x",
                          st.mean_tau, st.acceptance_rate,
                          "-" if name == "target_only" else fmt(val.greedy_equal[name])])
-    doc.table(["decoder", "tok/s", "vs target alone", "mean tau", "accepted/drafted", "greedy equal"], rows)
+    doc.table(["decoder", "K", "tok/s", "vs target alone", "mean tau", "accepted/drafted", "greedy equal"], rows)
     if "draft_after" in val.stats and "draft_before" in val.stats:
         what = "Head vs standalone draft" if b.get("kind") == "head" else "Distilled vs un-distilled draft"
         doc.p(f"{what}: {tps['draft_after'] / tps['draft_before']:.2f}x tokens/s.")
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 2.8))
     names = [r[0] for r in rows]
-    ax.barh(names, [r[1] for r in rows])
-    ax.set_xlabel("tokens/s"), ax.set_title(f"decoders, K={val.k}")
+    ax.barh(names, [r[2] for r in rows])
+    ax.set_xlabel("tokens/s"), ax.set_title(f"decoders, K={val.k}" + ("" if not val.ks else " (some at their own K)"))
     doc.image("speed.png", png_bytes(fig))
     plt.close(fig)
 
@@ -347,7 +350,8 @@ def side_by_side(bench: dict | None, exp: dict | None) -> list[list]:
         if ours.get(key) is None and not lc:
             continue
         acc = f"{lc['accepted']}/{lc['drafted']}" if lc and lc.get("drafted") else None
-        rows.append([label, bench.get("k") if key in ours else None, ours.get(key),
+        our_k = (bench.get("ks") or {}).get(key, bench.get("k"))
+        rows.append([label, our_k if key in ours else None, ours.get(key),
                      (lc or {}).get("draft_max"), (lc or {}).get("speedup_vs_target_only"), acc])
     return rows
 

@@ -145,11 +145,13 @@ def _log_recipe_to_wandb(recipe: Recipe, run: RunFolder) -> None:
     wandb_run.finish()
 
 
-def top_standalone(run: RunFolder) -> str | None:
-    """The pair stage's best token-level candidate (a head run times it beside the head), if the stage ran."""
+def top_standalone(run: RunFolder) -> tuple[str | None, int | None]:
+    """The pair stage's best token-level candidate and its best predicted K (a head run times it beside the head,
+    at that K), if the stage ran."""
     board = read_json(run.path("pair") / "leaderboard.json", missing_ok=True, what="leaderboard") or {}
-    return next((c["draft"] for c in board.get("candidates", [])
-                 if c["compatible"] and not c["draft"].startswith("head:")), None)
+    best = next((c for c in board.get("candidates", []) if c["compatible"] and not c["draft"].startswith("head:")),
+                None)
+    return (best["draft"], best.get("best_k")) if best else (None, None)
 
 
 def stage_distill(recipe: Recipe, run: RunFolder) -> dict:
@@ -181,8 +183,10 @@ def stage_validate(recipe: Recipe, run: RunFolder) -> dict:
         held_out = split_prompts(load_prompts(recipe.prompts, limit_per_domain=recipe.limit_per_domain),
                                  recipe.distill.eval_per_domain)[1]
         v = recipe.validate
+        standalone, standalone_k = top_standalone(run)
         result = validate_head(recipe.target, Path(head["head"]), first_per_domain(held_out, v.prompts_per_domain),
-                               standalone=top_standalone(run), agreement=head["agreement_after"], k=v.k,
+                               standalone=standalone, standalone_k=standalone_k, agreement=head["agreement_after"],
+                               k=v.k,
                                max_k=min(v.max_k, 4), max_new_tokens=v.max_new_tokens,
                                out=run.path("validate") / "bench.json", quant=v.draft_quant, device=recipe.device)
         return {"k": result["k"], "speedup_vs_target_only": result["speedup_vs_target_only"], "greedy_equal": True}

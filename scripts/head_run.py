@@ -44,6 +44,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--epochs", type=float, default=3.0)
     ap.add_argument("--rows-per-step", type=int, default=8)
+    ap.add_argument("--ttt-steps", type=int, default=3)
     ap.add_argument("--train-minutes", type=float, default=15.0)
     ap.add_argument("--ks", default="1,2,3,4")
     ap.add_argument("--bench-new-tokens", type=int, default=64)
@@ -70,7 +71,8 @@ def main() -> None:
     if "train" in stages:
         rows, held_rows = load_head_data(args.out / "data"), load_head_data(args.out / "held")
         cfg = HeadTrainConfig(draft_vocab_size=args.draft_vocab, lr=args.lr, epochs=args.epochs,
-                              rows_per_step=args.rows_per_step, max_minutes=args.train_minutes)
+                              rows_per_step=args.rows_per_step, max_minutes=args.train_minutes,
+                              ttt_steps=args.ttt_steps)
         summary = train_head(target, rows, held_rows, args.out / "head", cfg, aux_layers=aux)
         print(json.dumps({k: v for k, v in summary.items() if k != "evals"}, indent=1))
     if "bench" in stages:

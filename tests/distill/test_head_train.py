@@ -119,3 +119,31 @@ def test_head_data_resumes_and_training_lowers_the_loss(tmp_path) -> None:
     log = [json.loads(x) for x in (tmp_path / "timed" / "log.jsonl").read_text().splitlines() if '"lr"' in x]
     assert 10 < timed["total_steps"] < 125 == 50 * 10 // 4  # the budget, not the epochs, sets the length
     assert timed["steps"] == timed["total_steps"] and log[-1]["lr"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_a_repeated_prompt_is_trained_on_once_and_its_loss_is_the_full_rows_tail() -> None:
+    from distill.head_train import _loss_starts, _row_loss
+
+    hf = target_hf(3, layers=4)
+    head = random_head(hf, N=40, seed=2, scale=4.0)
+    prompt = [1, 5, 7, 9, 11]
+    rows = []
+    for cont in ([3, 4, 8, 13], [6, 2, 4, 8], [1, 5, 7]):  # two samples of one prompt, then another prompt
+        toks = prompt + cont if len(rows) < 2 else [2, 4] + cont
+        r = target_features(hf, [toks], head.config.aux_layers)[0]
+        rows.append({**{k: v.long() if k in ("tokens", "next") else v for k, v in r.items()},
+                     "prompt_len": len(prompt) if len(rows) < 2 else 2})
+    assert _loss_starts(rows, True) == [0, len(prompt) - 1, 0]
+    assert _loss_starts(rows, False) == [0, 0, 0]
+    w = hf.get_output_embeddings().weight.detach()[head.draft_ids].float()
+    a = len(prompt) - 1
+    with torch.no_grad():
+        for j in (1, 2, 3):  # per depth, the tail's loss is the full row's loss over the same entries
+            full, n_full, acc_full = _row_loss(head, rows[1], w, j)
+            tail, n_tail, acc_tail = _row_loss(head, rows[1], w, j, start=a)
+            head_part, _, _ = _row_loss(head, {**rows[1], "tokens": rows[1]["tokens"][: a + 1],
+                                                "features": rows[1]["features"][: a + 1],
+                                                "final": rows[1]["final"][: a + 1], "next": rows[1]["next"][: a + 1]},
+                                        w, j)
+            torch.testing.assert_close(tail, full - head_part, rtol=1e-4, atol=1e-5)
+            assert n_tail == n_full - a and acc_tail == acc_full  # agreement counts continuation entries only

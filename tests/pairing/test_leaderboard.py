@@ -107,6 +107,28 @@ def test_heads_rank_with_drafts_and_validate_across_k(setup, tmp_path: Path) -> 
     assert "By K:" in (tmp_path / "board" / "leaderboard.md").read_text()
 
 
+def test_a_cross_tokenizer_draft_is_measured_in_transformers(setup, tmp_path: Path) -> None:
+    """Another tokenizer (the same words renumbered, one more): our decoder cannot run it, transformers'
+    universal assisted generation can; the row gets that measured speedup beside its prediction, greedy-equal."""
+    target, _, prompts = setup
+    renumbered = helpers.word_tokenizer(["[UNK]", "<s>", "</s>", *reversed(WORDS), "extra"], eos="</s>", bos="<s>",
+                                        split_punctuation=True)
+    cross = helpers.save_tiny(tmp_path / "cross", renumbered, 3, vocab_size=len(WORDS) + 4, eos_id=2, bos_id=1,
+                              layers=1, max_positions=512, head_scale=4.0)
+    cfg = PairConfig(candidates=[str(cross)], prompts_per_domain=2, max_new_tokens=8, validate=1,
+                     validate_prompts=1, draft_quant=None)
+    board = run_pair(str(target), tmp_path / "board", cfg, prompts=str(prompts), progress=False)
+    (c,) = board["candidates"]
+    assert c["kind"] == "cross-tokenizer" and "validation_note" not in c
+    v = c["validation"]
+    assert v["engine"].startswith("transformers universal assisted") and v["greedy_equal"] is True
+    assert v["k"] == c["best_k"] and v["prompts"] == 2 and v["hf_generate"]["tokens"] == v["hf_assisted"]["tokens"] > 0
+    assert c["measured_speedup"] == pytest.approx(v["hf_assisted"]["tok_per_s"] / v["hf_generate"]["tok_per_s"])
+    assert c["prediction_error"] == pytest.approx(abs(c["measured_speedup"] - c["predicted_speedup"])
+                                                  / c["measured_speedup"])
+    assert "in transformers universal assisted generation" in (tmp_path / "board" / "leaderboard.md").read_text()
+
+
 @pytest.mark.parametrize("spec", ["head:/nonexistent/head", "head:{other}"])
 def test_a_bad_head_is_one_line(setup, tmp_path: Path, spec: str) -> None:
     from decode.errors import DraftsmithError

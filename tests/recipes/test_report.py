@@ -64,16 +64,17 @@ def test_validation_section_reads_the_typed_result(tmp_path: Path) -> None:
         "target_only": Stats({1: 32}, 0, 0, 32, 0.1, 4.0),
         "draft_before": Stats({1: 10, 2: 8, 4: 2}, 60, 14, 32, 0.1, 5.0),
         "draft_after": Stats({2: 6, 3: 4, 4: 3}, 39, 19, 32, 0.1, 2.0),
-    }, {"draft_before": True, "draft_after": True})
+    }, {"draft_before": True, "draft_after": True}, ks={"draft_before": 5})  # the un-distilled one at its own K
+    assert Validation.from_dict(val.to_dict()) == val
     bench = {**val.to_dict(), "k_reason": "set by the recipe", "draft_quant": "int8", "cost_ratio": 0.12,
              "machine": {"cpu": "test cpu", "cpu_count": 2}}
     run = write_run_folder(tmp_path / "validated", candidates={"d1": 0.4}, distilled=("d1", 0.4, 0.5), bench=bench)
     md = write_report(run).read_text()
     assert "## Validation: tokens/s of our decoder" in md and "2 held-out prompts x 16 new tokens" in md
-    assert "K = 3 (set by the recipe)" in md
-    assert "| target alone | 8.000 | 1.00x | 1.000 | - | - |" in md  # 32 tokens in 4 s
-    assert "| un-distilled draft | 6.400 | 0.80x | 1.700 | 0.233 | yes |" in md  # 5 s; tau 34/20; 14/60
-    assert "| distilled draft | 16.000 | 2.00x | 2.769 | 0.487 | yes |" in md
+    assert "K = 3 (set by the recipe), un-distilled draft at K = 5; " in md
+    assert "| target alone | - | 8.000 | 1.00x | 1.000 | - | - |" in md  # 32 tokens in 4 s
+    assert "| un-distilled draft | 5 | 6.400 | 0.80x | 1.700 | 0.233 | yes |" in md  # 5 s; tau 34/20; 14/60
+    assert "| distilled draft | 3 | 16.000 | 2.00x | 2.769 | 0.487 | yes |" in md
     assert "Distilled vs un-distilled draft: 2.50x tokens/s." in md
     assert (run / "report" / "speed.png").read_bytes().startswith(PNG)
 

@@ -239,6 +239,10 @@ def test_a_head_recipe_runs_every_stage(world: dict) -> None:
     assert set(bench["tok_per_s"]) == {"target_only", "draft_before", "draft_after"}
     assert bench["greedy_equal"] == {"draft_before": True, "draft_after": True}
     assert bench["draft"] == f"derive:{target}:keep=2" and "best predicted" in bench["k_reason"]
+    board = json.loads((out / "pairing" / "leaderboard.json").read_text())
+    standalone_k = board["candidates"][0]["best_k"]  # the standalone draft runs at the pair stage's best K
+    assert bench.get("ks", {}).get("draft_before", bench["k"]) == standalone_k
+    assert max(map(int, bench["stats"]["draft_before"]["tau_hist"])) <= standalone_k + 1
     for rel in ("export/vllm/config.json", "export/sglang/config.json", "report/head_agreement.png"):
         assert (out / rel).is_file(), rel
     report = (out / "report.md").read_text()
