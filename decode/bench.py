@@ -138,7 +138,8 @@ class Validation:
     def to_dict(self) -> dict:
         """JSON form: the raw stats plus the flat views reports and leaderboards read."""
         return {
-            "k": self.k, **({"ks": self.ks} if self.ks else {}), "prompts": self.prompts, "max_new_tokens": self.max_new_tokens, "device": self.device,
+            "k": self.k, **({"ks": self.ks} if self.ks else {}), "prompts": self.prompts,
+            "max_new_tokens": self.max_new_tokens, "device": self.device,
             "tok_per_s": self.tok_per_s,
             "seconds": {n: st.seconds for n, st in self.stats.items()},
             "tokens": {n: st.new_tokens for n, st in self.stats.items()},

@@ -137,6 +137,8 @@ def validate_head(target_spec: str, head_dir: Path, prompts: list[Prompt], *, st
         drafts["draft_before"] = make_runner(before.model, max_len, quantize=draft_quant(before.model, quant))
     hq = head_quant(head, quant)
     drafts["draft_after"] = HeadDraft(head, max_len, quantize=hq)
+    curve: dict[int, float] = {}
+    timed: dict = {}  # the head's round, as the calibration decode timed it
     if k:
         why = "set by the recipe"
     else:
@@ -144,6 +146,9 @@ def validate_head(target_spec: str, head_dir: Path, prompts: list[Prompt], *, st
                            device=device)
         dc = calibrate_decoder(t_run, drafts["draft_after"], ids[:2], k=1, isolated=iso, max_new_tokens=32,
                                eos_ids=eos_ids(target), device=device)
+        timed = {"cost_ratio": dc.draft_step_s / dc.target_token_s,
+                 "verify_cost": {str(K): v / dc.target_token_s for K, v in dc.verify_s.items()},
+                 "decoder_cost": asdict(dc)}
         rates = carried_rates(agreement, max_k)
         curve = {K: dc.speedup(expected_tau_from_depth_rates(rates, K), K, max_new_tokens) for K in range(1, max_k + 1)}
         k = max(curve, key=lambda K: (curve[K], -K))
@@ -154,8 +159,11 @@ def validate_head(target_spec: str, head_dir: Path, prompts: list[Prompt], *, st
                           names=[p.id for p in prompts], device=device, ks=ks)
     result = {"target": target_spec, "draft": standalone, "distilled": str(head_dir), "kind": HEAD,
               "labels": {"draft_before": f"standalone draft ({standalone})", "draft_after": "head"},
-              **val.to_dict(), "k_reason": why, "draft_quant": quant if standalone else None, "head_quant": hq,
-              "alpha": agreement[0] if agreement else None, "cost_ratio": None, "verify_cost": {},
+              **val.to_dict(), "k_reason": why, "predicted_speedup": curve.get(k),
+              "predicted_speedup_by_k": {str(K): x for K, x in curve.items()},
+              "draft_quant": quant if standalone else None, "head_quant": hq,
+              "alpha": agreement[0] if agreement else None, "cost_ratio": timed.get("cost_ratio"),
+              "verify_cost": timed.get("verify_cost", {}), "decoder_cost": timed.get("decoder_cost"),
               "machine": machine_info(), "versions": versions()}
     if standalone:
         result["speedup_after_vs_before"] = val.tok_per_s["draft_after"] / val.tok_per_s["draft_before"]

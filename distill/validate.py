@@ -22,7 +22,7 @@ from decode.loading import load
 from decode.model import draft_quant, make_runner
 from decode.prompts import Prompt, first_per_domain
 from decode.textgen import eos_ids, machine_info, prompt_ids, versions
-from pairing.cost import COST_CONTEXT, best_k, measure_cost
+from pairing.cost import COST_CONTEXT, best_k, measure_cost, speedup_curve
 from pairing.derive import resolve_candidate
 
 
@@ -68,10 +68,13 @@ def validate_distilled(target_spec: str, draft_spec: str, tuned: Path | None, pr
     tuned_name = "draft_after" if after is not None else "draft_before"
     cost = measure_cost(t_run, drafts[tuned_name], ks=range(1, cfg.max_k + 1), context=COST_CONTEXT, repeats=3,
                         warmup=1, device=device)
+    predicted = None  # the i.i.d. formula E[tau] / (K c + v(K)) for this alpha at the K run (docs/design.md)
     if cfg.k:
         k, why = cfg.k, "set by the recipe"
+        predicted = speedup_curve(alpha, cost.c, cost.v).get(k) if alpha is not None else None
     elif alpha is not None:
-        k, why = best_k(alpha, cost.c, cost.v)[0], f"best predicted for alpha {alpha:.3f} and the measured cost"
+        k, predicted = best_k(alpha, cost.c, cost.v)
+        why = f"best predicted for alpha {alpha:.3f} and the measured cost"
     else:
         k, why = 3, "default (no alpha measured: neither the pair nor the distill stage has run)"
 
@@ -79,7 +82,8 @@ def validate_distilled(target_spec: str, draft_spec: str, tuned: Path | None, pr
                           names=[p.id for p in prompts], device=device)
     result = {
         "target": target_spec, "draft": draft_spec, "distilled": str(tuned) if after is not None else None,
-        **val.to_dict(), "k_reason": why, "draft_quant": quant, "alpha": alpha, "cost_ratio": cost.c,
+        **val.to_dict(), "k_reason": why, "predicted_speedup": predicted, "draft_quant": quant, "alpha": alpha,
+        "cost_ratio": cost.c,
         "verify_cost": {str(K): x for K, x in cost.v.items()},
         "machine": machine_info(), "versions": versions(),
     }

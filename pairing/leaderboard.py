@@ -9,8 +9,10 @@ Steps: compatibility check per candidate -> the target's reference continuations
 -> measured cost c and v(K) and a short calibration decode that times rounds in the decoder -> predicted speedup
 (the rows walked round by round as the decoder walks them, over the round cost; docs/design.md) and best K
 (overall and per domain) -> optionally, the built-in decoder on the top N candidates at their best K (and at
-`validate_ks`) for the measured speedup, the prediction error and its breakdown. Writes leaderboard.json, .md,
-.csv and .html (with PNG plots) into --out.
+`validate_ks`) for the measured speedup, the prediction error and its breakdown; the top N cross-tokenizer
+candidates, which the decoder cannot run, in transformers' universal assisted generation against transformers'
+`generate` alone (`decode.bench.hf_side_by_side`). Writes leaderboard.json, .md, .csv and .html (with PNG plots)
+into --out.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ class PairConfig:
     prompts_per_domain: int = 8  # prompts per domain for the acceptance measurement (0 = all)
     max_new_tokens: int = 64  # length of the target's reference continuations
     temperature: float = 0.0  # 0 = greedy acceptance (argmax agreement); > 0 = sum_x min(p, q) at that temperature
-    validate: int = 0  # also decode with the top N candidates for a measured speedup
+    validate: int = 0  # also decode the top N candidates for a measured speedup (cross-tokenizer: in transformers)
     validate_prompts: int = 4  # prompts per domain for the measured speedup
     draft_quant: str | None = "int8"  # int8 | null: draft weights on CPU (exactness is unaffected)
     batch_size: int = 4  # reference continuations scored together
@@ -331,9 +333,14 @@ def run_pair(target_spec: str, out: Path, cfg: PairConfig, *, prompts: str = "co
             # generation can (text-level), measured against transformers' generate on the target alone
             best = cand.row["best_k"]
             by_id = {r["id"]: r for r in refs}
-            val = hf_side_by_side(target, cand.loaded, [by_id[p.id]["prompt_ids"] for p in val_prompts], k=best,
-                                  max_new_tokens=cfg.max_new_tokens, eos_ids=eos_ids(target),
-                                  desc=f"validate {cand.spec} (transformers)")
+            try:
+                val = hf_side_by_side(target, cand.loaded, [by_id[p.id]["prompt_ids"] for p in val_prompts],
+                                      k=best, max_new_tokens=cfg.max_new_tokens, eos_ids=eos_ids(target),
+                                      desc=f"validate {cand.spec} (transformers)")
+            except (ValueError, TypeError, RuntimeError) as e:  # transformers refuses this pair: say so, keep the rest
+                cand.row["validation_note"] = (f"cross-tokenizer: transformers' universal assisted generation could "
+                                               f"not run it ({str(e).splitlines()[0][:200]}); not validated")
+                continue
             val["engine"] = "transformers universal assisted generation vs transformers generate"
             cand.row["validation"] = val
             cand.row["measured_speedup"] = val["measured_speedup"]
@@ -342,7 +349,8 @@ def run_pair(target_spec: str, out: Path, cfg: PairConfig, *, prompts: str = "co
                                                 / val["measured_speedup"])
         for cand in cands:
             if not cand.compat.compatible and cand.row["measured_speedup"] is None:
-                cand.row["validation_note"] = "cross-tokenizer: the token-level decoder cannot run it; not validated"
+                cand.row.setdefault("validation_note",
+                                    "cross-tokenizer: the token-level decoder cannot run it; not validated")
 
     board = {
         "target": target_spec,

@@ -40,6 +40,7 @@ def rows_of_run(folder: Path) -> list[dict]:
                 "target": board["target"], "draft": c["draft"], "kind": c["kind"], "alpha": c["alpha"],
                 "alpha_by_domain": c["alpha_by_domain"], "positions": c["positions"], "best_k": c["best_k"],
                 "predicted_speedup": c["predicted_speedup"], "measured_speedup": c["measured_speedup"],
+                "measured_with": (c.get("validation") or {}).get("engine"),
                 "llama_cpp": _llama_cpp(before) if before.get("draft") == c["draft"] else None,
                 "run": str(folder),
             })
@@ -52,7 +53,7 @@ def rows_of_run(folder: Path) -> list[dict]:
         rows.append({
             "target": head["target"], "draft": f"head (EAGLE-3, {head['train_summary']['tokens_seen']} tokens seen)",
             "kind": "head", "alpha": head["agreement_after"][0], "alpha_before": None, "alpha_by_domain": None,
-            "positions": None, "best_k": bench.get("k"), "predicted_speedup": None,
+            "positions": None, "best_k": bench.get("k"), "predicted_speedup": bench.get("predicted_speedup"),
             "measured_speedup": (bench.get("speedup_vs_target_only") or {}).get("draft_after"),
             "llama_cpp": _llama_cpp(lc), "run": str(folder),
         })
@@ -66,7 +67,8 @@ def rows_of_run(folder: Path) -> list[dict]:
             "target": distilled["target"],
             "draft": f"{distilled['draft']} + distill({cfg['loss']}, {distilled['data_source']}, {steps} steps)",
             "kind": "distilled", "alpha": distilled["alpha_after"], "alpha_before": distilled["alpha_before"],
-            "alpha_by_domain": None, "positions": None, "best_k": bench.get("k"), "predicted_speedup": None,
+            "alpha_by_domain": None, "positions": None, "best_k": bench.get("k"),
+            "predicted_speedup": bench.get("predicted_speedup"),
             "measured_speedup": (bench.get("speedup_vs_target_only") or {}).get("draft_after")
             or (distilled.get("speed") or {}).get("speedup_vs_target_only", {}).get("draft_after"),
             "llama_cpp": _llama_cpp(next(iter((exported.get("llama_cpp") or {}).values()), None)),
@@ -91,7 +93,9 @@ def merge_runs(folders: list[Path]) -> dict:
     rows.sort(key=lambda r: (r["target"], -(r["alpha"] or 0.0)))
     return {"rows": rows, "runs": [str(f) for f in folders], "without_results": empty,
             "definitions": {"alpha": "teacher-forced mean of sum_x min(p, q) on held-out / reference continuations",
-                            "measured": "tokens/s with the draft / tokens/s of the same decoder without it",
+                            "measured": "tokens/s with the draft / tokens/s of the same decoder without it (our "
+                                        "decoder; '(transformers)': a cross-tokenizer draft in transformers' "
+                                        "universal assisted generation against transformers' generate)",
                             "llama_cpp": "llama-server's tokens/s with the draft / without it (the export check)"}}
 
 
@@ -103,7 +107,8 @@ def _table(merged: dict) -> tuple[list[str], list[list[str]]]:
             alpha += f" (from {fmt(r['alpha_before'])})"
         rows.append([r["target"], r["draft"], r["kind"], alpha, fmt(r["positions"]), fmt(r["best_k"]),
                      fmt(r["predicted_speedup"], 2) + ("x" if r["predicted_speedup"] else ""),
-                     fmt(r["measured_speedup"], 2) + ("x" if r["measured_speedup"] else ""),
+                     fmt(r["measured_speedup"], 2) + ("x" if r["measured_speedup"] else "")
+                     + (" (transformers)" if r.get("measured_with") else ""),
                      _llama_cpp_cell(r.get("llama_cpp")), r["run"]])
     return COLUMNS, rows
 

@@ -88,3 +88,25 @@ def test_bad_folders_are_one_line_errors(runs, tmp_path: Path) -> None:
     with pytest.raises(DraftsmithError) as e:
         merge_runs([runs[0], runs[1]])
     assert str(board) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_every_kind_has_predicted_and_measured_where_its_run_has_them(tmp_path: Path) -> None:
+    """A distilled draft's predicted speedup comes from validate's bench.json; a cross-tokenizer candidate's
+    measured speedup, made in transformers, says so."""
+    run = write_run_folder(tmp_path / "a", candidates={"d1": 0.4, "x": 0.5}, distilled=("d1", 0.4, 0.6),
+                           bench={"k": 2, "predicted_speedup": 1.3,
+                                  "speedup_vs_target_only": {"draft_before": 1.1, "draft_after": 1.25}})
+    path = run / "pairing" / "leaderboard.json"
+    board = json.loads(path.read_text())
+    for c in board["candidates"]:
+        if c["draft"] == "x":
+            c.update(kind="cross-tokenizer", measured_speedup=1.05,
+                     validation={"engine": "transformers universal assisted generation vs transformers generate"})
+    path.write_text(json.dumps(board))
+    merged = merge_runs([run])
+    rows = {r["draft"]: r for r in merged["rows"]}
+    assert rows["d1 + distill(fkl, target, 40 steps)"]["predicted_speedup"] == 1.3
+    assert rows["x"]["measured_with"].startswith("transformers") and rows["d1"]["measured_with"] is None
+    write_merged(merged, tmp_path / "board")
+    md = (tmp_path / "board" / "leaderboard.md").read_text()
+    assert "1.05x (transformers)" in md and "1.30x" in md and "1.25x" in md

@@ -78,6 +78,7 @@ def test_a_recipe_run_fills_the_run_folder(whole: Path) -> None:
     bench = json.loads((whole / "validate" / "bench.json").read_text())
     assert set(bench["tok_per_s"]) == {"target_only", "draft_before", "draft_after"}
     assert bench["greedy_equal"] == {"draft_before": True, "draft_after": True}
+    assert bench["k_reason"].startswith("best predicted") and bench["predicted_speedup"] > 0  # K's prediction kept
     report = (whole / "report.md").read_text()
     for needle in ("Pairing leaderboard", "Distillation", "alpha before", "tok/s", "vs target alone", "Export"):
         assert needle in report, needle
@@ -242,6 +243,7 @@ def test_a_head_recipe_runs_every_stage(world: dict) -> None:
     board = json.loads((out / "pairing" / "leaderboard.json").read_text())
     standalone_k = board["candidates"][0]["best_k"]  # the standalone draft runs at the pair stage's best K
     assert bench.get("ks", {}).get("draft_before", bench["k"]) == standalone_k
+    assert bench["predicted_speedup"] == bench["predicted_speedup_by_k"][str(bench["k"])] > 0
     assert max(map(int, bench["stats"]["draft_before"]["tau_hist"])) <= standalone_k + 1
     for rel in ("export/vllm/config.json", "export/sglang/config.json", "report/head_agreement.png"):
         assert (out / rel).is_file(), rel
@@ -252,7 +254,8 @@ def test_a_head_recipe_runs_every_stage(world: dict) -> None:
     r = draftsmith(world, "leaderboard", str(out), "--out", str(world["root"] / "head-board"))
     assert r.returncode == 0, r.stderr
     rows = json.loads((world["root"] / "head-board" / "leaderboard.json").read_text())["rows"]
-    assert [row["kind"] for row in rows if row["kind"] == "head"] == ["head"]
+    (head_row,) = [row for row in rows if row["kind"] == "head"]
+    assert head_row["predicted_speedup"] == bench["predicted_speedup"] and head_row["measured_speedup"] > 0
 
 
 def test_a_recipe_with_a_data_section_trains_on_what_the_target_wrote(world: dict) -> None:
