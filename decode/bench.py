@@ -37,10 +37,11 @@ def _hf_generate(pair: Pair, ids: list[int], max_new_tokens: int, eos: list[int]
 
 
 def hf_generate(target: Loaded, ids: list[int], max_new_tokens: int, eos: list[int], *, draft: Loaded | None = None,
-                k: int | None = None) -> tuple[list[int], float]:
+                k: int | None = None, universal: bool = False) -> tuple[list[int], float]:
     """transformers' greedy `generate` on the target, alone or with `draft` as its assistant (K = `k` tokens a
-    round when given, else transformers' own schedule); a draft with another tokenizer runs as universal
-    assisted generation (its tokens decoded to text and re-encoded for the target). -> (new ids, seconds)."""
+    round when given, else transformers' own schedule); `universal`: the draft has another tokenizer and runs as
+    universal assisted generation (its tokens decoded to text and re-encoded for the target). -> (new ids,
+    seconds)."""
     model = target.model
     kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
                   pad_token_id=target.tokenizer.pad_token_id or eos[0])
@@ -48,7 +49,7 @@ def hf_generate(target: Loaded, ids: list[int], max_new_tokens: int, eos: list[i
         kwargs["assistant_model"] = draft.model
         if k is not None:
             kwargs.update(num_assistant_tokens=k, num_assistant_tokens_schedule="constant")
-        if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
+        if universal:
             kwargs.update(tokenizer=target.tokenizer, assistant_tokenizer=draft.tokenizer)
     x = torch.tensor([ids], device=model.device)
     t0 = time.perf_counter()
@@ -88,15 +89,16 @@ def hf_side_by_side(target: Loaded, draft: Loaded, prompts: list[list[int]], *, 
     """transformers' greedy `generate`, the target alone and with `draft` as its assistant at K = `k`, interleaved
     per prompt after a warm-up: the measured speedup of a draft our token-level decoder cannot run (another
     tokenizer: universal assisted generation). Greedy equality is checked per prompt."""
+    universal = draft.tokenizer.get_vocab() != target.tokenizer.get_vocab()
     for d in (None, draft):
-        hf_generate(target, prompts[0][:16], 4, eos_ids, draft=d, k=k)  # warm-up
+        hf_generate(target, prompts[0][:16], 4, eos_ids, draft=d, k=k, universal=universal)  # warm-up
     runs = {"hf_generate": [], "hf_assisted": []}
     for ids in tqdm(prompts, desc=desc, unit="prompt", disable=desc is None):
         for mode, d in (("hf_generate", None), ("hf_assisted", draft)):
-            runs[mode].append(hf_generate(target, list(ids), max_new_tokens, eos_ids, draft=d, k=k))
-    out = {mode: {"tokens": sum(len(t) for t, _ in r), "seconds": sum(s for _, s in r)} for mode, r in runs.items()}
-    for v in out.values():
-        v["tok_per_s"] = v["tokens"] / v["seconds"] if v["seconds"] else 0.0
+            runs[mode].append(hf_generate(target, list(ids), max_new_tokens, eos_ids, draft=d, k=k,
+                                          universal=universal))
+    out = {mode: _summary(sum(len(t) for t, _ in r), sum(s for _, s in r),
+                          [{"tokens": len(t), "seconds": s} for t, s in r]) for mode, r in runs.items()}
     base = out["hf_generate"]["tok_per_s"]
     return {"k": k, "prompts": len(prompts), **out,
             "measured_speedup": out["hf_assisted"]["tok_per_s"] / base if base else 0.0,

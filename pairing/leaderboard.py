@@ -149,6 +149,11 @@ def _validate(target: Loaded, t_run, cand: Candidate, prompts: list[Prompt], ref
     }
 
 
+def _relative_error(measured: float, predicted: float) -> float:
+    """|measured - predicted| / measured: the leaderboard's prediction error."""
+    return abs(measured - predicted) / measured
+
+
 def _breakdown(row: dict, val: dict) -> dict:
     """Where predicted and measured speedup part ways: tokens per round (acceptance) or time per round (cost).
 
@@ -315,8 +320,7 @@ def run_pair(target_spec: str, out: Path, cfg: PairConfig, *, prompts: str = "co
             val["expected_tau_same_prompts"] = cand.acc.tokens_per_round(best, ids={p.id for p in val_prompts})
             cand.row["validation"] = val
             cand.row["measured_speedup"] = val["measured_speedup"]
-            gap = abs(val["measured_speedup"] - cand.row["predicted_speedup"]) / val["measured_speedup"]
-            cand.row["prediction_error"] = gap
+            cand.row["prediction_error"] = _relative_error(val["measured_speedup"], cand.row["predicted_speedup"])
             cand.row["prediction_breakdown"] = _breakdown(cand.row, val)
             if len(vals) > 1:
                 measured = {K: v["measured_speedup"] for K, v in vals.items()}
@@ -324,15 +328,15 @@ def run_pair(target_spec: str, out: Path, cfg: PairConfig, *, prompts: str = "co
                 cand.row["validation_by_k"] = {str(K): v for K, v in vals.items()}
                 cand.row["measured_speedup_by_k"] = {str(K): x for K, x in measured.items()}
                 cand.row["prediction_error_by_k"] = {
-                    str(K): abs(x - cand.row["predicted_speedup_by_k"][str(K)]) / x for K, x in measured.items()}
+                    str(K): _relative_error(x, cand.row["predicted_speedup_by_k"][str(K)]) for K, x in measured.items()}
                 cand.row["measured_best_k"] = mk
                 cand.row["best_k_shortfall"] = 1 - measured[best] / measured[mk]  # 0 when the predicted K is best
         cross = [c for c in cands if not c.compat.compatible and c.loaded is not None] if cfg.temperature == 0 else []
+        by_id = {r["id"]: r for r in refs}
         for cand in cross[: cfg.validate]:
             # another tokenizer: our token-level decoder cannot run it; transformers' universal assisted
             # generation can (text-level), measured against transformers' generate on the target alone
             best = cand.row["best_k"]
-            by_id = {r["id"]: r for r in refs}
             try:
                 val = hf_side_by_side(target, cand.loaded, [by_id[p.id]["prompt_ids"] for p in val_prompts],
                                       k=best, max_new_tokens=cfg.max_new_tokens, eos_ids=eos_ids(target),
@@ -345,8 +349,7 @@ def run_pair(target_spec: str, out: Path, cfg: PairConfig, *, prompts: str = "co
             cand.row["validation"] = val
             cand.row["measured_speedup"] = val["measured_speedup"]
             if val["measured_speedup"]:
-                cand.row["prediction_error"] = (abs(val["measured_speedup"] - cand.row["predicted_speedup"])
-                                                / val["measured_speedup"])
+                cand.row["prediction_error"] = _relative_error(val["measured_speedup"], cand.row["predicted_speedup"])
         for cand in cands:
             if not cand.compat.compatible and cand.row["measured_speedup"] is None:
                 cand.row.setdefault("validation_note",

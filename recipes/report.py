@@ -255,9 +255,10 @@ def _validation(doc: Doc, run: Path) -> None:
         return
     val = Validation.from_dict(b)  # the typed result of decode.bench.validate_drafts; the rest is the stage's context
     doc.h("Validation: tokens/s of our decoder")
+    labels = {**_DECODERS, **(b.get("labels") or {})}
     doc.p(f"{len(val.prompts)} held-out prompts x {val.max_new_tokens} new tokens, greedy, all decoders interleaved "
           f"in one run on {b['machine']['cpu']} ({b['machine']['cpu_count']} cores). K = {val.k} ({b['k_reason']})"
-          + ("".join(f", {dict(_DECODERS, **(b.get('labels') or {})).get(n, n)} at K = {K}" for n, K in val.ks.items()))
+          + "".join(f", {labels.get(n, n)} at K = {K}" for n, K in val.ks.items())
           + "; "
           f"draft weights {b['draft_quant'] or 'float32'}"
           + (f", head weights {b['head_quant'] or 'float32'}" if b.get("kind") == "head" else "")
@@ -265,7 +266,7 @@ def _validation(doc: Doc, run: Path) -> None:
           + ". tau = tokens per target forward, bonus token included.")
     tps = val.tok_per_s
     rows = []
-    for name, label in {**_DECODERS, **(b.get("labels") or {})}.items():
+    for name, label in labels.items():
         if name in val.stats:
             st = val.stats[name]
             rows.append([label, "-" if name == "target_only" else val.ks.get(name, val.k), tps[name],
