@@ -30,6 +30,21 @@ from decode.model import Runner, _rms_norm, _rotate_half, lean_parts, lean_suppo
 from decode.sampling import SamplingParams, fit_vocab, greedy_token, sample, to_probs
 
 
+GEN_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # what a model may write data in
+
+
+def writer_model(model, dtype: str):
+    """The model that writes data: `model` itself, or a copy of it in `dtype` (`model` is untouched). bfloat16
+    batches run 2-3x faster on CPUs with AMX; a draft's training text and features need no more precision."""
+    if dtype not in GEN_DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(GEN_DTYPES)}, got {dtype!r}")
+    if next(model.parameters()).dtype == GEN_DTYPES[dtype]:
+        return model
+    import copy
+
+    return copy.deepcopy(model).to(GEN_DTYPES[dtype])
+
+
 class TargetVocab:
     """A runner whose logits are cut or padded (-inf) to the target's vocabulary, so that every token the
     draft samples on its own is one the target can score (drafts may carry a few padding rows more or less)."""
@@ -80,10 +95,10 @@ class BatchLM(nn.Module):
         end = start + T
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # (B, 1, T, D)
         x = self.embed(tokens)
-        seen = []
+        seen = {}
         for i, layer in enumerate(self.layers):
             if i in self.capture:
-                seen.append(x)
+                seen[i] = x
             H, Hkv, D = layer.n_heads, layer.n_kv, layer.head_dim
             h = _rms_norm(x, layer.norm_in, layer.eps)
             q = layer.q(h).view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
@@ -99,7 +114,7 @@ class BatchLM(nn.Module):
             x = x + layer.down(F.silu(layer.gate(h)) * layer.up(h))
         h = _rms_norm(x, self.norm, self.eps)
         if self.capture:
-            self.features[:, start:end] = torch.cat(seen, dim=-1).half()
+            self.features[:, start:end] = torch.cat([seen[i] for i in self.capture], dim=-1).half()
             self.final[:, start:end] = h.half()
         return h
 
@@ -304,4 +319,4 @@ def generate_batch(
     return out
 
 
-__all__ = ["BatchLM", "BatchOutput", "TargetVocab", "decode_batch", "generate_batch"]
+__all__ = ["GEN_DTYPES", "BatchLM", "BatchOutput", "TargetVocab", "decode_batch", "generate_batch", "writer_model"]

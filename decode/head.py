@@ -230,12 +230,13 @@ class Eagle3Head(nn.Module):
 
 
 def _qkv(head: Eagle3Head, emb: Tensor, g: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(B, E, H) embeddings and g -> rotated q (B, Hq, E, D), k (B, Hkv, E, D) and v."""
     layer, c = head.midlayer, head.config
-    x = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(g)], dim=-1)  # (E, 2H)
-    E, D = x.shape[0], c.head_dim
-    q = layer.self_attn.q_proj(x).view(E, c.num_attention_heads, D).transpose(0, 1)  # (Hq, E, D)
-    k = layer.self_attn.k_proj(x).view(E, c.num_key_value_heads, D).transpose(0, 1)  # (Hkv, E, D)
-    v = layer.self_attn.v_proj(x).view(E, c.num_key_value_heads, D).transpose(0, 1)
+    x = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(g)], dim=-1)  # (B, E, 2H)
+    B, E, D = x.shape[0], x.shape[1], c.head_dim
+    q = layer.self_attn.q_proj(x).view(B, E, c.num_attention_heads, D).transpose(1, 2)
+    k = layer.self_attn.k_proj(x).view(B, E, c.num_key_value_heads, D).transpose(1, 2)
+    v = layer.self_attn.v_proj(x).view(B, E, c.num_key_value_heads, D).transpose(1, 2)
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
 
 
@@ -249,25 +250,37 @@ def ttt_mask(E: int, j: int, device=None) -> Tensor:
 
 def ttt_logits(head: Eagle3Head, features: Tensor, tokens: Tensor, steps: int, start: int = 0) -> list[Tensor]:
     """Draft-vocabulary logits (E - start, N) of entries [start, E) at depths 1..steps (E = len(tokens) - 1).
-    Every entry is still computed (the later ones attend to it); `start` only skips the output head before it."""
+    Every entry is still computed (the later ones attend to it); `start` only skips the output head before it.
+    Batched as `ttt_hidden`: (B, E - start, N) per depth."""
+    return [head.lm_head(head.norm(h[..., start:, :])) for h in ttt_hidden(head, features, tokens, steps)]
+
+
+def ttt_hidden(head: Eagle3Head, features: Tensor, tokens: Tensor, steps: int) -> list[Tensor]:
+    """The head's output hidden (pre-norm; E, H) of every entry at depths 1..steps, the training-time unroll
+    (E = len(tokens) - 1; the features of entry e are the target's at token e).
+
+    Batched: features (B, E', 3H) and tokens (B, E+1) -> (B, E, H) per depth. Rows shorter than the batch are
+    right-padded (anything): an entry only reads entries before it, so the pads change nothing."""
+    if tokens.dim() == 1:
+        return [x[0] for x in ttt_hidden(head, features[None], tokens[None], steps)]
     c, layer = head.config, head.midlayer
-    E = tokens.shape[0] - 1
+    B, E = tokens.shape[0], tokens.shape[1] - 1
     dtype = head.embed.dtype
-    emb = F.embedding(tokens[1:], head.embed).to(dtype)  # token e+1 for entry e
+    emb = F.embedding(tokens[:, 1:], head.embed).to(dtype)  # token e+1 for entry e
     cos, sin = rope_tables(c, E, dtype, tokens.device)
-    g = head.fc(features[:E].to(dtype))  # (E, H)
+    g = head.fc(features[:, :E].to(dtype))  # (B, E, H)
     keys, values, out = [], [], []
     for j in range(1, steps + 1):
         if j > 1:  # entry e reads the output hidden of entry e-1 at the previous depth
-            g = torch.cat([torch.zeros_like(h[:1]), h[:-1]])
+            g = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], dim=1)
         q, k, v = _qkv(head, emb, g, cos, sin)
         keys.append(k), values.append(v)
-        o = F.scaled_dot_product_attention(q[None], torch.cat(keys, 1)[None], torch.cat(values, 1)[None],
+        o = F.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(values, 2),
                                            attn_mask=ttt_mask(E, j, tokens.device),
-                                           enable_gqa=c.num_key_value_heads != c.num_attention_heads)[0]
-        h = g + layer.self_attn.o_proj(o.transpose(0, 1).reshape(E, -1))
+                                           enable_gqa=c.num_key_value_heads != c.num_attention_heads)
+        h = g + layer.self_attn.o_proj(o.transpose(1, 2).reshape(B, E, -1))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
-        out.append(head.lm_head(head.norm(h[start:])))
+        out.append(h)
     return out
 
 

@@ -97,7 +97,7 @@ def _linear(x: Tensor, layer: nn.Module) -> Tensor:
     Linear) run as they are."""
     if type(layer) is not nn.Linear:
         return layer(x)
-    if not _weight_first(x, layer):
+    if x.dim() != 2 or not _weight_first(x, layer):  # batched rows (training): the plain layout
         return F.linear(x, layer.weight, layer.bias)
     if layer.bias is None:
         return torch.mm(layer.weight, x.t()).t()

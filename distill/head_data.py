@@ -12,6 +12,9 @@ over prompt + continuation afterwards. Either way, per position t: the features 
 concatenated: 3H, float16), the final hidden state after the target's norm (H, float16: the target's logits are
 `lm_head(final)`, recomputed at training time over the draft vocabulary only) and the target's greedy next token.
 
+`dtype="bfloat16"` has a bfloat16 copy of the target write (2-3x faster on CPUs with AMX; the target is
+untouched); its tokens and features are the target's up to that rounding.
+
 Folder: `settings.json` (a rerun with other settings is refused), `shard-NNNNN.safetensors` (one per batch of
 prompts, written atomically: a rerun resumes after the last finished shard), `stats.json`.
 """
@@ -26,7 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from decode.batch import decode_batch, generate_batch
+from decode.batch import GEN_DTYPES, decode_batch, generate_batch, writer_model
 from decode.errors import DraftsmithError
 from decode.io import atomic_path, atomic_write_json, read_json
 from decode.loading import Loaded
@@ -46,9 +49,12 @@ class HeadDataConfig:
     seed: int = 0
     batch_size: int = 32  # rows decoded together
     aux_layers: tuple[int, int, int] = (2, 15, 27)  # the target layers whose input hidden states are kept
+    dtype: str = "float32"  # the target's weights while it writes (a copy): bfloat16 runs 2-3x faster with AMX
 
     def __post_init__(self) -> None:
         self.aux_layers = tuple(int(i) for i in self.aux_layers)  # type: ignore[assignment]
+        if self.dtype not in GEN_DTYPES:
+            raise DraftsmithError(f"dtype must be one of {', '.join(GEN_DTYPES)}, got {self.dtype!r}")
         if self.samples < 1 or self.max_new_tokens < 1 or self.batch_size < 1:
             raise DraftsmithError("samples, max_new_tokens and batch_size must be >= 1")
         if self.temperature < 0:
@@ -79,8 +85,11 @@ FORMAT = 2  # 2: rows sorted by prompt length into shards
 
 
 def _settings(target: Loaded, prompts: list[Prompt], cfg: HeadDataConfig) -> dict:
-    return {"format": FORMAT, "target": target.name, "prompts": [p.id for p in prompts], **asdict(cfg),
-            "aux_layers": list(cfg.aux_layers)}
+    settings = {"format": FORMAT, "target": target.name, "prompts": [p.id for p in prompts], **asdict(cfg),
+                "aux_layers": list(cfg.aux_layers)}
+    if cfg.dtype == "float32":  # folders written before the option existed stay resumable
+        del settings["dtype"]
+    return settings
 
 
 def build_head_data(target: Loaded, prompts: list[Prompt], out: Path, cfg: HeadDataConfig,
@@ -107,29 +116,31 @@ def build_head_data(target: Loaded, prompts: list[Prompt], out: Path, cfg: HeadD
     sampling = SamplingParams(cfg.temperature)
     eos = eos_ids(target)
     bar = tqdm(total=len(shards), desc="head data", unit="shard", disable=not progress)
+    model = None  # the writer, made when a shard is missing
     for n, shard in enumerate(shards):
         path = out / f"shard-{n:05d}.safetensors"
         if path.is_file():
             bar.update(1)
             continue
         gens = [torch.Generator().manual_seed(cfg.seed * 1_000_003 + i * 1009 + s) for i, s in shard]
+        model = model if model is not None else writer_model(target.model, cfg.dtype)
         t0 = time.perf_counter()
         kw = dict(max_new_tokens=cfg.max_new_tokens, sampling=sampling, eos_ids=eos,
                   generators=gens if cfg.temperature > 0 else None)
         batch = [encoded[i] for i, _ in shard]
         if lean:
-            got = decode_batch(target.model, batch, capture=cfg.aux_layers, **kw)
+            got = decode_batch(model, batch, capture=cfg.aux_layers, **kw)
             new = got.tokens
             rows = [{"tokens": torch.tensor(p + t, dtype=torch.int32), "features": f, "final": h, "next": n}
                     for p, t, f, h, n in zip(batch, got.tokens, got.features, got.final, got.next)]
         else:
-            new = generate_batch(target.model, batch, **kw)
+            new = generate_batch(model, batch, **kw)
         t1 = time.perf_counter()
         if not lean:
             seqs = [p + toks for p, toks in zip(batch, new)]
             rows = []
             for k in range(0, len(seqs), 8):  # features in small batches: the hidden states of 30 layers add up
-                rows += target_features(target.model, seqs[k : k + 8], cfg.aux_layers)
+                rows += target_features(model, seqs[k : k + 8], cfg.aux_layers)
         t2 = time.perf_counter()
         lengths = torch.tensor([len(r["tokens"]) for r in rows])
         with atomic_path(path) as tmp:

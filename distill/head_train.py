@@ -14,6 +14,11 @@ state with the target's own lm_head rows), the loss forward KL(p || q), depth j 
 A prompt sampled several times is trained on once: its other rows start at the prompt's last entry (the
 forward still runs over the whole row, whose entries the later ones attend to).
 
+Rows are unrolled `rows_per_step` at a time, right-padded (similar lengths share a step); the output head and
+the loss run only on the entries counted. `dtype="bfloat16"` runs the matmuls under autocast (AMX: ~1.6x the
+tokens per minute here); weights, optimizer and the target's label distribution stay float32.
+`label_temperature` < 1 sharpens the distribution learned (held-out KL is always reported at temperature 1).
+
 The draft vocabulary is the `draft_vocab_size` ids the target predicts most often in the training data; the
 head's lm_head starts as the target's rows for those ids and its final norm as the target's. The best head
 by held-out depth-1 agreement (greedy, continuation positions only) is kept in `out/best/`; `out/checkpoint/`
@@ -34,7 +39,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from decode.errors import DraftsmithError
-from decode.head import Eagle3Head, HeadConfig, save_head, ttt_logits, vocab_map
+from decode.head import Eagle3Head, HeadConfig, save_head, ttt_hidden, vocab_map
 from decode.io import atomic_dir, atomic_write_json, read_json
 from decode.loading import Loaded
 
@@ -52,29 +57,58 @@ class HeadTrainConfig:
     eval_every: int = 50  # steps between held-out evaluations
     max_minutes: float = 0.0  # time budget: the schedule is fitted to it after 10 timed steps; 0 = epochs decide
     dedup_prompts: bool = True  # a prompt's own positions are trained on once (its first row), not once per sample
+    label_temperature: float = 1.0  # the target's distribution the head learns, at this temperature (< 1 sharpens)
+    dtype: str = "float32"  # matmuls in bfloat16 (autocast; weights and optimizer stay float32) run faster with AMX
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16"):
+            raise DraftsmithError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if not self.label_temperature > 0:
+            raise DraftsmithError(f"label_temperature must be > 0, got {self.label_temperature}")
 
 
 def _row_loss(head: Eagle3Head, row: dict, w_draft: Tensor, steps: int,
               start: int = 0) -> tuple[Tensor, int, list[tuple[int, int]]]:
     """Summed weighted KL over the row's valid entries from `start` on, their count, and (correct, counted) per
     depth (continuation entries only)."""
-    tokens, final = row["tokens"], row["final"].float()
-    with torch.no_grad():  # the target's logits over the draft vocabulary at positions start+1..T-1
-        p_log = F.log_softmax(final[start + 1 :] @ w_draft.T, dim=-1)  # (E - start, N); final is after the norm
+    return _batch_loss(head, [row], [start], w_draft, steps)
+
+
+def _batch_loss(head: Eagle3Head, rows: list[dict], starts: list[int], w_draft: Tensor, steps: int,
+                agreement: bool = True) -> tuple[Tensor, int, list[tuple[int, int]]]:
+    """`_row_loss` summed over rows unrolled together (right-padded to the longest). The output head and the
+    loss run on the entries counted only (not on pads, nor on a repeated prompt's entries); the target's
+    distribution is computed in float32 whatever autocast says. `agreement=False` skips counting hits."""
+    B, T = len(rows), max(len(r["tokens"]) for r in rows)
+    tokens = torch.zeros(B, T, dtype=torch.long)
+    feats = rows[0]["features"].new_zeros(B, T, rows[0]["features"].shape[-1])
+    final = rows[0]["final"].new_zeros(B, T, rows[0]["final"].shape[-1])
+    nxt = torch.full((B, T), -1, dtype=torch.long)
+    for b, r in enumerate(rows):
+        n = len(r["tokens"])
+        tokens[b, :n], feats[b, :n], final[b, :n], nxt[b, :n] = r["tokens"], r["features"], r["final"], r["next"]
+    entry = torch.arange(T - 1)[None, :].expand(B, -1)  # (B, E)
+    length = torch.tensor([len(r["tokens"]) - 1 for r in rows])[:, None]
+    sel = (entry >= torch.tensor(starts)[:, None]) & (entry < length)  # the entries trained on
+    entry = entry[sel]
+    with torch.no_grad(), torch.autocast("cpu", enabled=False):  # the target at position e+1, draft vocabulary
+        p_log = F.log_softmax(final[:, 1:][sel].float() @ w_draft.float().T, dim=-1)  # final is after the norm
+        p = p_log.exp()
+        neg_entropy = (p * p_log).sum(-1)  # KL(p || q) = sum p log p - sum p log q
+    label = nxt[:, 1:][sel]  # the target's greedy next token after position e+1
+    cont = entry + 1 >= torch.tensor([r["prompt_len"] for r in rows])[:, None].expand(B, T - 1)[sel]
     target_ids = head.draft_ids
-    label = row["next"][start + 1 :]  # the target's greedy next token after position e+1
-    entry = torch.arange(start, start + len(label))  # the entries the rows below belong to
     total, n, acc = 0.0, 0, []
-    for j, logits in enumerate(ttt_logits(head, row["features"], tokens, steps, start), start=1):
+    for j, h in enumerate(ttt_hidden(head, feats, tokens, steps), start=1):
+        logits = head.lm_head(head.norm(h[sel])).float()  # (M, N)
+        kl = neg_entropy + torch.logsumexp(logits, dim=-1) - (p * logits).sum(-1)
         valid = entry >= j - 1
-        logq = F.log_softmax(logits.float(), dim=-1)
-        kl = (p_log.exp() * (p_log - logq)).sum(-1)
         total = total + 0.8 ** (j - 1) * kl[valid].sum()
         n += int(valid.sum()) if j == 1 else 0
-        cont = valid & (entry + 1 >= row["prompt_len"])
-        hit = target_ids[logits.argmax(-1)] == label
-        acc.append((int((hit & cont).sum()), int(cont.sum())))
+        if agreement:
+            hit = target_ids[logits.argmax(-1)] == label
+            acc.append((int((hit & valid & cont).sum()), int((valid & cont).sum())))
     return total, n, acc
 
 
@@ -107,8 +141,10 @@ def train_head(target: Loaded, rows: list[dict], held_out: list[dict], out: Path
         head.lm_head.weight.copy_(w_draft)
         head.norm.weight.copy_(hf.model.norm.weight.detach())
     coverage = float(counts[head.draft_ids].sum() / counts.sum())
+    w_label = w_draft / cfg.label_temperature  # the logits the loss's labels come from (held-out KL stays at T = 1)
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
     plan = {"total": max(1, math.ceil(cfg.epochs * len(rows) / cfg.rows_per_step))}
+    plan["epochs"] = plan["total"]  # the most steps: the epochs'
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / (cfg.warmup_steps + 1), 0.5 * (
         1 + math.cos(math.pi * min(1.0, max(0, s - cfg.warmup_steps) / max(1, plan["total"] - cfg.warmup_steps))))))
     state = {"step": 0, "best": -1.0, "best_step": None, "log": [], "seconds": 0.0, "planned_steps": None}
@@ -123,7 +159,7 @@ def train_head(target: Loaded, rows: list[dict], held_out: list[dict], out: Path
         plan["total"] = state.get("planned_steps") or plan["total"]
     calibrate = min(10, max(1, cfg.warmup_steps))  # steps timed before a time budget fixes the schedule's length
     gen = torch.Generator().manual_seed(cfg.seed)
-    order = torch.cat([torch.randperm(len(rows), generator=gen) for _ in range(math.ceil(cfg.epochs) + 1)])
+    order = torch.cat([_bucketed(rows, cfg.rows_per_step, gen) for _ in range(math.ceil(cfg.epochs) + 1)])
     log_path = out / "log.jsonl"
     out.mkdir(parents=True, exist_ok=True)
     bar = tqdm(total=plan["total"], initial=state["step"], desc="head", unit="step", disable=not progress)
@@ -136,22 +172,16 @@ def train_head(target: Loaded, rows: list[dict], held_out: list[dict], out: Path
         if cfg.max_minutes and time.perf_counter() - t_start > 60 * cfg.max_minutes:
             break
         if cfg.max_minutes and state.get("planned_steps") is None and state["step"] - s0 == calibrate:
-            # the cosine ends when the budget does: steps that fit in what is left, timed on the first ones
-            # (evaluations included at 5% of the time); kept in the checkpoint, so a resume follows the same plan
-            per_step = (time.perf_counter() - t_loop) / calibrate
-            left = 60 * cfg.max_minutes - (time.perf_counter() - t_start)
-            plan["total"] = min(plan["total"], state["step"] + max(1, int(0.95 * left / per_step)))
-            state["planned_steps"] = plan["total"]
-            bar.total = plan["total"]
+            _fit_plan(plan, state, cfg, (time.perf_counter() - t_loop) / calibrate, t_start, bar)
         s = state["step"]
         batch = [int(i) for i in order[s * cfg.rows_per_step : (s + 1) * cfg.rows_per_step]]
         opt.zero_grad(set_to_none=True)
         n_tok = sum(len(rows[i]["tokens"]) - 1 - starts[i] for i in batch)
-        loss_sum = 0.0
-        for i in batch:
-            loss, _, _ = _row_loss(head, rows[i], w_draft, cfg.ttt_steps, starts[i])
-            (loss / n_tok).backward()
-            loss_sum += float(loss.detach())
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16"):
+            loss, _, _ = _batch_loss(head, [rows[i] for i in batch], [starts[i] for i in batch], w_label,
+                                     cfg.ttt_steps, agreement=False)
+        (loss / n_tok).backward()
+        loss_sum = float(loss.detach())
         if not math.isfinite(loss_sum):
             raise DraftsmithError(f"head training: non-finite loss at step {s}; lower lr")
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
@@ -165,6 +195,8 @@ def train_head(target: Loaded, rows: list[dict], held_out: list[dict], out: Path
         bar.update(1), bar.set_postfix(loss=f"{loss_sum / n_tok:.3f}")
         if state["step"] % cfg.eval_every == 0 or state["step"] == plan["total"]:
             _eval_and_keep(head, held_out, w_draft, cfg, state, out, log_path, tokens=state["tokens"])
+            if cfg.max_minutes and state["step"] < plan["total"] and state["step"] - s0 > calibrate:
+                _fit_plan(plan, state, cfg, (time.perf_counter() - t_loop) / (state["step"] - s0), t_start, bar)
             _checkpoint(head, opt, sched, state, ckpt)
     bar.close()
     if state["log"] and state["log"][-1]["step"] != state["step"]:
@@ -177,6 +209,30 @@ def train_head(target: Loaded, rows: list[dict], held_out: list[dict], out: Path
                "train_entries": sum(len(r["tokens"]) - 1 - a for r, a in zip(rows, starts))}
     atomic_write_json(out / "summary.json", summary)
     return summary
+
+
+def _fit_plan(plan: dict, state: dict, cfg: HeadTrainConfig, per_step: float, t_start: float, bar) -> None:
+    """Under a time budget the cosine ends when the budget does: the steps that fit in what is left at
+    `per_step` seconds (evaluations included), with 5% to spare. Fitted after the first timed steps, then again
+    at every evaluation (steps differ in length); kept in the checkpoint, so a resume follows the same plan."""
+    left = 60 * cfg.max_minutes - (time.perf_counter() - t_start)
+    plan["total"] = min(plan["epochs"], state["step"] + max(1, int(0.95 * left / per_step)))
+    state["planned_steps"] = bar.total = plan["total"]
+
+
+def _bucketed(rows: list[dict], per_step: int, gen: torch.Generator) -> Tensor:
+    """One epoch's row order: shuffled, then sorted by length within windows of 16 steps and the steps of a
+    window shuffled, so that a step's rows (unrolled together, padded to the longest) have similar lengths."""
+    perm = torch.randperm(len(rows), generator=gen)
+    window = 16 * per_step
+    out = []
+    for a in range(0, len(perm), window):
+        chunk = sorted(perm[a : a + window].tolist(), key=lambda i: len(rows[i]["tokens"]))
+        steps = [chunk[k : k + per_step] for k in range(0, len(chunk), per_step)]
+        full = len(steps) - (len(steps[-1]) < per_step)  # a short last step stays last: steps keep their bounds
+        out += [i for k in torch.randperm(full, generator=gen).tolist() + list(range(full, len(steps)))
+                for i in steps[k]]
+    return torch.tensor(out, dtype=torch.long)
 
 
 def _loss_starts(rows: list[dict], dedup: bool) -> list[int]:

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from decode.batch import generate_batch
+from decode.batch import GEN_DTYPES, generate_batch, writer_model
 from decode.errors import DraftsmithError
 from decode.io import atomic_dir, atomic_write_json, atomic_write_text, folder_identity, read_json
 from decode.loading import Loaded
@@ -235,11 +235,12 @@ def _check_settings(folder: Path, settings: dict) -> bool:
 def generate_prompts(
     target: Loaded, n: int, domains: list[str], out: Path, *, temperature: float = 1.0, seed: int = 0,
     batch_size: int = 16, max_prompt_tokens: int = 256, min_chars: int = 16, dedup_threshold: float = 0.7,
-    max_attempts: int | None = None, progress: bool = True,
+    max_attempts: int | None = None, dtype: str = "float32", progress: bool = True,
 ) -> datasets.Dataset:
     """`n` requests the target writes itself, ~n/len(domains) per domain (see the module docstring); resumes
     or loads `out`. Attempt indices stop at `max_attempts` (default 4n, i.e. ~4 tries per wanted prompt in
-    every domain): fewer than n are kept then (stats.json says `"complete": false`)."""
+    every domain): fewer than n are kept then (stats.json says `"complete": false`). `dtype` bfloat16 writes
+    with a bfloat16 copy of the target (`decode.batch.writer_model`: 2-3x faster on CPUs with AMX)."""
     domains = list(dict.fromkeys(domains))
     unknown = [d for d in domains if d not in DOMAINS] or ([] if domains else ["(none given)"])
     if unknown:
@@ -250,7 +251,8 @@ def generate_prompts(
             ("max_prompt_tokens", max_prompt_tokens, max_prompt_tokens >= 1, ">= 1"),
             ("min_chars", min_chars, min_chars >= 0, ">= 0"),
             ("dedup_threshold", dedup_threshold, 0 < dedup_threshold <= 1, "in (0, 1]"),
-            ("max_attempts", max_attempts, max_attempts is None or max_attempts >= 1, ">= 1")):
+            ("max_attempts", max_attempts, max_attempts is None or max_attempts >= 1, ">= 1"),
+            ("dtype", dtype, dtype in GEN_DTYPES, f"one of {', '.join(GEN_DTYPES)}")):
         if not ok:
             raise DraftsmithError(f"{name} must be {need}, got {value}")
     max_attempts = 4 * n if max_attempts is None else max_attempts
@@ -266,6 +268,8 @@ def generate_prompts(
                 "dedup_threshold": float(dedup_threshold), "max_attempts": max_attempts,
                 "prefix_sha256": hashlib.sha256(json.dumps(prefix).encode()).hexdigest(),
                 "target": folder_identity(target.path)}
+    if dtype != "float32":  # folders written before the option existed keep their settings
+        settings["dtype"] = dtype
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         if not _check_settings(out, settings):
             raise DraftsmithError(f"{out} exists and is not a generate_prompts folder; remove it or choose another")
@@ -285,6 +289,7 @@ def generate_prompts(
     tok, device = target.tokenizer, next(target.model.parameters()).device
     stop = sorted(set(eos_ids(target)) | {end for _, end in prefix.values() if end is not None})
     nxt, new_tokens, t0 = (rows[-1]["index"] + 1 if rows else 0), 0, time.perf_counter()
+    model = writer_model(target.model, dtype) if len(filt.kept) < n and nxt < max_attempts else None
     bar = tqdm(total=n, initial=len(filt.kept), desc="prompts", unit="prompt", disable=not progress)
     with (partial / ROWS).open("a", encoding="utf-8") as f:
         while len(filt.kept) < n and nxt < max_attempts:
@@ -296,7 +301,7 @@ def generate_prompts(
                 break
             doms = [domains[i % len(domains)] for i in batch]
             gens = [torch.Generator(device=device).manual_seed(prompt_seed(seed, i)) for i in batch]
-            outs = generate_batch(target.model, [prefix[d][0] for d in doms], max_new_tokens=max_prompt_tokens,
+            outs = generate_batch(model, [prefix[d][0] for d in doms], max_new_tokens=max_prompt_tokens,
                                   sampling=SamplingParams(temperature), eos_ids=stop, generators=gens)
             new = []
             for i, d, toks in zip(batch, doms, outs):

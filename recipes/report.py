@@ -168,6 +168,23 @@ def _data(doc: Doc, run: Path) -> None:
                                                               else "") + ".")
 
 
+def _written(h: dict) -> str:
+    """The rows the target wrote for prompts of its own, if any."""
+    w = h.get("written_data")
+    if not w:
+        return ""
+    prompts = w["rows"] // max(1, h["config"].get("written_samples", 1))
+    return (f", and {w['rows']} rows ({w['tokens']} tokens, {w['new_tokens']} generated at "
+            f"{w.get('generate_tokens_per_s', 0):.0f} tokens/s) answering {prompts} prompts the target wrote itself")
+
+
+def _dtypes(cfg: dict) -> str:
+    """Where bfloat16 wrote the data or ran training's matmuls."""
+    parts = [what for key, what in (("gen_dtype", "data written"), ("train_dtype", "training's matmuls"))
+             if cfg.get(key, "float32") == "bfloat16"]
+    return f" ({' and '.join(parts)} in bfloat16)" if parts else ""
+
+
 def _head(doc: Doc, h: dict) -> None:
     """A head run's distill stage: data, training, held-out agreement by depth against tokens seen."""
     cfg, ts, d = h["config"], h["train_summary"], h["data"]
@@ -175,8 +192,8 @@ def _head(doc: Doc, h: dict) -> None:
     doc.p(f"A head for `{h['target']}` reading layers {h['aux_layers']}: {d['rows']} training rows "
           f"({d['tokens']} tokens, {d['new_tokens']} generated at {d.get('generate_tokens_per_s', 0):.0f} tokens/s; "
           f"{cfg['samples']} samples per prompt at temperature {cfg['temperature']}) from {h['train_prompts']} "
-          f"prompts; {ts['steps']} steps of {cfg['rows_per_step']} rows ({ts['tokens_seen']} tokens seen) in "
-          f"{ts['seconds'] / 60:.1f} min; draft vocabulary {cfg['draft_vocab_size']} ids "
+          f"prompts{_written(h)}; {ts['steps']} steps of {cfg['rows_per_step']} rows ({ts['tokens_seen']} tokens "
+          f"seen) in {ts['seconds'] / 60:.1f} min{_dtypes(cfg)}; draft vocabulary {cfg['draft_vocab_size']} ids "
           f"({100 * ts['draft_vocab_coverage']:.1f}% of the target's predictions). Agreement with the target's "
           f"greedy token on {h['held_out_prompts']} held-out prompts (teacher-forced; depths >= 2 fed by the head):")
     depths = len(h["agreement_after"])

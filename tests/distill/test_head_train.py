@@ -92,11 +92,30 @@ def test_head_data_resumes_and_training_lowers_the_loss(tmp_path) -> None:
     with pytest.raises(DraftsmithError, match="other settings"):
         build_head_data(target, prompts, tmp_path / "data", HeadDataConfig(samples=3, max_new_tokens=8,
                                                                           aux_layers=(1, 2, 3)), progress=False)
+    with pytest.raises(DraftsmithError, match=r"other settings \(dtype\)"):
+        build_head_data(target, prompts, tmp_path / "data", HeadDataConfig(**{**vars(cfg), "dtype": "bfloat16"}),
+                        progress=False)
+    # a bfloat16 copy of the target writes the same kind of rows, faster where AMX is; the target stays float32
+    build_head_data(target, prompts[:2], tmp_path / "bf16", HeadDataConfig(**{**vars(cfg), "dtype": "bfloat16"}),
+                    progress=False)
+    bf16 = load_head_data(tmp_path / "bf16")
+    assert len(bf16) == 4 and next(target.model.parameters()).dtype == torch.float32
+    assert all(r["features"].dtype == torch.float16 and r["features"].shape[-1] == rows[0]["features"].shape[-1]
+               for r in bf16)
+    with pytest.raises(DraftsmithError, match="dtype must be one of"):
+        HeadDataConfig(dtype="int8")
     tcfg = HeadTrainConfig(draft_vocab_size=20, lr=3e-3, epochs=6, rows_per_step=4, eval_every=6, warmup_steps=2)
     summary = train_head(target, rows[:10], rows[10:], tmp_path / "head", tcfg, aux_layers=(1, 2, 3), progress=False)
     losses = [json.loads(x)["loss"] for x in (tmp_path / "head" / "log.jsonl").read_text().splitlines()
               if '"loss"' in x]
     assert summary["steps"] == 15 and losses[-1] < losses[0]
+    bcfg = HeadTrainConfig(**{**vars(tcfg), "dtype": "bfloat16"})  # bfloat16 matmuls learn too
+    train_head(target, rows[:10], rows[10:], tmp_path / "bf16-head", bcfg, aux_layers=(1, 2, 3), progress=False)
+    b_losses = [json.loads(x)["loss"] for x in (tmp_path / "bf16-head" / "log.jsonl").read_text().splitlines()
+                if '"loss"' in x]
+    assert b_losses[-1] < b_losses[0] and b_losses[0] == pytest.approx(losses[0], rel=0.05)
+    with pytest.raises(DraftsmithError, match="dtype must be float32 or bfloat16"):
+        HeadTrainConfig(dtype="float16")
     assert (tmp_path / "head" / "best" / "model.safetensors").is_file()
     assert 0.0 < summary["draft_vocab_coverage"] <= 1.0
 
@@ -147,3 +166,65 @@ def test_a_repeated_prompt_is_trained_on_once_and_its_loss_is_the_full_rows_tail
                                         w, j)
             torch.testing.assert_close(tail, full - head_part, rtol=1e-4, atol=1e-5)
             assert n_tail == n_full - a and acc_tail == acc_full  # agreement counts continuation entries only
+
+
+def test_rows_unrolled_together_give_each_rows_own_loss_and_agreement() -> None:
+    from distill.head_train import _batch_loss, _bucketed, _row_loss
+
+    hf = target_hf(3, layers=4)
+    head = random_head(hf, N=40, seed=3, scale=4.0)
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for n, p in ((9, 4), (14, 3), (6, 5)):  # different lengths: the batch pads the shorter rows
+        toks = torch.randint(1, 60, (n,), generator=gen).tolist()
+        r = target_features(hf, [toks], head.config.aux_layers)[0]
+        rows.append({**{k: v.long() if k in ("tokens", "next") else v for k, v in r.items()}, "prompt_len": p})
+    starts = [0, 2, 4]
+    w = hf.get_output_embeddings().weight.detach()[head.draft_ids].float()
+    with torch.no_grad():
+        for steps in (1, 2, 3):
+            loss, n, acc = _batch_loss(head, rows, starts, w, steps)
+            each = [_row_loss(head, r, w, steps, a) for r, a in zip(rows, starts)]
+            torch.testing.assert_close(loss, sum(e[0] for e in each), rtol=1e-5, atol=1e-5)
+            assert n == sum(e[1] for e in each)
+            assert acc == [tuple(sum(e[2][j][i] for e in each) for i in (0, 1)) for j in range(steps)]
+    # one epoch's order holds every row once, in steps of rows of similar length, a short step last
+    rows = [{"tokens": torch.zeros(n)} for n in torch.randint(5, 300, (37,), generator=gen).tolist()]
+    order = _bucketed(rows, 4, torch.Generator().manual_seed(1)).tolist()
+    assert sorted(order) == list(range(37))
+    lengths = [len(rows[i]["tokens"]) for i in order]
+    assert all(lengths[k : k + 4] == sorted(lengths[k : k + 4]) for k in range(0, 32, 4))
+    assert lengths[-1] == max(lengths)  # 37 = 9 steps of 4 + the short one, which holds the longest row
+
+
+def test_a_head_run_trains_on_prompts_the_target_wrote_within_the_budget(tmp_path) -> None:
+    """`written_prompts`: the target writes requests of its own (in a bfloat16 copy here) and answers them; the
+    head trains on them beside the recipe's prompts, for what `budget_minutes` leaves after the data."""
+    from decode.errors import DraftsmithError
+    from distill.head_pipeline import HeadRunConfig, run_head
+    from tests.distill.test_prompt_gen import EOS, TOKENS, chat_tokenizer
+
+    folder = helpers.save_tiny(tmp_path / "target", chat_tokenizer(), 0, vocab_size=EOS + 1, eos_id=EOS, layers=8,
+                               head_scale=4.0)
+    words = [t for t in TOKENS if t.isalpha()][:12]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": " ".join(words[i : i + 3]), "domain": d}) + "\n"
+                               for i in range(3) for d in ("code", "chat")))
+    cfg = HeadRunConfig(samples=1, max_new_tokens=6, gen_batch_size=4, draft_vocab_size=16, epochs=1,
+                        rows_per_step=2, train_minutes=0, eval_every=4, written_prompts=3, prompt_tokens=24,
+                        gen_dtype="bfloat16", train_dtype="bfloat16", budget_minutes=30)
+    result = run_head(str(folder), tmp_path / "run", cfg, prompts=str(prompts), eval_per_domain=1, progress=False)
+    written = load_prompts_folder(tmp_path / "run" / "prompts")
+    # a random tiny model ends few requests cleanly: what it kept (at most 3) is what the head trained on
+    assert 1 <= len(written) == result["written_data"]["rows"] <= 3 and {p.domain for p in written} <= {"code", "chat"}
+    assert result["train_summary"]["train_rows"] == result["data"]["rows"] + len(written) == 4 + len(written)
+    assert result["train_minutes"] == pytest.approx(30 - result["generation_seconds"] / 60)
+    with pytest.raises(DraftsmithError, match="nothing is left to train"):
+        run_head(str(folder), tmp_path / "run", HeadRunConfig(**{**vars(cfg), "budget_minutes": 0.01}),
+                 prompts=str(prompts), eval_per_domain=1, progress=False)
+
+
+def load_prompts_folder(path):
+    from decode.prompts import load_prompts
+
+    return load_prompts(path)

@@ -212,6 +212,8 @@ def test_bad_inputs_are_one_line_errors(target, tmp_path) -> None:
          "unknown prompt domain 'poetry'; known domains: code, json, summarize, chat"),
         (lambda: generate_prompts(target, 4, [], tmp_path / "d"), "unknown prompt domain"),
         (lambda: generate_prompts(target, 4, ["code"], tmp_path / "e", temperature=0), "temperature must be > 0"),
+        (lambda: generate_prompts(target, 4, ["code"], tmp_path / "e", dtype="fp8"),
+         "dtype must be one of float32, bfloat16"),
         (lambda: generate_prompts(target, 4, ["code"], tmp_path / "f", max_prompt_tokens=10_000),
          "supports 256"),
         # "chat" wants none of 1 prompt: the attempts end on its skipped indices, then nothing was kept
@@ -227,3 +229,15 @@ def test_bad_inputs_are_one_line_errors(target, tmp_path) -> None:
     with pytest.raises(DraftsmithError, match="not a generate_prompts folder"):
         generate_prompts(target, 4, ["code"], tmp_path / "g", **SMALL)
     assert {p.name for p in tmp_path.iterdir()} == {"g", "h.partial"}  # the others refused before writing
+
+
+def test_a_bfloat16_writer_leaves_the_target_alone_and_is_its_own_setting(target, tmp_path) -> None:
+    before = {k: v.clone() for k, v in target.model.state_dict().items()}
+    out = tmp_path / "bf16"
+    ds = generate_prompts(target, 4, ["code", "chat"], out, dtype="bfloat16", **SMALL)
+    assert len(ds) == 4 and read_json(out / "settings.json")["dtype"] == "bfloat16"
+    assert all(torch.equal(v, target.model.state_dict()[k]) and v.dtype == torch.float32 for k, v in before.items())
+    generate_prompts(target, 4, ["code", "chat"], tmp_path / "f32", **SMALL)
+    assert "dtype" not in read_json(tmp_path / "f32" / "settings.json")  # float32 folders keep their old settings
+    with pytest.raises(DraftsmithError, match="other settings.*dtype"):
+        generate_prompts(target, 4, ["code", "chat"], out, **SMALL)

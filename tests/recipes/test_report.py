@@ -100,3 +100,17 @@ def test_report_puts_our_decoder_beside_llama_cpp(tmp_path: Path) -> None:
     assert "| un-distilled draft | - | - | 3 | 0.70x | 40/60 |" in md
     assert "| distilled draft (q8_0) | - | - | 3 | 0.85x | 50/60 |" in md
     assert side_by_side(None, None) == []
+
+
+def test_a_head_paragraph_names_the_rows_the_target_wrote_and_the_bfloat16_parts() -> None:
+    from recipes.report import _dtypes, _written
+
+    h = {"config": {"written_samples": 2}, "written_data": {"rows": 8, "tokens": 900, "new_tokens": 500,
+                                                            "generate_tokens_per_s": 41.2}}
+    assert _written(h) == (", and 8 rows (900 tokens, 500 generated at 41 tokens/s) answering 4 prompts the "
+                           "target wrote itself")
+    assert _written({"config": {}, "written_data": None}) == "" == _written({"config": {}})
+    assert _dtypes({"gen_dtype": "bfloat16", "train_dtype": "float32"}) == " (data written in bfloat16)"
+    assert _dtypes({"gen_dtype": "bfloat16", "train_dtype": "bfloat16"}) == (
+        " (data written and training's matmuls in bfloat16)")
+    assert _dtypes({}) == ""

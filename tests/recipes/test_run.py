@@ -224,7 +224,8 @@ def test_a_head_recipe_runs_every_stage(world: dict) -> None:
                  "draft_quant": None, "calibrate_prompts": 0},
         "distill": {"draft": "head", "eval_per_domain": 2},
         "head": {"samples": 2, "max_new_tokens": 8, "gen_batch_size": 4, "draft_vocab_size": 16, "epochs": 2,
-                 "rows_per_step": 2, "train_minutes": 0, "eval_every": 4},
+                 "rows_per_step": 2, "train_minutes": 0, "eval_every": 4,
+                 "gen_dtype": "bfloat16", "train_dtype": "bfloat16"},
         "validate": {"prompts_per_domain": 1, "max_new_tokens": 8, "max_k": 3, "draft_quant": None},
         "export": {"formats": ["hf"]},
     }
