@@ -197,7 +197,7 @@ def cmd_gen_prompts(args: argparse.Namespace) -> int:
     domains = [d.strip() for d in args.domains.split(",") if d.strip()]
     generate_prompts(load(args.target, device=args.device), args.n, domains, args.out, temperature=args.temperature,
                      seed=args.seed, batch_size=args.batch_size, max_prompt_tokens=args.max_prompt_tokens,
-                     dedup_threshold=args.dedup_threshold)
+                     dedup_threshold=args.dedup_threshold, dtype=args.dtype)
     stats = read_json(args.out / "stats.json", what="prompt statistics")
     print(f"{stats['kept']} prompts ({', '.join(f'{d} {n}' for d, n in stats['kept_by_domain'].items())}) in "
           f"{args.out}; unique fraction {stats['unique_fraction']:.3f}; rejected {stats['rejected']}; "
@@ -420,6 +420,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prompt-tokens", type=int, default=256, help="a request longer than this is dropped")
     p.add_argument("--dedup-threshold", type=float, default=0.7,
                    help="word 3-gram Jaccard similarity at or above which a request is a near-duplicate")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="the target writes in a copy of this dtype (bfloat16: 2-3x faster on CPUs with AMX)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--out", type=Path, required=True, help="a datasets folder; a rerun resumes it")
     p.set_defaults(func=cmd_gen_prompts)

@@ -49,6 +49,12 @@ def main() -> None:
     ap.add_argument("--ks", default="1,2,3,4")
     ap.add_argument("--bench-new-tokens", type=int, default=64)
     ap.add_argument("--stages", default="data,train,bench")
+    ap.add_argument("--extra-prompts", type=Path, help="more training prompts (e.g. a gen-prompts folder), in data/")
+    ap.add_argument("--data-dirs", default="", help="comma-separated head data folders trained on beside data/")
+    ap.add_argument("--held-dir", type=Path, help="the held-out references to evaluate on (default OUT/held)")
+    ap.add_argument("--gen-dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--train-dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--label-temperature", type=float, default=1.0)
     ap.add_argument("--head-quant", default="none", choices=["none", "int8", "both"],
                     help="bench the head in float32, with int8 Linear weights, or both side by side")
     args = ap.parse_args()
@@ -57,22 +63,28 @@ def main() -> None:
     L = target.model.config.num_hidden_layers
     aux = (2, L // 2, L - 3)
     train_p, held_p = split_prompts(load_prompts(args.prompts), args.held_per_domain)
+    if args.extra_prompts:
+        train_p += load_prompts(args.extra_prompts)
+    held_dir = args.held_dir or args.out / "held"
     timings = {}
     if "data" in stages:
         t0 = time.perf_counter()
         stats = build_head_data(target, train_p, args.out / "data", HeadDataConfig(
             samples=args.samples, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-            batch_size=args.batch_size, aux_layers=aux))
-        held = build_head_data(target, held_p, args.out / "held", HeadDataConfig(
+            batch_size=args.batch_size, aux_layers=aux, dtype=args.gen_dtype))
+        held = build_head_data(target, held_p, held_dir, HeadDataConfig(
             samples=1, max_new_tokens=args.max_new_tokens, temperature=0.0, batch_size=args.batch_size,
             aux_layers=aux))
         timings["data_seconds"] = time.perf_counter() - t0
         print(json.dumps({"train_data": stats, "held_data": held}, indent=1))
     if "train" in stages:
-        rows, held_rows = load_head_data(args.out / "data"), load_head_data(args.out / "held")
+        folders = [args.out / "data", *[Path(d) for d in args.data_dirs.split(",") if d]]
+        rows = [r for folder in folders if folder.is_dir() for r in load_head_data(folder)]
+        held_rows = load_head_data(held_dir)
         cfg = HeadTrainConfig(draft_vocab_size=args.draft_vocab, lr=args.lr, epochs=args.epochs,
                               rows_per_step=args.rows_per_step, max_minutes=args.train_minutes,
-                              ttt_steps=args.ttt_steps)
+                              ttt_steps=args.ttt_steps, dtype=args.train_dtype,
+                              label_temperature=args.label_temperature)
         summary = train_head(target, rows, held_rows, args.out / "head", cfg, aux_layers=aux)
         print(json.dumps({k: v for k, v in summary.items() if k != "evals"}, indent=1))
     if "bench" in stages:

@@ -63,3 +63,15 @@ def test_decode_json_on_real_smollm2() -> None:
     out = json.loads(r.stdout)
     assert out["stats"]["new_tokens"] == len(out["tokens"]) <= 12
     assert out["text"] and out["stats"]["tau_definition"].startswith("tokens emitted per target forward")
+
+
+def test_gen_prompts_writes_with_a_bfloat16_copy_when_asked(tmp_path: Path) -> None:
+    from tests import helpers
+    from tests.distill.test_prompt_gen import EOS, chat_tokenizer
+
+    target = helpers.save_tiny(tmp_path / "chat", chat_tokenizer(), 0, vocab_size=EOS + 1, eos_id=EOS)
+    out = tmp_path / "prompts"
+    r = run("gen-prompts", "--target", str(target), "--n", "2", "--domains", "code", "--max-prompt-tokens", "24",
+            "--batch-size", "4", "--dtype", "bfloat16", "--out", str(out), env_cache=tmp_path / "cache")
+    assert r.returncode == 0, r.stderr
+    assert json.loads((out / "settings.json").read_text())["dtype"] == "bfloat16" and "prompts (code" in r.stdout
