@@ -275,3 +275,11 @@ def test_calibrated_prediction_matches_a_decode_dominated_by_known_times(monkeyp
     assert predicted == pytest.approx(val.speedup("d"), rel=0.02)
     with pytest.raises(ValueError, match="K=5"):
         calibrate_decoder(target, draft, prompts, k=5, isolated=iso)
+    # a dip in the isolated shape (a busy machine timed the 3-token verify below the 2-token one) is not trusted:
+    # v(K) is carried up from the largest time at any K below
+    import dataclasses
+
+    dipped = dataclasses.replace(iso, verify_s={1: 0.012, 2: 0.009, 3: 0.015, 4: 0.014})
+    dc = calibrate_decoder(target, draft, prompts, k=1, isolated=dipped, max_new_tokens=12)
+    assert dc.verify_s[1] == pytest.approx(0.012) and dc.verify_s[2] == pytest.approx(0.012)
+    assert dc.verify_s[3] == pytest.approx(0.015) == pytest.approx(dc.verify_s[4])
