@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from decode.batch import GEN_DTYPES
 from decode.bench import validate_drafts
 from decode.errors import DraftsmithError
 from decode.head import HeadDraft, head_quant, load_head
@@ -68,12 +69,12 @@ class HeadRunConfig:
 
     def __post_init__(self) -> None:
         for name, value in (("gen_dtype", self.gen_dtype), ("train_dtype", self.train_dtype)):
-            if value not in ("float32", "bfloat16"):
-                raise ValueError(f"{name} must be float32 or bfloat16, got {value!r}")
+            if value not in GEN_DTYPES:
+                raise ValueError(f"{name} must be {' or '.join(GEN_DTYPES)}, got {value!r}")
         if self.written_prompts < 0:
             raise ValueError(f"written_prompts must be >= 0, got {self.written_prompts}")
-        for name in ("samples", "written_samples", "prompt_tokens", "max_new_tokens", "gen_batch_size", "draft_vocab_size", "ttt_steps",
-                     "rows_per_step", "eval_every"):
+        for name in ("samples", "written_samples", "prompt_tokens", "max_new_tokens", "gen_batch_size",
+                     "draft_vocab_size", "ttt_steps", "rows_per_step", "eval_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.label_temperature <= 0:

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from decode.batch import GEN_DTYPES
 from decode.errors import DraftsmithError
 from decode.head import Eagle3Head, HeadConfig, save_head, ttt_hidden, vocab_map
 from decode.io import atomic_dir, atomic_write_json, read_json
@@ -62,8 +63,8 @@ class HeadTrainConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("float32", "bfloat16"):
-            raise DraftsmithError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.dtype not in GEN_DTYPES:
+            raise DraftsmithError(f"dtype must be {' or '.join(GEN_DTYPES)}, got {self.dtype!r}")
         if not self.label_temperature > 0:
             raise DraftsmithError(f"label_temperature must be > 0, got {self.label_temperature}")
 

@@ -420,7 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prompt-tokens", type=int, default=256, help="a request longer than this is dropped")
     p.add_argument("--dedup-threshold", type=float, default=0.7,
                    help="word 3-gram Jaccard similarity at or above which a request is a near-duplicate")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],  # GEN_DTYPES; no torch here
                    help="the target writes in a copy of this dtype (bfloat16: 2-3x faster on CPUs with AMX)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--out", type=Path, required=True, help="a datasets folder; a rerun resumes it")

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from decode.batch import GEN_DTYPES
 from decode.bench import validate_drafts
 from decode.head import HeadDraft, load_head
 from decode.io import atomic_write_json
@@ -52,8 +53,8 @@ def main() -> None:
     ap.add_argument("--extra-prompts", type=Path, help="more training prompts (e.g. a gen-prompts folder), in data/")
     ap.add_argument("--data-dirs", default="", help="comma-separated head data folders trained on beside data/")
     ap.add_argument("--held-dir", type=Path, help="the held-out references to evaluate on (default OUT/held)")
-    ap.add_argument("--gen-dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--train-dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--gen-dtype", default="float32", choices=list(GEN_DTYPES))
+    ap.add_argument("--train-dtype", default="float32", choices=list(GEN_DTYPES))
     ap.add_argument("--label-temperature", type=float, default=1.0)
     ap.add_argument("--head-quant", default="none", choices=["none", "int8", "both"],
                     help="bench the head in float32, with int8 Linear weights, or both side by side")
