@@ -31,9 +31,9 @@ from decode.model import draft_quant, make_runner
 from decode.prompts import Prompt, load_prompts
 from decode.textgen import eos_ids, machine_info, prompt_ids, versions
 from distill.head_data import HeadDataConfig, build_head_data, load_head_data
-from distill.head_train import HeadTrainConfig, train_head
+from distill.head_train import HeadTrainConfig, depth_records, train_head
 from pairing.cost import COST_CONTEXT, calibrate_decoder, measure_cost
-from pairing.depth import expected_tau_from_depth_rates
+from pairing.depth import expected_tau_from_depth_rates, gated_rounds
 from pairing.derive import resolve_candidate
 
 HEAD = "head"  # distill.draft's value that trains a head instead of distilling a standalone draft
@@ -164,14 +164,19 @@ def carried_rates(rates: list[float | None], depth: int) -> list[float]:
 
 def validate_head(target_spec: str, head_dir: Path, prompts: list[Prompt], *, standalone: str | None,
                   agreement: list[float | None], k: int, max_k: int, max_new_tokens: int, out: Path,
-                  quant: str | None = "int8", device: str = "cpu", standalone_k: int | None = None) -> dict:
+                  quant: str | None = "int8", device: str = "cpu", standalone_k: int | None = None,
+                  held: list[dict] | None = None, gate: bool = True) -> dict:
     """Time the target alone, the head (`draft_after`) and, when given, the standalone draft the pair stage
     ranked first (`draft_before`, at `standalone_k`, its best predicted K, when given), interleaved on the same
     held-out prompts in one run; write `out`.
 
-    K: `k` when > 0, else the best predicted from `agreement` (held-out acceptance by depth) and the round
-    cost timed in the decoder (a 2-prompt calibration decode of the head). Refuses a run whose output differs
-    from the target's greedy output, after writing the numbers."""
+    K: `k` when > 0, else the best predicted from the head's held-out acceptance and the round cost timed in the
+    decoder (a 2-prompt calibration decode of the head). With `held` (the held-out reference rows) the prediction
+    walks teacher-forced rounds from every held-out position (`depth_records`), and with `gate` it also picks a
+    confidence threshold: a round stops after a draft token the head gives less than it (`gated_rounds`), which
+    saves the draft steps and verify rows of rounds that would fail; without `held`, `agreement` (acceptance by
+    depth) predicts fixed-K rounds. Refuses a run whose output differs from the target's greedy output, after
+    writing the numbers."""
     torch.set_grad_enabled(False)
     target = load(target_spec, device=device)
     head = load_head(head_dir, target.model.get_input_embeddings())
@@ -185,6 +190,8 @@ def validate_head(target_spec: str, head_dir: Path, prompts: list[Prompt], *, st
     hq = head_quant(head, quant)
     drafts["draft_after"] = HeadDraft(head, max_len, quantize=hq)
     curve: dict[int, float] = {}
+    gated: dict[tuple[int, float], float] = {}
+    confidence = None
     timed: dict = {}  # the head's round, as the calibration decode timed it
     if k:
         why = "set by the recipe"
@@ -196,18 +203,31 @@ def validate_head(target_spec: str, head_dir: Path, prompts: list[Prompt], *, st
         timed = {"cost_ratio": dc.draft_step_s / dc.target_token_s,
                  "verify_cost": {str(K): v / dc.target_token_s for K, v in dc.verify_s.items()},
                  "decoder_cost": asdict(dc)}
-        rates = carried_rates(agreement, max_k)
-        curve = {K: dc.speedup(expected_tau_from_depth_rates(rates, K), K, max_new_tokens) for K in range(1, max_k + 1)}
-        k = max(curve, key=lambda K: (curve[K], -K))
-        why = (f"best predicted from the head's held-out acceptance by depth and its round cost timed in the decoder "
-               f"({', '.join(f'K={K}: {x:.2f}x' for K, x in curve.items())})")
+        if held:
+            curve, gated = _gated_curve(head, held, dc, max_k, max_new_tokens, gate)
+            k, confidence = max(gated, key=lambda kc: (gated[kc], -kc[0], -kc[1]))
+            confidence = confidence or None
+            best = ", ".join(f"K={K}: {x:.2f}x" for K, x in curve.items())
+            why = (f"best predicted from teacher-forced rounds at every held-out position and the round cost timed "
+                   f"in the decoder ({best}"
+                   + (f"; stopping a round below draft probability {confidence}: {gated[(k, confidence)]:.2f}x"
+                      if confidence else "") + ")")
+        else:
+            rates = carried_rates(agreement, max_k)
+            curve = {K: dc.speedup(expected_tau_from_depth_rates(rates, K), K, max_new_tokens)
+                     for K in range(1, max_k + 1)}
+            k = max(curve, key=lambda K: (curve[K], -K))
+            why = (f"best predicted from the head's held-out acceptance by depth and its round cost timed in the "
+                   f"decoder ({', '.join(f'K={K}: {x:.2f}x' for K, x in curve.items())})")
     ks = {"draft_before": standalone_k} if standalone and standalone_k else None
     val = validate_drafts(t_run, drafts, ids, k=k, max_new_tokens=max_new_tokens, eos_ids=eos_ids(target),
-                          names=[p.id for p in prompts], device=device, ks=ks)
+                          names=[p.id for p in prompts], device=device, ks=ks,
+                          confidence={"draft_after": confidence} if confidence else None)
     result = {"target": target_spec, "draft": standalone, "distilled": str(head_dir), "kind": HEAD,
               "labels": {"draft_before": f"standalone draft ({standalone})", "draft_after": "head"},
-              **val.to_dict(), "k_reason": why, "predicted_speedup": curve.get(k),
-              "predicted_speedup_by_k": {str(K): x for K, x in curve.items()},
+              **val.to_dict(), "k_reason": why, "predicted_speedup": gated.get((k, confidence or 0.0), curve.get(k)),
+              "predicted_speedup_by_k": {str(K): x for K, x in curve.items()}, "confidence": confidence,
+              "predicted_speedup_gated": {f"K={K} below {c}": x for (K, c), x in gated.items() if c},
               "draft_quant": quant if standalone else None, "head_quant": hq,
               "alpha": agreement[0] if agreement else None, "cost_ratio": timed.get("cost_ratio"),
               "verify_cost": timed.get("verify_cost", {}), "decoder_cost": timed.get("decoder_cost"),
@@ -219,6 +239,29 @@ def validate_head(target_spec: str, head_dir: Path, prompts: list[Prompt], *, st
         raise DraftsmithError(f"validate: speculative output differs from the target's greedy output "
                               f"({val.greedy_equal}); see {out}")
     return result
+
+
+GATES = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # the thresholds `validate_head` predicts for
+
+
+def _gated_curve(head, held: list[dict], dc, max_k: int, tokens: int,
+                 gate: bool) -> tuple[dict[int, float], dict[tuple[int, float], float]]:
+    """Predicted speedups: by K for fixed rounds, and by (K, threshold) for rounds that stop early (threshold 0:
+    never; only K >= 2 can stop early), from the head's teacher-forced rounds on `held` and the timed round."""
+    hits, tops = depth_records(head, held, max_k)
+    curve, gated = {}, {}
+    for K in range(1, max_k + 1):
+        for thr in (GATES if gate and K > 1 else (0.0,)):
+            tau, p_drafted = gated_rounds(hits, tops, K, thr)
+            gated[(K, thr)] = dc.gated_speedup(tau, p_drafted, tokens)
+        curve[K] = gated[(K, 0.0)]
+    return curve, gated
+
+
+def held_rows(folder: Path) -> list[dict] | None:
+    """The held-out reference rows `run_head` wrote into folder/held (None where there are none)."""
+    held = Path(folder) / "held"
+    return load_head_data(held) if any(held.glob("shard-*.safetensors")) else None
 
 
 def head_result(folder: Path) -> dict | None:

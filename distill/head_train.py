@@ -127,6 +127,36 @@ def evaluate(head: Eagle3Head, rows: list[dict], w_draft: Tensor, steps: int) ->
     return {"agreement_by_depth": [a / b if b else None for a, b in tot], "kl": kl / max(n, 1)}
 
 
+def depth_records(head: Eagle3Head, rows: list[dict], depth: int) -> tuple[Tensor, Tensor]:
+    """Teacher-forced rounds of `depth` drafts, one per continuation start with room for all of them: hits
+    (depth, n) 1 where the head's token at depth j equals the target's greedy one, tops (depth, n) the head's
+    probability of its token (softmax over its vocabulary, as the decoder's confidence check reads it). Depth j
+    of a round that starts at entry e is entry e + j - 1 at unroll depth j (`ttt_hidden`). For
+    `pairing.depth.gated_rounds`."""
+    if depth < 1:
+        raise ValueError(f"depth must be >= 1, got {depth}")
+    hits, tops = [], []
+    with torch.no_grad():
+        for row in rows:
+            E = len(row["tokens"]) - 1
+            first = max(row["prompt_len"] - 2, 0)  # entry e predicts token e + 2: every new token, as decoded
+            n = E - depth + 1 - first
+            if n <= 0:
+                continue
+            h_row, p_row = [], []
+            for j, h in enumerate(ttt_hidden(head, row["features"], row["tokens"], depth), start=1):
+                e = torch.arange(first + j - 1, first + j - 1 + n)
+                prob = torch.softmax(head.lm_head(head.norm(h[e])).float(), dim=-1)
+                top, idx = prob.max(-1)
+                h_row.append((head.draft_ids[idx] == row["next"][e + 1].long()).double())
+                p_row.append(top.double())
+            hits.append(torch.stack(h_row))
+            tops.append(torch.stack(p_row))
+    if not hits:
+        raise ValueError(f"no row has a continuation of {depth + 1} tokens to take rounds from")
+    return torch.cat(hits, 1), torch.cat(tops, 1)
+
+
 def train_head(target: Loaded, rows: list[dict], held_out: list[dict], out: Path, cfg: HeadTrainConfig, *,
                aux_layers: tuple[int, ...], progress: bool = True) -> dict:
     """Train from scratch (or resume from out/checkpoint); returns the summary (also out/summary.json)."""

@@ -35,6 +35,7 @@ class ValidateConfig:
     k: int = 0  # draft tokens per round; 0 = the best predicted from the measured cost and the draft's alpha
     max_k: int = 8  # largest K considered when k = 0
     draft_quant: str | None = "int8"  # int8 | null: draft weights on CPU (exactness is unaffected)
+    gate: bool = True  # heads, k = 0: also pick a draft probability below which a round stops early
 
     def __post_init__(self) -> None:
         for name in ("prompts_per_domain", "max_new_tokens", "max_k"):

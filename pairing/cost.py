@@ -237,6 +237,19 @@ class DecoderCost:
                                target_prefill_s=self.target_prefill_s, spec_prefill_s=self.spec_prefill_s,
                                round_s=self.round_s(K))
 
+    def mixed_round_s(self, p_drafted: list[float]) -> float:
+        """Mean seconds of a round that drafts d = 1..len(p_drafted) tokens with probability p_drafted[d-1]
+        (rounds that stop early: `pairing.depth.gated_rounds`)."""
+        if any(p < 0 for p in p_drafted) or abs(sum(p_drafted) - 1.0) > 1e-6:
+            raise ValueError(f"p_drafted must be probabilities summing to 1, got {p_drafted}")
+        return sum(p * self.round_s(d) for d, p in enumerate(p_drafted, start=1) if p > 0)
+
+    def gated_speedup(self, tau: float, p_drafted: list[float], tokens: float) -> float:
+        """`speedup` for rounds that draft a varying number of tokens (at most len(p_drafted))."""
+        return decoder_speedup(tau, len(p_drafted), tokens, target_token_s=self.target_token_s,
+                               target_prefill_s=self.target_prefill_s, spec_prefill_s=self.spec_prefill_s,
+                               round_s=self.mixed_round_s(p_drafted))
+
     def to_dict(self) -> dict:
         return {
             "target_token_s": self.target_token_s, "target_prefill_s": self.target_prefill_s,

@@ -270,3 +270,31 @@ __all__ = [
     "expected_tau_from_depth_rates", "expected_tau_from_runs", "predicted_speedup_from_depth",
     "speedup_curve_from_depth",
 ]
+
+
+# -- rounds that stop early when the draft is unsure (KPolicy.confidence) --
+
+
+def gated_rounds(hits: Tensor, tops: Tensor, K: int, threshold: float) -> tuple[float, list[float]]:
+    """E[tau] and P(drafted = d), d = 1..K, of rounds that stop early: a round drafts depth 1 and goes on to depth
+    j + 1 (j < K) only while the draft gave its depth-j token a probability >= `threshold` (the decoder's
+    `KPolicy(confidence=threshold)`; 0 never stops early: the fixed-K round).
+
+    Column i of `hits` / `tops` (D, n), D >= K, is one round start, teacher-forced: hits[j-1, i] is 1 when the
+    token drafted at depth j equals the target's, tops[j-1, i] that token's draft probability. A round accepts
+    the leading hits among the depths it drafted; tau counts the bonus token. Computed in float64."""
+    _check_k(K)
+    if hits.dim() != 2 or hits.shape != tops.shape:
+        raise ValueError(f"hits and tops must be (depths, starts) of one shape, got {tuple(hits.shape)}, "
+                         f"{tuple(tops.shape)}")
+    if hits.shape[0] < K or hits.shape[1] == 0:
+        raise ValueError(f"need >= {K} depths and >= 1 start, got {tuple(hits.shape)}")
+    if not 0.0 <= threshold <= 1.0:
+        raise ValueError(f"threshold must lie in [0, 1], got {threshold}")
+    h, p = hits[:K].to(torch.float64), tops[:K].to(torch.float64)
+    if not bool(((h == 0) | (h == 1)).all()):
+        raise ValueError("hits must be 0/1")
+    drafted = 1 + torch.cumprod((p[: K - 1] >= threshold).to(torch.float64), 0).sum(0)  # (n,)
+    reached = torch.arange(1, K + 1, dtype=torch.float64)[:, None] <= drafted[None, :]  # depth j was drafted
+    accepted = (torch.cumprod(h, 0) * reached).sum(0)
+    return 1.0 + float(accepted.mean()), [float((drafted == d).to(torch.float64).mean()) for d in range(1, K + 1)]

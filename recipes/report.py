@@ -286,7 +286,10 @@ def _validation(doc: Doc, run: Path) -> None:
     for name, label in labels.items():
         if name in val.stats:
             st = val.stats[name]
-            rows.append([label, "-" if name == "target_only" else val.ks.get(name, val.k), tps[name],
+            K = val.ks.get(name, val.k)
+            if name == "draft_after" and b.get("confidence"):  # the head's rounds stop early below this
+                K = f"{K}, stops below p {b['confidence']}"
+            rows.append([label, "-" if name == "target_only" else K, tps[name],
                          "1.00x" if name == "target_only" else f"{val.speedup(name):.2f}x",
                          st.mean_tau, st.acceptance_rate,
                          "-" if name == "target_only" else fmt(val.greedy_equal[name])])

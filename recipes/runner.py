@@ -33,7 +33,7 @@ import torch
 from decode.errors import DraftsmithError
 from decode.io import atomic_write_json, read_json
 from decode.prompts import first_per_domain, load_prompts
-from distill.head_pipeline import HEAD, head_result, run_head, validate_head
+from distill.head_pipeline import HEAD, head_result, held_rows, run_head, validate_head
 from distill.pipeline import run_distill, split_prompts
 from distill.validate import validate_distilled
 from pairing.leaderboard import run_pair
@@ -188,7 +188,8 @@ def stage_validate(recipe: Recipe, run: RunFolder) -> dict:
                                standalone=standalone, standalone_k=standalone_k, agreement=head["agreement_after"],
                                k=v.k,
                                max_k=min(v.max_k, 4), max_new_tokens=v.max_new_tokens,
-                               out=run.path("validate") / "bench.json", quant=v.draft_quant, device=recipe.device)
+                               out=run.path("validate") / "bench.json", quant=v.draft_quant, device=recipe.device,
+                               held=held_rows(run.path("distill")), gate=v.gate)
         return {"k": result["k"], "speedup_vs_target_only": result["speedup_vs_target_only"], "greedy_equal": True}
     distilled = read_json(run.path("distill") / "distill.json", missing_ok=True, what="distillation result")
     draft = distilled["draft"] if distilled else choose_draft(recipe, run)

@@ -228,3 +228,33 @@ def load_prompts_folder(path):
     from decode.prompts import load_prompts
 
     return load_prompts(path)
+
+
+def test_depth_records_are_the_decoders_rounds_teacher_forced() -> None:
+    from distill.head_train import depth_records
+
+    hf = target_hf(3, layers=4)
+    head = random_head(hf, N=40, seed=4, scale=4.0)
+    tokens = torch.tensor([1, 5, 7, 9, 11, 3, 4, 8, 13, 21, 34, 6, 2, 17])
+    P, depth = 5, 3
+    with torch.no_grad():
+        out = hf(input_ids=tokens[None], output_hidden_states=True)
+        feats = torch.cat([out.hidden_states[i][0] for i in head.config.aux_layers], dim=-1)
+        nxt = out.logits[0].argmax(-1)
+    nxt[7] = head.draft_ids[3]  # hits need not be rare: whatever the head says, some labels are its guesses
+    row = {"tokens": tokens, "features": feats, "next": nxt, "prompt_len": P}
+    hits, tops = depth_records(head, [row], depth)
+    n = len(tokens) - 1 - depth + 1 - (P - 2)
+    assert hits.shape == tops.shape == (depth, n)
+    for i in range(n):
+        s = P - 2 + i  # the round's first draft is entry s: the target read tokens[:s+1], its bonus token is s+1
+        draft = HeadDraft(head, 64)
+        draft.observe(feats[: s + 1], tokens[: s + 1], 0)
+        for j in range(1, depth + 1):  # depth j reads the tokens before it (teacher-forced)
+            logits = draft.forward(tokens[s + j : s + j + 1], s + j, keep=1)[0]
+            prob = torch.softmax(logits.float(), -1)
+            assert hits[j - 1, i] == float(int(prob.argmax()) == int(nxt[s + j])), (i, j)
+            assert tops[j - 1, i] == pytest.approx(float(prob.max()), abs=1e-5)
+    assert 0 < hits.sum() < hits.numel()
+    with pytest.raises(ValueError, match="continuation"):
+        depth_records(head, [row], len(tokens))

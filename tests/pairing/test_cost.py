@@ -283,3 +283,18 @@ def test_calibrated_prediction_matches_a_decode_dominated_by_known_times(monkeyp
     dc = calibrate_decoder(target, draft, prompts, k=1, isolated=dipped, max_new_tokens=12)
     assert dc.verify_s[1] == pytest.approx(0.012) and dc.verify_s[2] == pytest.approx(0.012)
     assert dc.verify_s[3] == pytest.approx(0.015) == pytest.approx(dc.verify_s[4])
+
+
+def test_gated_round_cost_is_the_mean_of_fixed_rounds() -> None:
+    from pairing.cost import DecoderCost, decoder_speedup
+
+    dc = DecoderCost(target_token_s=0.05, target_prefill_s=0.1, spec_prefill_s=0.11, draft_step_s=0.004,
+                     other_s=0.001, verify_s={1: 0.052, 2: 0.054, 3: 0.07}, calibration_k=1,
+                     calibration_seconds=1.0, calibration_tokens=32)
+    assert dc.mixed_round_s([0.0, 1.0, 0.0]) == pytest.approx(dc.round_s(2))
+    assert dc.mixed_round_s([0.25, 0.75]) == pytest.approx(0.25 * (0.004 + 0.052 + 0.001) + 0.75 * (0.008 + 0.054 + 0.001))
+    want = decoder_speedup(1.4, 2, 64, target_token_s=0.05, target_prefill_s=0.1, spec_prefill_s=0.11,
+                           round_s=dc.mixed_round_s([0.5, 0.5]))
+    assert dc.gated_speedup(1.4, [0.5, 0.5], 64) == pytest.approx(want)
+    with pytest.raises(ValueError, match="summing to 1"):
+        dc.mixed_round_s([0.5, 0.2])
