@@ -58,6 +58,9 @@ def main() -> None:
     ap.add_argument("--label-temperature", type=float, default=1.0)
     ap.add_argument("--head-quant", default="none", choices=["none", "int8", "both"],
                     help="bench the head in float32, with int8 Linear weights, or both side by side")
+    ap.add_argument("--confidences", default="",
+                    help="bench: comma-separated draft probabilities below which a round stops early (0 = never); "
+                         "every (K, threshold) runs interleaved in one run with the target alone -> bench-gated.json")
     args = ap.parse_args()
     stages = args.stages.split(",")
     target = load(args.target)
@@ -98,6 +101,26 @@ def main() -> None:
         result = {"target": args.target, "head": str(args.out / "head" / "best"), "prompts": [p.id for p in held_p],
                   "by_k": {}, "machine": machine_info(), "versions": versions()}
         quants = {"none": [None], "int8": ["int8"], "both": [None, "int8"]}[args.head_quant]
+        if args.confidences:  # every (K, threshold) in one interleaved run
+            confs = [float(c) for c in args.confidences.split(",")]
+            configs = [(k, c) for k in ks for c in confs if k > 1 or c == 0]
+            q = quants[-1]
+            names = {cfg: f"K={cfg[0]}" + (f" stop<{cfg[1]}" if cfg[1] else "") for cfg in configs}
+            drafts = {names[cfg]: HeadDraft(head, S, quantize=q) for cfg in configs}
+            val = validate_drafts(t_run, drafts, ids, k=ks[0], max_new_tokens=args.bench_new_tokens,
+                                  eos_ids=eos_ids(target), names=[p.id for p in held_p], desc="bench",
+                                  ks={names[cfg]: cfg[0] for cfg in configs},
+                                  confidence={names[cfg]: cfg[1] for cfg in configs if cfg[1]})
+            result.pop("by_k")
+            result.update(val.to_dict(), head_quant=q, confidence={names[c]: c[1] for c in configs},
+                          drafted_per_round={n: val.stats[n].drafted / val.stats[n].target_forwards for n in drafts})
+            for n in drafts:
+                st = val.stats[n]
+                print(f"{n}: target alone {val.tok_per_s['target_only']:.2f} tok/s, with the head "
+                      f"{val.tok_per_s[n]:.2f} ({val.speedup(n):.2f}x), tau {st.mean_tau:.2f}, accepted/drafted "
+                      f"{st.acceptance_rate:.3f}, greedy-equal {val.greedy_equal[n]}")
+            atomic_write_json(args.out / "bench-gated.json", result)
+            return
         for k in ks:
             drafts = {("head" if q is None else f"head-{q}"): HeadDraft(head, S, quantize=q) for q in quants}
             val = validate_drafts(t_run, drafts, ids, k=k, max_new_tokens=args.bench_new_tokens,
