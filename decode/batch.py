@@ -176,23 +176,35 @@ def decode_batch(
     B, P = len(prompts), max(len(p) for p in prompts)
     S = P + max_new_tokens
     device = next(model.parameters()).device
-    lm = BatchLM(model, B, S, capture)
-    pad = torch.tensor([P - len(p) for p in prompts], device=device)  # (B,)
-    ids = torch.zeros(B, P, dtype=torch.long)
-    for b, p in enumerate(prompts):
-        ids[b, P - len(p):] = torch.tensor(p)
-    cols = torch.arange(S, device=device)
-    valid = cols[None, :] >= pad[:, None]  # (B, S): a row's keys start at its first real token
-    positions = (cols[None, :] - pad[:, None]).clamp(min=0)  # (B, S)
+    # samples of one prompt share its prefill: the distinct prompts are read once, then their cache is copied
+    distinct: dict[tuple[int, ...], int] = {}
+    src = torch.tensor([distinct.setdefault(tuple(p), len(distinct)) for p in prompts], device=device)  # (B,)
+    firsts = [list(p) for p in distinct]
+    U = len(firsts)
+    lm = BatchLM(model, U, S, capture)
+
+    def layout(rows: list[list[int]]) -> tuple[Tensor, Tensor, Tensor]:  # left padding of rows to P
+        pad = torch.tensor([P - len(p) for p in rows], device=device)
+        cols = torch.arange(S, device=device)
+        return pad, cols[None, :] >= pad[:, None], (cols[None, :] - pad[:, None]).clamp(min=0)
+
+    pad_u, valid_u, positions_u = layout(firsts)  # (U,), (U, S): a row's keys start at its first real token
+    ids = torch.zeros(U, P, dtype=torch.long)
+    for u, p in enumerate(firsts):
+        ids[u, P - len(p):] = torch.tensor(p)
     eye = torch.eye(P, dtype=torch.bool, device=device)
-    mask = (valid[:, None, None, :P] & torch.ones(P, P, dtype=torch.bool, device=device).tril()) | eye  # pads see themselves
-    h = lm(ids.to(device), 0, positions[:, :P], mask)
-    logits = lm.logits(h[:, -1])  # (B, V)
+    mask = (valid_u[:, None, None, :P] & torch.ones(P, P, dtype=torch.bool, device=device).tril()) | eye  # pads see themselves
+    h = lm(ids.to(device), 0, positions_u[:, :P], mask)
+    logits = lm.logits(h[:, -1])[src]  # (B, V)
+    nxt_first = []
+    if capture:  # the greedy next token at every prompt position, a row at a time (U x P x V is large)
+        nxt_first = [lm.logits(h[u, pad_u[u]:]).argmax(-1).int().cpu() for u in range(U)]
+    if U < B:
+        lm.select(src)
+    pad, valid, positions = pad_u[src], valid_u[src], positions_u[src]
     out = BatchOutput([[] for _ in range(B)])
-    nxt_prompt = [None] * B
-    if capture:  # the greedy next token at every prompt position, a row at a time (B x P x V is large)
-        for b in range(B):
-            nxt_prompt[b] = lm.logits(h[b, pad[b]:]).argmax(-1).int().cpu()
+    nxt_prompt = [nxt_first[int(u)] for u in src] if capture else [None] * B
+    if capture:
         out.features, out.final, out.next = [None] * B, [None] * B, [None] * B
         nxt_new: list[list[int]] = [[] for _ in range(B)]
     stop = set(eos_ids)

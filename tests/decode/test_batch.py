@@ -105,3 +105,25 @@ def test_captured_features_are_the_targets_teacher_forced_ones(n) -> None:
 def test_capture_layers_outside_the_model_are_refused(model) -> None:
     with pytest.raises(ValueError, match="capture layer 5"):
         decode_batch(model, [[1]], max_new_tokens=2, sampling=SamplingParams(0.0), capture=(0, 5))
+
+
+SAMPLES = [[4, 9, 11], [1], [4, 9, 11], [0, 1, 2, 3, 4], [4, 9, 11], [1]]  # samples of one prompt share a prefill
+
+
+def test_samples_of_one_prompt_share_its_prefill_and_each_equals_its_decode_alone(model) -> None:
+    n = 20
+    gens = [torch.Generator().manual_seed(300 + b) for b in range(len(SAMPLES))]
+    rows = generate_batch(model, SAMPLES, max_new_tokens=n, sampling=SamplingParams(1.3), eos_ids=[EOS],
+                          generators=gens, lean=True)
+    assert rows == [_alone(model, p, 1.3, 300 + b, n) for b, p in enumerate(SAMPLES)]
+    assert rows[0] != rows[2] or rows[2] != rows[4]  # the samples differ: each row drew with its own generator
+    m = helpers.tiny_llama(4, V, eos_id=EOS, layers=3, dtype=torch.float64)
+    gens = [torch.Generator().manual_seed(7 + b) for b in range(len(SAMPLES))]
+    out = decode_batch(m, SAMPLES, max_new_tokens=6, sampling=SamplingParams(1.3), eos_ids=[EOS], generators=gens,
+                       capture=(0, 2))
+    for b, p in enumerate(SAMPLES):
+        seq = p + out.tokens[b]
+        ref = m(input_ids=torch.tensor([seq]), output_hidden_states=True)
+        feats = torch.cat([ref.hidden_states[0][0], ref.hidden_states[2][0]], dim=-1)
+        torch.testing.assert_close(out.features[b].double(), feats, rtol=2e-3, atol=2e-3)
+        assert out.next[b].tolist() == ref.logits[0].argmax(-1).tolist()
