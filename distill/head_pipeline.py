@@ -33,7 +33,7 @@ from decode.textgen import eos_ids, machine_info, prompt_ids, versions
 from distill.head_data import HeadDataConfig, build_head_data, load_head_data
 from distill.head_train import HeadTrainConfig, depth_records, train_head
 from pairing.cost import COST_CONTEXT, calibrate_decoder, measure_cost
-from pairing.depth import expected_tau_from_depth_rates, gated_rounds
+from pairing.depth import expected_tau_from_depth_rates, gated_walk
 from pairing.derive import resolve_candidate
 
 HEAD = "head"  # distill.draft's value that trains a head instead of distilling a standalone draft
@@ -172,9 +172,9 @@ def validate_head(target_spec: str, head_dir: Path, prompts: list[Prompt], *, st
 
     K: `k` when > 0, else the best predicted from the head's held-out acceptance and the round cost timed in the
     decoder (a 2-prompt calibration decode of the head). With `held` (the held-out reference rows) the prediction
-    walks teacher-forced rounds from every held-out position (`depth_records`), and with `gate` it also picks a
-    confidence threshold: a round stops after a draft token the head gives less than it (`gated_rounds`), which
-    saves the draft steps and verify rows of rounds that would fail; without `held`, `agreement` (acceptance by
+    walks the decoder's own rounds on the head's teacher-forced records of them (`depth_records`, `gated_walk`),
+    and with `gate` it also picks a confidence threshold: a round stops after a draft token the head gives less
+    than it, which saves the draft steps and verify rows of rounds that would fail; without `held`, `agreement` (acceptance by
     depth) predicts fixed-K rounds. Refuses a run whose output differs from the target's greedy output, after
     writing the numbers."""
     torch.set_grad_enabled(False)
@@ -208,8 +208,8 @@ def validate_head(target_spec: str, head_dir: Path, prompts: list[Prompt], *, st
             k, confidence = max(gated, key=lambda kc: (gated[kc], -kc[0], -kc[1]))
             confidence = confidence or None
             best = ", ".join(f"K={K}: {x:.2f}x" for K, x in curve.items())
-            why = (f"best predicted from teacher-forced rounds at every held-out position and the round cost timed "
-                   f"in the decoder ({best}"
+            why = (f"best predicted from the decoder's rounds walked on the held-out references and the round cost "
+                   f"timed in the decoder ({best}"
                    + (f"; stopping a round below draft probability {confidence}: {gated[(k, confidence)]:.2f}x"
                       if confidence else "") + ")")
         else:
@@ -247,13 +247,14 @@ GATES = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # the thresholds `va
 def _gated_curve(head, held: list[dict], dc, max_k: int, tokens: int,
                  gate: bool) -> tuple[dict[int, float], dict[tuple[int, float], float]]:
     """Predicted speedups: by K for fixed rounds, and by (K, threshold) for rounds that stop early (threshold 0:
-    never; only K >= 2 can stop early), from the head's teacher-forced rounds on `held` and the timed round."""
-    hits, tops = depth_records(head, held, max_k)
+    never; only K >= 2 can stop early), walking the decoder's own rounds on the head's teacher-forced records of
+    the held-out references (`gated_walk`, exact at temperature 0) over the round cost timed in the decoder."""
+    records = depth_records(head, held, max_k)
     curve, gated = {}, {}
     for K in range(1, max_k + 1):
         for thr in (GATES if gate and K > 1 else (0.0,)):
-            tau, p_drafted = gated_rounds(hits, tops, K, thr)
-            gated[(K, thr)] = dc.gated_speedup(tau, p_drafted, tokens)
+            n, drafted = gated_walk(records, K, thr, budget=tokens)
+            gated[(K, thr)] = dc.walk_speedup(n, drafted, len(records))
         curve[K] = gated[(K, 0.0)]
     return curve, gated
 

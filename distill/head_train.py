@@ -127,34 +127,32 @@ def evaluate(head: Eagle3Head, rows: list[dict], w_draft: Tensor, steps: int) ->
     return {"agreement_by_depth": [a / b if b else None for a, b in tot], "kl": kl / max(n, 1)}
 
 
-def depth_records(head: Eagle3Head, rows: list[dict], depth: int) -> tuple[Tensor, Tensor]:
-    """Teacher-forced rounds of `depth` drafts, one per continuation start with room for all of them: hits
-    (depth, n) 1 where the head's token at depth j equals the target's greedy one, tops (depth, n) the head's
-    probability of its token (softmax over its vocabulary, as the decoder's confidence check reads it). Depth j
-    of a round that starts at entry e is entry e + j - 1 at unroll depth j (`ttt_hidden`). For
-    `pairing.depth.gated_rounds`."""
+def depth_records(head: Eagle3Head, rows: list[dict], depth: int) -> list[tuple[Tensor, Tensor]]:
+    """Per row, the head's teacher-forced rounds from every new token, for `pairing.depth.gated_walk`: hits
+    (depth, T) 1 where the token the head drafts at depth j of the round whose first draft is new token n equals
+    the target's greedy one, tops (depth, T) the head's probability of it (softmax over its vocabulary, as the
+    decoder's confidence check reads it); 0 where that token lies past the row. Depth j of that round is entry
+    prompt_len - 2 + n + j - 1 at unroll depth j (`ttt_hidden`). Rows with a one-token prompt give none (the
+    decoder drafts nothing before the target has read a token)."""
     if depth < 1:
         raise ValueError(f"depth must be >= 1, got {depth}")
-    hits, tops = [], []
+    out = []
     with torch.no_grad():
         for row in rows:
-            E = len(row["tokens"]) - 1
-            first = max(row["prompt_len"] - 2, 0)  # entry e predicts token e + 2: every new token, as decoded
-            n = E - depth + 1 - first
-            if n <= 0:
+            P, T = row["prompt_len"], len(row["tokens"]) - row["prompt_len"]
+            if P < 2 or T < 1:
                 continue
-            h_row, p_row = [], []
+            hits, tops = torch.zeros(depth, T, dtype=torch.float64), torch.zeros(depth, T, dtype=torch.float64)
             for j, h in enumerate(ttt_hidden(head, row["features"], row["tokens"], depth), start=1):
-                e = torch.arange(first + j - 1, first + j - 1 + n)
-                prob = torch.softmax(head.lm_head(head.norm(h[e])).float(), dim=-1)
-                top, idx = prob.max(-1)
-                h_row.append((head.draft_ids[idx] == row["next"][e + 1].long()).double())
-                p_row.append(top.double())
-            hits.append(torch.stack(h_row))
-            tops.append(torch.stack(p_row))
-    if not hits:
-        raise ValueError(f"no row has a continuation of {depth + 1} tokens to take rounds from")
-    return torch.cat(hits, 1), torch.cat(tops, 1)
+                n = torch.arange(0, T - j + 1)  # the depth-j token is new token n + j - 1 < T
+                e = P - 2 + n + j - 1
+                top, idx = torch.softmax(head.lm_head(head.norm(h[e])).float(), dim=-1).max(-1)
+                hits[j - 1, n] = (head.draft_ids[idx] == row["next"][e + 1].long()).double()
+                tops[j - 1, n] = top.double()
+            out.append((hits, tops))
+    if not out:
+        raise ValueError("no row has a prompt of >= 2 tokens and a continuation to take rounds from")
+    return out
 
 
 def train_head(target: Loaded, rows: list[dict], held_out: list[dict], out: Path, cfg: HeadTrainConfig, *,

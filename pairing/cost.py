@@ -237,18 +237,15 @@ class DecoderCost:
                                target_prefill_s=self.target_prefill_s, spec_prefill_s=self.spec_prefill_s,
                                round_s=self.round_s(K))
 
-    def mixed_round_s(self, p_drafted: list[float]) -> float:
-        """Mean seconds of a round that drafts d = 1..len(p_drafted) tokens with probability p_drafted[d-1]
-        (rounds that stop early: `pairing.depth.gated_rounds`)."""
-        if any(p < 0 for p in p_drafted) or abs(sum(p_drafted) - 1.0) > 1e-6:
-            raise ValueError(f"p_drafted must be probabilities summing to 1, got {p_drafted}")
-        return sum(p * self.round_s(d) for d, p in enumerate(p_drafted, start=1) if p > 0)
-
-    def gated_speedup(self, tau: float, p_drafted: list[float], tokens: float) -> float:
-        """`speedup` for rounds that draft a varying number of tokens (at most len(p_drafted))."""
-        return decoder_speedup(tau, len(p_drafted), tokens, target_token_s=self.target_token_s,
-                               target_prefill_s=self.target_prefill_s, spec_prefill_s=self.spec_prefill_s,
-                               round_s=self.mixed_round_s(p_drafted))
+    def walk_speedup(self, tokens: int, drafted: list[int], prompts: int) -> float:
+        """Predicted speedup of a walk of rounds (`pairing.depth.gated_walk`): `tokens` emitted over `prompts`
+        prompts in rounds that drafted `drafted` tokens each (0: a plain target step at the budget's end):
+        (prompts * prefill alone + tokens * token time) / (prompts * prefill with the draft + sum of the rounds)."""
+        if tokens < 1 or prompts < 1 or not drafted:
+            raise ValueError("need tokens >= 1, prompts >= 1 and at least one round")
+        spent = sum(self.round_s(d) if d else self.target_token_s for d in drafted)
+        return ((prompts * self.target_prefill_s + tokens * self.target_token_s)
+                / (prompts * self.spec_prefill_s + spent))
 
     def to_dict(self) -> dict:
         return {

@@ -275,26 +275,43 @@ __all__ = [
 # -- rounds that stop early when the draft is unsure (KPolicy.confidence) --
 
 
-def gated_rounds(hits: Tensor, tops: Tensor, K: int, threshold: float) -> tuple[float, list[float]]:
-    """E[tau] and P(drafted = d), d = 1..K, of rounds that stop early: a round drafts depth 1 and goes on to depth
-    j + 1 (j < K) only while the draft gave its depth-j token a probability >= `threshold` (the decoder's
-    `KPolicy(confidence=threshold)`; 0 never stops early: the fixed-K round).
+def gated_walk(rows: Sequence[tuple[Tensor, Tensor]], K: int, threshold: float, *,
+               budget: int) -> tuple[int, list[int]]:
+    """The decoder's own rounds on teacher-forced rows at temperature 0, for rounds that stop early: a round
+    drafts depth 1 and goes on to depth j + 1 only while the draft gave its depth-j token a probability >=
+    `threshold` (the decoder's `KPolicy(confidence=threshold)`; 0 never stops early).
 
-    Column i of `hits` / `tops` (D, n), D >= K, is one round start, teacher-forced: hits[j-1, i] is 1 when the
-    token drafted at depth j equals the target's, tops[j-1, i] that token's draft probability. A round accepts
-    the leading hits among the depths it drafted; tau counts the bonus token. Computed in float64."""
+    A row is (hits, tops), each (D, T), D >= K: column n is the round whose first draft is new token n, hits[j-1, n]
+    is 1 when its depth-j token equals the target's, tops[j-1, n] that token's draft probability (0 past the row).
+    The walk is `decode.speculative.generate`'s: from new token n a round may draft k = min(K, budget - n - 1)
+    tokens (never past `budget` = max_new_tokens), drafts d of them (stopping early as above), accepts the
+    leading hits among those d, and emits them plus one token; the next round starts after them. A row of
+    T < budget tokens ended at EOS, so the round that reaches it stops there. At 0/1 hits this is not an
+    estimate: it is the decoder's count on those rows. Returns (tokens emitted, drafts of every round)."""
     _check_k(K)
-    if hits.dim() != 2 or hits.shape != tops.shape:
-        raise ValueError(f"hits and tops must be (depths, starts) of one shape, got {tuple(hits.shape)}, "
-                         f"{tuple(tops.shape)}")
-    if hits.shape[0] < K or hits.shape[1] == 0:
-        raise ValueError(f"need >= {K} depths and >= 1 start, got {tuple(hits.shape)}")
+    if budget < 1:
+        raise ValueError(f"budget must be >= 1, got {budget}")
     if not 0.0 <= threshold <= 1.0:
         raise ValueError(f"threshold must lie in [0, 1], got {threshold}")
-    h, p = hits[:K].to(torch.float64), tops[:K].to(torch.float64)
-    if not bool(((h == 0) | (h == 1)).all()):
-        raise ValueError("hits must be 0/1")
-    drafted = 1 + torch.cumprod((p[: K - 1] >= threshold).to(torch.float64), 0).sum(0)  # (n,)
-    reached = torch.arange(1, K + 1, dtype=torch.float64)[:, None] <= drafted[None, :]  # depth j was drafted
-    accepted = (torch.cumprod(h, 0) * reached).sum(0)
-    return 1.0 + float(accepted.mean()), [float((drafted == d).to(torch.float64).mean()) for d in range(1, K + 1)]
+    tokens, drafted = 0, []
+    for hits, tops in rows:
+        if hits.dim() != 2 or hits.shape != tops.shape or hits.shape[0] < K:
+            raise ValueError(f"a row needs hits and tops of one shape (>= {K} depths, positions), got "
+                             f"{tuple(hits.shape)}, {tuple(tops.shape)}")
+        h, p = hits.tolist(), tops.tolist()
+        if any(x not in (0, 1) for r in h for x in r):
+            raise ValueError("hits must be 0/1")
+        T = min(hits.shape[1], budget)
+        n = 0
+        while n < T:
+            k = min(K, budget - n - 1)
+            d = 1 if k > 0 else 0
+            while d and d < k and p[d - 1][n] >= threshold:
+                d += 1
+            a = 0
+            while a < d and h[a][n] == 1:
+                a += 1
+            n += min(a + 1, T - n)
+            drafted.append(d)
+        tokens += T
+    return tokens, drafted

@@ -230,31 +230,42 @@ def load_prompts_folder(path):
     return load_prompts(path)
 
 
-def test_depth_records_are_the_decoders_rounds_teacher_forced() -> None:
+@pytest.mark.parametrize("K,threshold", [(1, 0.0), (2, 0.0), (3, 0.0), (2, 0.5), (3, 0.3), (4, 0.9)])
+def test_walking_depth_records_gives_the_decoders_own_rounds(K, threshold) -> None:
+    """At temperature 0 the walk over the head's teacher-forced records is the decoder's count: the same number
+    of tokens, the same drafts in every round (stopping early included), the same tau."""
+    from decode.model import make_runner
+    from decode.speculative import KPolicy, RoundClock, generate
+    from distill.head_train import depth_records
+    from pairing.depth import gated_walk
+    from tests.decode.test_head import mimic_head
+
+    hf = target_hf(5, mix=0.0)  # a bigram target, which the mimic head often agrees with
+    head = mimic_head(hf)
+    target = make_runner(hf, 128)
+    budget = 24
+    for prompt in ([1, 5, 7, 9], [3, 8], [11, 2, 4, 6, 8, 10]):
+        ref = generate(target, prompt, max_new_tokens=40).tokens  # the held-out reference, longer than the budget
+        tokens = torch.tensor(prompt + ref)
+        with torch.no_grad():
+            out = hf(input_ids=tokens[None], output_hidden_states=True)
+        feats = torch.cat([out.hidden_states[i][0] for i in head.config.aux_layers], dim=-1)
+        row = {"tokens": tokens, "features": feats, "next": out.logits[0].argmax(-1), "prompt_len": len(prompt)}
+        n, drafted = gated_walk(depth_records(head, [row], K), K, threshold, budget=budget)
+        clock = RoundClock()
+        res = generate(target, prompt, draft=HeadDraft(head, 128), max_new_tokens=budget, clock=clock,
+                       policy=KPolicy(k=K, confidence=threshold or None))
+        assert res.tokens == ref[:budget] and n == budget
+        assert drafted == [r[0] for r in clock.rounds], (prompt, K, threshold)
+        assert res.stats.accepted > 0 and res.stats.mean_tau == budget / len(drafted)
+
+
+def test_depth_records_refuse_rows_without_rounds() -> None:
     from distill.head_train import depth_records
 
     hf = target_hf(3, layers=4)
     head = random_head(hf, N=40, seed=4, scale=4.0)
-    tokens = torch.tensor([1, 5, 7, 9, 11, 3, 4, 8, 13, 21, 34, 6, 2, 17])
-    P, depth = 5, 3
-    with torch.no_grad():
-        out = hf(input_ids=tokens[None], output_hidden_states=True)
-        feats = torch.cat([out.hidden_states[i][0] for i in head.config.aux_layers], dim=-1)
-        nxt = out.logits[0].argmax(-1)
-    nxt[7] = head.draft_ids[3]  # hits need not be rare: whatever the head says, some labels are its guesses
-    row = {"tokens": tokens, "features": feats, "next": nxt, "prompt_len": P}
-    hits, tops = depth_records(head, [row], depth)
-    n = len(tokens) - 1 - depth + 1 - (P - 2)
-    assert hits.shape == tops.shape == (depth, n)
-    for i in range(n):
-        s = P - 2 + i  # the round's first draft is entry s: the target read tokens[:s+1], its bonus token is s+1
-        draft = HeadDraft(head, 64)
-        draft.observe(feats[: s + 1], tokens[: s + 1], 0)
-        for j in range(1, depth + 1):  # depth j reads the tokens before it (teacher-forced)
-            logits = draft.forward(tokens[s + j : s + j + 1], s + j, keep=1)[0]
-            prob = torch.softmax(logits.float(), -1)
-            assert hits[j - 1, i] == float(int(prob.argmax()) == int(nxt[s + j])), (i, j)
-            assert tops[j - 1, i] == pytest.approx(float(prob.max()), abs=1e-5)
-    assert 0 < hits.sum() < hits.numel()
+    row = {"tokens": torch.tensor([5, 7]), "features": torch.zeros(2, 3 * hf.config.hidden_size),
+           "next": torch.tensor([1, 2]), "prompt_len": 1}
     with pytest.raises(ValueError, match="continuation"):
-        depth_records(head, [row], len(tokens))
+        depth_records(head, [row], 2)

@@ -285,16 +285,17 @@ def test_calibrated_prediction_matches_a_decode_dominated_by_known_times(monkeyp
     assert dc.verify_s[3] == pytest.approx(0.015) == pytest.approx(dc.verify_s[4])
 
 
-def test_gated_round_cost_is_the_mean_of_fixed_rounds() -> None:
+def test_a_walks_speedup_is_its_rounds_time_by_hand() -> None:
     from pairing.cost import DecoderCost, decoder_speedup
 
     dc = DecoderCost(target_token_s=0.05, target_prefill_s=0.1, spec_prefill_s=0.11, draft_step_s=0.004,
                      other_s=0.001, verify_s={1: 0.052, 2: 0.054, 3: 0.07}, calibration_k=1,
                      calibration_seconds=1.0, calibration_tokens=32)
-    assert dc.mixed_round_s([0.0, 1.0, 0.0]) == pytest.approx(dc.round_s(2))
-    assert dc.mixed_round_s([0.25, 0.75]) == pytest.approx(0.25 * (0.004 + 0.052 + 0.001) + 0.75 * (0.008 + 0.054 + 0.001))
-    want = decoder_speedup(1.4, 2, 64, target_token_s=0.05, target_prefill_s=0.1, spec_prefill_s=0.11,
-                           round_s=dc.mixed_round_s([0.5, 0.5]))
-    assert dc.gated_speedup(1.4, [0.5, 0.5], 64) == pytest.approx(want)
-    with pytest.raises(ValueError, match="summing to 1"):
-        dc.mixed_round_s([0.5, 0.2])
+    # 2 prompts, 7 tokens: rounds of 2, 1, 2 drafts and a plain step at the budget's end
+    want = (2 * 0.1 + 7 * 0.05) / (2 * 0.11 + dc.round_s(2) * 2 + dc.round_s(1) + 0.05)
+    assert dc.walk_speedup(7, [2, 1, 2, 0], 2) == pytest.approx(want)
+    # rounds all of K drafts emitting tau tokens each: the fixed-K formula
+    assert dc.walk_speedup(30, [2] * 12, 1) == pytest.approx(decoder_speedup(
+        2.5, 2, 30, target_token_s=0.05, target_prefill_s=0.1, spec_prefill_s=0.11, round_s=dc.round_s(2)))
+    with pytest.raises(ValueError, match="round"):
+        dc.walk_speedup(7, [], 2)

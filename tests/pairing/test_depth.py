@@ -11,7 +11,7 @@ import torch
 from pairing.cost import best_k, expected_tau, speedup_curve
 from pairing.depth import (
     best_k_from_depth, depth_rates, depth_rates_censored, depth_rates_from_rounds, depth_survival, expected_rounds,
-    expected_tau_from_depth_rates, expected_tau_from_runs, gated_rounds, predicted_speedup_from_depth, round_matrix,
+    expected_tau_from_depth_rates, expected_tau_from_runs, gated_walk, predicted_speedup_from_depth, round_matrix,
     speedup_curve_from_depth, tokens_per_round,
 )
 
@@ -370,52 +370,27 @@ def test_rates_from_round_matrices_are_kaplan_meier_on_standalone_rows(seed: int
     assert depth_rates_censored(rows, 16) == pytest.approx(want, abs=1e-12)
 
 
-# -- rounds that stop early (confidence) against walking each round --
+# -- rounds that stop early (confidence): the walk by hand (the decoder's own count: tests/distill) --
 
 
-def _gated_walk(hits: list[list[int]], tops: list[list[float]], K: int, thr: float) -> tuple[float, list[float]]:
-    n = len(hits[0])
-    taus, drafted = [], []
-    for i in range(n):
-        d = 1
-        while d < K and tops[d - 1][i] >= thr:
-            d += 1
-        acc = 0
-        while acc < d and hits[acc][i] == 1:
-            acc += 1
-        taus.append(1 + acc)
-        drafted.append(d)
-    return sum(taus) / n, [drafted.count(d) / n for d in range(1, K + 1)]
+def test_gated_walk_by_hand():
+    hits = torch.tensor([[1, 1, 0, 1, 1, 1], [1, 0, 1, 1, 0, 1]], dtype=torch.float64)
+    tops = torch.tensor([[0.9, 0.1, 0.9, 0.2, 0.9, 0.9], [0.5, 0.5, 0.5, 0.5, 0.5, 0.5]], dtype=torch.float64)
+    # K = 2, never stopping early: from 0 both accepted (3 tokens), from 3 both (3 tokens): 2 rounds of 2 drafts
+    assert gated_walk([(hits, tops)], 2, 0.0, budget=100) == (6, [2, 2])
+    # stopping below 0.5: from 0 (0.9) as above; from 3 (0.2) one draft, accepted: 2 tokens; from 5 two drafts
+    assert gated_walk([(hits, tops)], 2, 0.5, budget=100) == (6, [2, 1, 2])
+    # K = 1: 0 -> 2 -> 3 (miss at 2) -> 5 -> done
+    assert gated_walk([(hits, tops)], 1, 0.0, budget=100) == (6, [1, 1, 1, 1])
+    # a budget of 4 tokens: the last token is never drafted (k = budget - n - 1 = 0 at n = 3)
+    assert gated_walk([(hits, tops)], 2, 0.0, budget=4) == (4, [2, 0])
+    assert gated_walk([(hits, tops), (hits[:, :1], tops[:, :1])], 2, 0.0, budget=100) == (7, [2, 2, 2])
 
 
-def test_gated_rounds_equal_walking_each_round():
-    rng = random.Random(7)
-    for _ in range(40):
-        D, n = rng.randint(1, 5), rng.randint(1, 30)
-        hits = [[rng.random() < 0.6 for _ in range(n)] for _ in range(D)]
-        tops = [[rng.choice([0.05, 0.3, 0.5, 0.9, rng.random()]) for _ in range(n)] for _ in range(D)]
-        for K in range(1, D + 1):
-            for thr in (0.0, 0.3, 0.5, 0.95, 1.0):
-                tau, dist = gated_rounds(torch.tensor(hits, dtype=torch.float64), torch.tensor(tops), K, thr)
-                want_tau, want_dist = _gated_walk([[int(x) for x in r] for r in hits], tops, K, thr)
-                assert tau == pytest.approx(want_tau, abs=1e-12)
-                assert dist == pytest.approx(want_dist, abs=1e-12)
-
-
-def test_gated_rounds_at_threshold_zero_are_fixed_k_rounds():
-    hits = torch.tensor([[1, 1, 0, 1], [1, 0, 1, 1], [0, 1, 1, 1]], dtype=torch.float64)
-    tops = torch.zeros(3, 4)  # never confident: only threshold 0 drafts past depth 1
-    tau, dist = gated_rounds(hits, tops, 3, 0.0)
-    assert dist == [0.0, 0.0, 1.0]
-    assert tau == pytest.approx(1 + (2 + 1 + 0 + 3) / 4)  # leading hits per column
-    tau, dist = gated_rounds(hits, tops, 3, 0.5)
-    assert dist == [1.0, 0.0, 0.0] and tau == pytest.approx(1 + 3 / 4)
-
-
-def test_gated_rounds_refuse_bad_input():
+def test_gated_walk_refuses_bad_input():
     with pytest.raises(ValueError, match="depths"):
-        gated_rounds(torch.ones(1, 3), torch.ones(1, 3), 2, 0.5)
+        gated_walk([(torch.ones(1, 3), torch.ones(1, 3))], 2, 0.5, budget=8)
     with pytest.raises(ValueError, match="0/1"):
-        gated_rounds(torch.full((2, 3), 0.5), torch.ones(2, 3), 2, 0.5)
+        gated_walk([(torch.full((2, 3), 0.5), torch.ones(2, 3))], 2, 0.5, budget=8)
     with pytest.raises(ValueError, match="threshold"):
-        gated_rounds(torch.ones(2, 3), torch.ones(2, 3), 2, 1.5)
+        gated_walk([(torch.ones(2, 3), torch.ones(2, 3))], 2, 1.5, budget=8)

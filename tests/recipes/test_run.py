@@ -245,7 +245,7 @@ def test_a_head_recipe_runs_every_stage(world: dict) -> None:
     standalone_k = board["candidates"][0]["best_k"]  # the standalone draft runs at the pair stage's best K
     assert bench.get("ks", {}).get("draft_before", bench["k"]) == standalone_k
     gated = bench["confidence"]  # validate predicts from the held-out rows, rounds that stop early included
-    assert "teacher-forced rounds" in bench["k_reason"] and bench["predicted_speedup_gated"]
+    assert "rounds walked on the held-out references" in bench["k_reason"] and bench["predicted_speedup_gated"]
     assert bench["predicted_speedup"] == (bench["predicted_speedup_gated"][f"K={bench['k']} below {gated}"] if gated
                                           else bench["predicted_speedup_by_k"][str(bench["k"])]) > 0
     assert max(bench["predicted_speedup_gated"].values()) <= bench["predicted_speedup"] + 1e-12
