@@ -193,7 +193,8 @@ def decode_batch(
     for u, p in enumerate(firsts):
         ids[u, P - len(p):] = torch.tensor(p)
     eye = torch.eye(P, dtype=torch.bool, device=device)
-    mask = (valid_u[:, None, None, :P] & torch.ones(P, P, dtype=torch.bool, device=device).tril()) | eye  # pads see themselves
+    causal = torch.ones(P, P, dtype=torch.bool, device=device).tril()
+    mask = (valid_u[:, None, None, :P] & causal) | eye  # pads see themselves
     h = lm(ids.to(device), 0, positions_u[:, :P], mask)
     logits = lm.logits(h[:, -1])[src]  # (B, V)
     nxt_first = []

@@ -174,9 +174,9 @@ def validate_head(target_spec: str, head_dir: Path, prompts: list[Prompt], *, st
     decoder (a 2-prompt calibration decode of the head). With `held` (the held-out reference rows) the prediction
     walks the decoder's own rounds on the head's teacher-forced records of them (`depth_records`, `gated_walk`),
     and with `gate` it also picks a confidence threshold: a round stops after a draft token the head gives less
-    than it, which saves the draft steps and verify rows of rounds that would fail; without `held`, `agreement` (acceptance by
-    depth) predicts fixed-K rounds. Refuses a run whose output differs from the target's greedy output, after
-    writing the numbers."""
+    than it, which saves the draft steps and verify rows of rounds that would fail; without `held`, `agreement`
+    (acceptance by depth) predicts fixed-K rounds. Refuses a run whose output differs from the target's greedy
+    output, after writing the numbers."""
     torch.set_grad_enabled(False)
     target = load(target_spec, device=device)
     head = load_head(head_dir, target.model.get_input_embeddings())
