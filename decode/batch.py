@@ -182,13 +182,10 @@ def decode_batch(
     firsts = [list(p) for p in distinct]
     U = len(firsts)
     lm = BatchLM(model, U, S, capture)
-
-    def layout(rows: list[list[int]]) -> tuple[Tensor, Tensor, Tensor]:  # left padding of rows to P
-        pad = torch.tensor([P - len(p) for p in rows], device=device)
-        cols = torch.arange(S, device=device)
-        return pad, cols[None, :] >= pad[:, None], (cols[None, :] - pad[:, None]).clamp(min=0)
-
-    pad_u, valid_u, positions_u = layout(firsts)  # (U,), (U, S): a row's keys start at its first real token
+    pad_u = torch.tensor([P - len(p) for p in firsts], device=device)  # (U,): left padding to P
+    cols = torch.arange(S, device=device)
+    valid_u = cols[None, :] >= pad_u[:, None]  # (U, S): a row's keys start at its first real token
+    positions_u = (cols[None, :] - pad_u[:, None]).clamp(min=0)  # (U, S)
     ids = torch.zeros(U, P, dtype=torch.long)
     for u, p in enumerate(firsts):
         ids[u, P - len(p):] = torch.tensor(p)
@@ -197,14 +194,14 @@ def decode_batch(
     mask = (valid_u[:, None, None, :P] & causal) | eye  # pads see themselves
     h = lm(ids.to(device), 0, positions_u[:, :P], mask)
     logits = lm.logits(h[:, -1])[src]  # (B, V)
-    nxt_first = []
-    if capture:  # the greedy next token at every prompt position, a row at a time (U x P x V is large)
-        nxt_first = [lm.logits(h[u, pad_u[u]:]).argmax(-1).int().cpu() for u in range(U)]
+    nxt_prompt = [None] * B
+    if capture:  # the greedy next token at every prompt position, a distinct prompt at a time (U x P x V is large)
+        per_prompt = [lm.logits(h[u, pad_u[u]:]).argmax(-1).int().cpu() for u in range(U)]
+        nxt_prompt = [per_prompt[int(u)] for u in src]
     if U < B:
         lm.select(src)
     pad, valid, positions = pad_u[src], valid_u[src], positions_u[src]
     out = BatchOutput([[] for _ in range(B)])
-    nxt_prompt = [nxt_first[int(u)] for u in src] if capture else [None] * B
     if capture:
         out.features, out.final, out.next = [None] * B, [None] * B, [None] * B
         nxt_new: list[list[int]] = [[] for _ in range(B)]

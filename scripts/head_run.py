@@ -114,11 +114,7 @@ def main() -> None:
             result.pop("by_k")
             result.update(val.to_dict(), head_quant=q, confidence={names[c]: c[1] for c in configs},
                           drafted_per_round={n: val.stats[n].drafted / val.stats[n].target_forwards for n in drafts})
-            for n in drafts:
-                st = val.stats[n]
-                print(f"{n}: target alone {val.tok_per_s['target_only']:.2f} tok/s, with the head "
-                      f"{val.tok_per_s[n]:.2f} ({val.speedup(n):.2f}x), tau {st.mean_tau:.2f}, accepted/drafted "
-                      f"{st.acceptance_rate:.3f}, greedy-equal {val.greedy_equal[n]}")
+            _say(val, drafts)
             atomic_write_json(args.out / "bench-gated.json", result)
             return
         for k in ks:
@@ -128,13 +124,18 @@ def main() -> None:
             result["by_k"][str(k)] = {**val.to_dict(), "speedup": {n: val.speedup(n) for n in drafts},
                                       "mean_tau": {n: val.stats[n].mean_tau for n in drafts},
                                       "acceptance_rate": {n: val.stats[n].acceptance_rate for n in drafts}}
-            for n in drafts:
-                st = val.stats[n]
-                print(f"K={k}: target alone {val.tok_per_s['target_only']:.2f} tok/s, with {n} "
-                      f"{val.tok_per_s[n]:.2f} ({val.speedup(n):.2f}x), tau {st.mean_tau:.2f}, "
-                      f"accepted/drafted {st.acceptance_rate:.3f}, greedy-equal {val.greedy_equal[n]}")
+            _say(val, drafts, f"K={k} ")
         atomic_write_json(args.out / ("bench.json" if args.head_quant == "none" else f"bench-{args.head_quant}.json"),
                           result)
+
+
+def _say(val, names, prefix: str = "") -> None:
+    """One line per draft of a validation: its speed beside the target alone's, tau, acceptance, equality."""
+    for n in names:
+        st = val.stats[n]
+        print(f"{prefix}{n}: target alone {val.tok_per_s['target_only']:.2f} tok/s, with it {val.tok_per_s[n]:.2f} "
+              f"({val.speedup(n):.2f}x), tau {st.mean_tau:.2f}, accepted/drafted {st.acceptance_rate:.3f}, "
+              f"greedy-equal {val.greedy_equal[n]}")
 
 
 if __name__ == "__main__":
