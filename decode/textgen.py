@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from decode.allocator import allocator_setting
 from decode.errors import DraftsmithError
 from decode.loading import Loaded, load
 from decode.model import Runner, draft_quant as _draft_quant, make_runner
@@ -116,6 +117,7 @@ def machine_info() -> dict:
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "allocator": allocator_setting(),
     }
     return info
 

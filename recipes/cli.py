@@ -26,6 +26,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from decode.allocator import keep_freed_memory
 from decode.errors import DraftsmithError
 
 
@@ -480,6 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
     try:
+        keep_freed_memory()  # large tensors reuse freed memory instead of page-faulting it in again
         return func(args)
     except DraftsmithError as e:
         print(f"draftsmith: error: {_one_line(e)}", file=sys.stderr)

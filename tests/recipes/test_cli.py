@@ -48,6 +48,13 @@ def test_bad_input_is_one_line_exit_2(args, needle, tmp_path: Path) -> None:
     assert "Traceback" not in r.stderr
 
 
+def test_a_bad_allocator_setting_is_one_line_exit_2(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("DRAFTSMITH_MALLOC", "jemalloc")
+    r = run("models", "list", env_cache=tmp_path / "cache")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith("draftsmith: error: DRAFTSMITH_MALLOC must be keep or system")
+
+
 def test_corrupt_and_truncated_gguf_are_one_line_errors(tmp_path: Path) -> None:
     bad = tmp_path / "garbage.gguf"
     bad.write_bytes(b"not a gguf at all" * 100)
