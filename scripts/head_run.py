@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from decode.allocator import keep_freed_memory
 from decode.batch import GEN_DTYPES
 from decode.bench import validate_drafts
 from decode.head import HeadDraft, load_head
@@ -29,6 +30,18 @@ from decode.textgen import eos_ids, machine_info, prompt_ids, versions
 from distill.head_data import HeadDataConfig, build_head_data, load_head_data
 from distill.head_train import HeadTrainConfig, train_head
 from distill.pipeline import split_prompts
+
+
+def thin_rows(rows: list[dict], stride: int = 1, per_prompt: int = 0) -> list[dict]:
+    """Every `stride`-th distinct prompt (in order of first appearance) with at most `per_prompt` of its rows
+    (0 = all), in their order."""
+    if stride < 1 or per_prompt < 0:
+        raise SystemExit("--prompt-stride must be >= 1 and --rows-per-prompt >= 0")
+    groups: dict[bytes, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(r["tokens"][: r["prompt_len"]].numpy().tobytes(), []).append(r)
+    keep = {id(r) for g in list(groups.values())[::stride] for r in (g[:per_prompt] if per_prompt else g)}
+    return [r for r in rows if id(r) in keep]
 
 
 def main() -> None:
@@ -45,6 +58,10 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--epochs", type=float, default=3.0)
     ap.add_argument("--rows-per-step", type=int, default=8)
+    ap.add_argument("--eval-every", type=int, default=50, help="steps between held-out evaluations")
+    ap.add_argument("--prompt-stride", type=int, default=1,
+                    help="train: keep every S-th distinct prompt's rows (with --rows-per-prompt: what diversity buys)")
+    ap.add_argument("--rows-per-prompt", type=int, default=0, help="train: keep at most N rows (samples) per prompt")
     ap.add_argument("--ttt-steps", type=int, default=3)
     ap.add_argument("--train-minutes", type=float, default=15.0)
     ap.add_argument("--ks", default="1,2,3,4")
@@ -62,6 +79,7 @@ def main() -> None:
                     help="bench: comma-separated draft probabilities below which a round stops early (0 = never); "
                          "every (K, threshold) runs interleaved in one run with the target alone -> bench-gated.json")
     args = ap.parse_args()
+    keep_freed_memory()
     stages = args.stages.split(",")
     target = load(args.target)
     L = target.model.config.num_hidden_layers
@@ -84,9 +102,11 @@ def main() -> None:
     if "train" in stages:
         folders = [args.out / "data", *[Path(d) for d in args.data_dirs.split(",") if d]]
         rows = [r for folder in folders if folder.is_dir() for r in load_head_data(folder)]
+        rows = thin_rows(rows, args.prompt_stride, args.rows_per_prompt)
         held_rows = load_head_data(held_dir)
         cfg = HeadTrainConfig(draft_vocab_size=args.draft_vocab, lr=args.lr, epochs=args.epochs,
                               rows_per_step=args.rows_per_step, max_minutes=args.train_minutes,
+                              eval_every=args.eval_every,
                               ttt_steps=args.ttt_steps, dtype=args.train_dtype,
                               label_temperature=args.label_temperature)
         summary = train_head(target, rows, held_rows, args.out / "head", cfg, aux_layers=aux)
