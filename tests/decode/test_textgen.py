@@ -11,6 +11,7 @@ import pytest
 import torch
 import transformers
 
+from decode.allocator import allocator_setting
 from decode.errors import DraftsmithError
 from decode.model import make_runner
 from decode.textgen import Pair, check_vocab, decode_text, eos_ids, machine_info, prompt_ids, versions
@@ -67,7 +68,8 @@ def test_check_vocab_refuses_another_tokenizer_by_name(tmp_path: Path) -> None:
 
 def test_machine_info_and_versions_say_where_a_number_was_measured() -> None:
     info = machine_info()
-    assert set(info) == {"platform", "cpu", "cpu_count", "torch_threads", "cuda"}
+    assert set(info) == {"platform", "cpu", "cpu_count", "torch_threads", "cuda", "allocator"}
+    assert info["allocator"] == allocator_setting()
     assert info["cpu_count"] == os.cpu_count() and info["torch_threads"] == torch.get_num_threads()
     assert isinstance(info["cpu"], str) and (info["cuda"] is None) == (not torch.cuda.is_available())
     v = versions()
