@@ -29,11 +29,9 @@ def _glibc():
     """glibc's handle, or None (another C library, or none found)."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        gnu_get_libc_version = libc.gnu_get_libc_version
-    except (OSError, AttributeError):
+    except OSError:
         return None
-    gnu_get_libc_version.restype = ctypes.c_char_p
-    return libc
+    return libc if hasattr(libc, "gnu_get_libc_version") else None
 
 
 def keep_freed_memory() -> str:

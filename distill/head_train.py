@@ -264,13 +264,18 @@ def _bucketed(rows: list[dict], per_step: int, gen: torch.Generator) -> Tensor:
     return torch.tensor(out, dtype=torch.long)
 
 
+def prompt_key(row: dict) -> bytes:
+    """A row's prompt tokens as bytes: the rows of one prompt (its samples) share it."""
+    return row["tokens"][: row["prompt_len"]].numpy().tobytes()
+
+
 def _loss_starts(rows: list[dict], dedup: bool) -> list[int]:
     """The first entry each row is trained on: 0, or, for a row whose prompt an earlier row already had (another
     sample of it), the prompt's last entry, whose label is the continuation's first token."""
     seen: set[bytes] = set()
     starts = []
     for row in rows:
-        key = row["tokens"][: row["prompt_len"]].numpy().tobytes()
+        key = prompt_key(row)
         starts.append(max(row["prompt_len"] - 1, 0) if dedup and key in seen else 0)
         seen.add(key)
     return starts

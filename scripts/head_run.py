@@ -28,7 +28,7 @@ from decode.model import make_runner
 from decode.prompts import load_prompts
 from decode.textgen import eos_ids, machine_info, prompt_ids, versions
 from distill.head_data import HeadDataConfig, build_head_data, load_head_data
-from distill.head_train import HeadTrainConfig, train_head
+from distill.head_train import HeadTrainConfig, prompt_key, train_head
 from distill.pipeline import split_prompts
 
 
@@ -39,7 +39,7 @@ def thin_rows(rows: list[dict], stride: int = 1, per_prompt: int = 0) -> list[di
         raise SystemExit("--prompt-stride must be >= 1 and --rows-per-prompt >= 0")
     groups: dict[bytes, list[dict]] = {}
     for r in rows:
-        groups.setdefault(r["tokens"][: r["prompt_len"]].numpy().tobytes(), []).append(r)
+        groups.setdefault(prompt_key(r), []).append(r)
     keep = {id(r) for g in list(groups.values())[::stride] for r in (g[:per_prompt] if per_prompt else g)}
     return [r for r in rows if id(r) in keep]
 
