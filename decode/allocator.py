@@ -4,8 +4,8 @@ PyTorch's CPU tensors come from malloc. glibc serves every block above its mmap 
 up to 32 MiB) with a fresh mmap, and trims freed heap back to the OS, so each large temporary page-faults its
 memory in again: a (1000, 8192) float32 logits block is 32 MiB, and training a head makes dozens of them a step.
 `keep_freed_memory()` raises both thresholds (`mallopt`), so freed blocks are reused instead. Measured on the 2-core
-Intel Xeon here (README, "How the decoder stays exact and fast"): 1.14x the tokens per second when the target
-writes head data, 1.18x when a head trains. The cost: the process keeps its peak memory until it exits.
+Intel Xeon here (README, "How the decoder stays exact and fast"): 1.09x the tokens per second when a head trains,
+no gain when the target writes head data. The cost: the process keeps its peak memory until it exits.
 
 `DRAFTSMITH_MALLOC=system` leaves the allocator as it is; where the C library is not glibc, nothing changes.
 `allocator_setting()` says which holds (benchmarks record it beside the machine).
