@@ -286,7 +286,8 @@ def calibrate_decoder(
     prompt, after a warm-up) with a `RoundClock`, and read what each part of a round costs; `isolated` (from
     `measure_cost`) gives the shape of v(K) to carry the verify time to other K, made non-decreasing in K (a
     busy machine can time a longer verify below a shorter one; trusting that dip picks a K that does not pay).
-    See `DecoderCost`."""
+    Per-round times are medians over the rounds: a one-off stall (a page fault while the machine reclaims memory,
+    ~60 ms against a 2 ms head step, measured) would otherwise set the mean of a 2-prompt decode. See `DecoderCost`."""
     if not prompts:
         raise ValueError("calibration needs at least one prompt")
     if k not in isolated.verify_s:
@@ -307,18 +308,18 @@ def calibrate_decoder(
     full = [r for r in spec.rounds if r[0] == k] or [r for r in spec.rounds if r[0]]
     if not steps or not full:
         raise ValueError("the calibration decode drafted nothing: give longer prompts or more new tokens")
-    verify_k = statistics.fmean(r[2] for r in full)
+    verify_k = statistics.median(r[2] for r in full)
     k_cal = round(statistics.fmean(r[0] for r in full))
     shape, top = {}, 0.0  # a forward over more tokens never costs less: a dip in the timed shape is noise
     for K in sorted(isolated.verify_s):
         top = shape[K] = max(top, isolated.verify_s[K])
     scale = verify_k / shape[k_cal]
     return DecoderCost(
-        target_token_s=statistics.fmean(r[3] for r in alone.rounds),
+        target_token_s=statistics.median(r[3] for r in alone.rounds),
         target_prefill_s=statistics.fmean(alone.prefill_s),
         spec_prefill_s=statistics.fmean(spec.prefill_s),
-        draft_step_s=sum(r[1] for r in spec.rounds) / steps,
-        other_s=statistics.fmean(r[3] - r[1] - r[2] for r in spec.rounds),
+        draft_step_s=statistics.median(r[1] / r[0] for r in spec.rounds if r[0]),
+        other_s=statistics.median(r[3] - r[1] - r[2] for r in spec.rounds),
         verify_s={K: t * scale for K, t in shape.items()},
         calibration_k=k_cal, calibration_seconds=seconds, calibration_tokens=tokens,
     )

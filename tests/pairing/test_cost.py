@@ -285,6 +285,42 @@ def test_calibrated_prediction_matches_a_decode_dominated_by_known_times(monkeyp
     assert dc.verify_s[3] == pytest.approx(0.015) == pytest.approx(dc.verify_s[4])
 
 
+class Stalling(Ticking):
+    """A `Ticking` runner whose `stall_at`-th call costs `stall` seconds more (a page fault, a cold kernel)."""
+
+    def __init__(self, runner, clock: VirtualClock, s: float, stall_at: int, stall: float) -> None:
+        super().__init__(runner, clock, s)
+        self.calls, self.stall_at, self.stall = 0, stall_at, stall
+
+    def forward(self, tokens, pos, keep=0):
+        self.calls += 1
+        if self.calls == self.stall_at:
+            self.clock.now += self.stall
+        return super().forward(tokens, pos, keep)
+
+
+@pytest.mark.parametrize("stalled", ["draft", "target"])
+def test_one_stalled_forward_does_not_set_the_calibrated_round(monkeypatch, stalled) -> None:
+    """One forward 30x slower than the rest (draft step 3 ms, target 12 ms) leaves every per-round time the
+    calibration reads where the other rounds put it; a mean over the rounds would not (checked)."""
+    import decode.speculative
+    import pairing.cost
+    from pairing.cost import calibrate_decoder
+
+    clock = VirtualClock()
+    for module in (decode.speculative, pairing.cost):
+        monkeypatch.setattr(module, "time", clock)
+    hf = tiny_hf(0)
+    slow = {"draft": (0, 6), "target": (9, 0)}[stalled]  # which call of each runner stalls (0: none)
+    target = Stalling(make_runner(hf, 128), clock, 0.012, slow[0], 0.36)
+    draft = Stalling(make_runner(hf, 128), clock, 0.003, slow[1], 0.09)
+    iso = CostModel(target_step_s=0.012, draft_step_s=0.003, verify_s={1: 0.012, 2: 0.012}, context=16, repeats=1)
+    dc = calibrate_decoder(target, draft, [[1, 2, 3, 4, 5], [7, 8, 9]], k=2, isolated=iso, max_new_tokens=12)
+    assert dc.draft_step_s == pytest.approx(0.003) and dc.target_token_s == pytest.approx(0.012)
+    assert dc.verify_s[2] == pytest.approx(0.012) and dc.other_s == pytest.approx(0, abs=1e-12)
+    assert target.calls >= slow[0] and draft.calls >= slow[1]  # the stall happened inside the timed decodes
+
+
 def test_a_walks_speedup_is_its_rounds_time_by_hand() -> None:
     from pairing.cost import DecoderCost, decoder_speedup
 
