@@ -23,6 +23,7 @@ from decode.loading import load
 from decode.prompts import load_prompts
 from decode.textgen import machine_info, versions
 from distill.head_data import HeadDataConfig, build_head_data
+from distill.head_pipeline import aux_layers_for
 
 
 def main() -> None:
@@ -39,10 +40,9 @@ def main() -> None:
     args = ap.parse_args()
     keep_freed_memory()
     target = load(args.target)
-    source = Path(args.prompts)
-    prompts = load_prompts(source if source.exists() else args.prompts)
+    prompts = load_prompts(args.prompts)
     prompts = prompts[: args.limit] if args.limit else prompts
-    L = target.model.config.num_hidden_layers
+    aux = aux_layers_for(target.model.config.num_hidden_layers)
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     runs = []
     with tempfile.TemporaryDirectory() as scratch:
@@ -52,7 +52,7 @@ def main() -> None:
                 shutil.rmtree(folder, ignore_errors=True)
                 stats = build_head_data(target, prompts, folder, HeadDataConfig(
                     samples=args.samples, max_new_tokens=args.max_new_tokens, temperature=0.8, batch_size=bs,
-                    aux_layers=(2, L // 2, L - 3), dtype=args.dtype), progress=False)
+                    aux_layers=aux, dtype=args.dtype), progress=False)
                 runs.append({"batch_size": bs, "new_tokens": stats["new_tokens"], "seconds": stats["generate_seconds"],
                              "tokens_per_s": stats["new_tokens"] / stats["generate_seconds"]})
                 print(json.dumps(runs[-1]), flush=True)

@@ -28,6 +28,7 @@ from decode.model import make_runner
 from decode.prompts import load_prompts
 from decode.textgen import eos_ids, machine_info, prompt_ids, versions
 from distill.head_data import HeadDataConfig, build_head_data, load_head_data
+from distill.head_pipeline import aux_layers_for
 from distill.head_train import HeadTrainConfig, prompt_key, train_head
 from distill.pipeline import split_prompts
 
@@ -82,8 +83,7 @@ def main() -> None:
     keep_freed_memory()
     stages = args.stages.split(",")
     target = load(args.target)
-    L = target.model.config.num_hidden_layers
-    aux = (2, L // 2, L - 3)
+    aux = aux_layers_for(target.model.config.num_hidden_layers)
     train_p, held_p = split_prompts(load_prompts(args.prompts), args.held_per_domain)
     if args.extra_prompts:
         train_p += load_prompts(args.extra_prompts)
