@@ -287,7 +287,7 @@ def calibrate_decoder(
     `measure_cost`) gives the shape of v(K) to carry the verify time to other K, made non-decreasing in K (a
     busy machine can time a longer verify below a shorter one; trusting that dip picks a K that does not pay).
     Per-round times are medians over the rounds: a one-off stall (a page fault while the machine reclaims memory,
-    ~60 ms against a 2 ms head step, measured) would otherwise set the mean of a 2-prompt decode. See `DecoderCost`."""
+    a cold kernel) would otherwise set the mean of a 2-prompt decode. See `DecoderCost`."""
     if not prompts:
         raise ValueError("calibration needs at least one prompt")
     if k not in isolated.verify_s:
