@@ -224,6 +224,36 @@ class LeanLM(nn.Module):
         cos, sin = self.cos[pos : pos + T], self.sin[pos : pos + T]
         return self._run(tokens, cos, sin, pos, mask, keep)
 
+    @torch.inference_mode()
+    def forward_tree(self, tokens: Tensor, pos: int, parents: list[int]) -> Tensor:
+        """A tree of tokens in one forward: tokens (T,) go to cache slots [pos, pos+T); token 0 follows the
+        sequence (at position pos), token i > 0 follows token parents[i] < i (at its position + 1) and sees the
+        cache before pos and its own ancestors only, not its siblings. -> logits (T, V). `keep_path` then keeps
+        the KV of one path. A chain (parents[i] = i - 1) is `forward`."""
+        T = tokens.shape[0]
+        if len(parents) != T or parents[0] != -1 or any(not 0 <= parents[i] < i for i in range(1, T)):
+            raise ValueError(f"parents must start with -1 and name an earlier token for every other, got {parents}")
+        if pos + T > self.max_seq_len:
+            raise ValueError(f"sequence of {pos + T} tokens exceeds the cache ({self.max_seq_len})")
+        depth, seen = [0] * T, [[False] * T for _ in range(T)]
+        for i in range(T):
+            j = i
+            while j >= 0:  # i and its ancestors
+                seen[i][j], j = True, parents[j]
+            depth[i] = depth[parents[i]] + 1 if i else 0
+        mask = torch.ones(T, pos + T, dtype=torch.bool, device=tokens.device)
+        mask[:, pos:] = torch.tensor(seen)
+        at = torch.tensor(depth, device=self.cos.device) + pos
+        return self._run(tokens, self.cos[at], self.sin[at], pos, mask)
+
+    def keep_path(self, pos: int, rows: list[int]) -> None:
+        """After `forward_tree(tokens, pos, ...)`: move the KV of tree rows `rows` (a root-to-node path, row 0
+        first) to slots pos, pos+1, ..., so the cache holds that path as a plain sequence."""
+        if rows != list(range(len(rows))):
+            idx = torch.tensor(rows, device=self.cache.k.device) + pos
+            for buf in (self.cache.k, self.cache.v):
+                buf[:, :, pos : pos + len(rows)] = buf[:, :, idx]
+
     @torch.no_grad()  # not inference_mode: torch.compile cannot trace it (views of inference tensors)
     def forward_static(self, tokens: Tensor, positions: Tensor) -> Tensor:
         """Fixed-shape variant (tokens (T,), positions (T,) on device) for CUDA graphs / torch.compile."""

@@ -142,3 +142,47 @@ def verify_greedy(target_logits: Tensor, draft_tokens: Tensor) -> tuple[int, int
     mismatch = (best[:K] != draft_tokens).nonzero()
     n = int(mismatch[0, 0]) if mismatch.numel() else K
     return n, int(best[n])
+
+
+# -- sibling candidates: several tokens proposed for one position, each checked against the target in turn --
+
+
+def candidate_acceptance(p: Tensor, candidates: Tensor) -> tuple[Tensor, Tensor]:
+    """Sequential checking of distinct candidate tokens c_1..c_m for one position against the target's p (V,):
+    c_i is accepted with probability r_i(c_i) / sum(r_i), where r_1 = p and r_{i+1} is r_i with c_i set to 0;
+    after m rejections the token is sampled from r_{m+1}, normalised. Returns (the m conditional acceptance
+    probabilities, r_{m+1} normalised; p itself where it has no mass left, a case reached with probability 0).
+
+    Sampling from p through these steps: P(c_i) = prod_{j<i}(1 - a_j) a_i = p(c_i), and any other token x comes
+    from the residual with probability prod(1 - a_j) r(x) / sum(r) = p(x). It holds for any candidates chosen
+    without looking at the target (a draft's most probable tokens, here), so the output law stays the target's."""
+    if candidates.dim() != 1 or torch.unique(candidates).numel() != candidates.numel():
+        raise ValueError("candidates must be distinct token ids (m,)")
+    r = p.to(torch.float64 if p.dtype == torch.float64 else torch.float32).clone()
+    accept = torch.zeros(candidates.numel(), dtype=r.dtype)
+    for i, c in enumerate(candidates.tolist()):
+        mass = r.sum()
+        accept[i] = r[c] / mass if mass > 0 else 0.0
+        r[c] = 0.0
+    total = r.sum()
+    return accept, (r / total if total > 0 else p)
+
+
+def verify_candidates(p: Tensor, candidates: Tensor, generator: torch.Generator | None) -> tuple[int, int]:
+    """Temperature > 0: check the candidates (m,) in order against p (V,) (`candidate_acceptance`). Returns (i, c_i)
+    for the accepted one, or (-1, x) with x drawn from what is left of p after all were rejected."""
+    accept, rest = candidate_acceptance(p, candidates)
+    u = torch.rand(candidates.numel(), generator=generator, dtype=accept.dtype)
+    hit = (u < accept).nonzero()
+    if hit.numel():
+        i = int(hit[0, 0])
+        return i, int(candidates[i])
+    return -1, int(sample(rest, generator))
+
+
+def verify_candidates_greedy(target_logits: Tensor, candidates: Tensor) -> tuple[int, int]:
+    """Temperature 0: (i, c_i) for the candidate equal to the target's argmax over `target_logits` (V,), else
+    (-1, that argmax)."""
+    best = int(greedy_token(target_logits))
+    hit = (candidates == best).nonzero()
+    return (int(hit[0, 0]), best) if hit.numel() else (-1, best)

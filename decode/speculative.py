@@ -11,6 +11,13 @@ round (d_K was sampled, never fed), so the next round feeds it seq[d_len:] (one 
 
 Temperature 0 never draws a random number: output equals the target's own greedy decode.
 
+Sibling rounds (`KPolicy.siblings`): when the draft is unsure of its first token, the round proposes its m most
+probable tokens for that one position instead, and the target scores [current token, c_1..c_m] as a tree (each
+c_i sees the context and the current token, not the other candidates; `forward_tree`). The candidates are
+checked in turn (`decode.sampling.verify_candidates`, exact at any temperature); an accepted c_i's KV moves next
+to the current token's (`keep_path`) and its row gives the bonus token. On a CPU, where a verify of 3 rows costs
+little more than one of 2, two siblings at depth 1 can beat a chain of two.
+
 A draft head (`decode.head.HeadDraft`, `reads_target`) reads the target instead of running on its own: the
 target keeps its hidden states at the head's layers, and after each target forward the accepted rows go to
 the head (`observe`); the head then drafts as any draft does, feeding itself past them. The first round of a
@@ -26,7 +33,10 @@ import torch
 from torch import Tensor
 
 from decode.model import Runner
-from decode.sampling import SamplingParams, fit_vocab, greedy_token, sample, to_probs, verify, verify_greedy
+from decode.sampling import (
+    SamplingParams, fit_vocab, greedy_token, sample, to_probs, verify, verify_candidates, verify_candidates_greedy,
+    verify_greedy,
+)
 
 
 @dataclass(frozen=True)
@@ -35,7 +45,10 @@ class KPolicy:
 
     Fixed `k`, or `dynamic`: grow by 2 after a fully accepted round, shrink by 1 after a rejection
     (within [k_min, k_max]). `confidence` (0..1) also stops a round early when the draft's top
-    probability falls below it.
+    probability falls below it. `siblings` = m >= 2 (with `confidence`): a round whose first draft falls
+    below it proposes the draft's m most probable tokens side by side instead, verified together as a tree
+    (each reads the context, not the others; one draft step, m + 1 target rows), and at most one of them
+    is accepted. It needs a target with `forward_tree` (the lean runner).
     """
 
     k: int = 4
@@ -43,12 +56,16 @@ class KPolicy:
     k_min: int = 1
     k_max: int = 16
     confidence: float | None = None
+    siblings: int = 0
 
     def __post_init__(self) -> None:
         if not 1 <= self.k_min <= self.k <= self.k_max:
             raise ValueError(f"need 1 <= k_min <= k <= k_max, got {self.k_min}, {self.k}, {self.k_max}")
         if self.confidence is not None and not 0.0 <= self.confidence < 1.0:
             raise ValueError(f"confidence must be in [0, 1), got {self.confidence}")
+        if self.siblings == 1 or self.siblings < 0 or (self.siblings and self.confidence is None):
+            raise ValueError(f"siblings must be 0 or >= 2, and needs a confidence threshold; got {self.siblings} "
+                             f"with confidence {self.confidence}")
 
     def next_k(self, k: int, n_accepted: int, proposed: int) -> int:
         if not self.dynamic:
@@ -122,12 +139,13 @@ class RoundClock:
     """Where a decode's time goes, round by round: hand one to `generate(..., clock=...)` (opt-in; on CUDA every
     mark synchronises the device, which costs a little). `pairing.cost.calibrate_decoder` reads it.
 
-    rounds: (draft steps, draft seconds, verify seconds, round seconds) per round; the verify forward is the
-    target's over the drafted tokens + 1; the rest of a round (sampling and checking the target's rows, the
-    caches' bookkeeping, a head reading the target's features) is round - draft - verify."""
+    rounds: (tokens drafted, draft seconds, verify seconds, round seconds, draft steps) per round; the verify
+    forward is the target's over the drafted tokens + 1; the rest of a round (sampling and checking the target's
+    rows, the caches' bookkeeping, a head reading the target's features) is round - draft - verify. Draft steps
+    equal the tokens drafted except in sibling rounds (one step, m tokens)."""
 
     prefill_s: list[float] = field(default_factory=list)  # one per generate call
-    rounds: list[tuple[int, float, float, float]] = field(default_factory=list)
+    rounds: list[tuple[int, float, float, float, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -168,6 +186,9 @@ def generate(
             raise ValueError(f"{name} cache holds {m.max_seq_len} positions, this call needs {need}")
     if not sampling.greedy and generator is None:
         raise ValueError("sampling at temperature > 0 needs an explicit torch.Generator")
+    if draft is not None and policy.siblings and not hasattr(target, "forward_tree"):
+        raise ValueError(f"sibling rounds need a target runner that verifies trees (forward_tree): "
+                         f"{type(target).__name__} does not")
     V = target.vocab_size
     eos = set(eos_ids)
     stats = Stats()
@@ -196,46 +217,73 @@ def generate(
         K = min(k, max_new_tokens - n_new - 1)  # never draft past the budget
         if head is not None and len(seq) < 2:
             K = 0  # a head needs the target's features of one token
-        # -- draft phase: propose up to K tokens --
+        # -- draft phase: propose up to K tokens (or, in a sibling round, the first draft's top m) --
         drafts: list[int] = []
         qs: list[Tensor] = []
+        siblings: list[int] = []
         if K > 0:
             feed = seq[d_len:]
-            for _ in range(K):
+            for depth in range(K):
                 logits = fit_vocab(draft.forward(_ids(feed, device), d_len, keep=1)[-1], V)
                 d_len += len(feed)
-                if sampling.greedy:
-                    tok = int(greedy_token(logits))
-                    top = None if policy.confidence is None else float(torch.softmax(logits.float(), -1).max())
+                q = None if sampling.greedy else to_probs(logits, sampling)
+                if q is not None:
+                    top = float(q.max())
                 else:
-                    q = to_probs(logits, sampling)
+                    top = None if policy.confidence is None else float(torch.softmax(logits.float(), -1).max())
+                if depth == 0 and policy.siblings and top < policy.confidence:
+                    siblings = torch.topk(logits if q is None else q, policy.siblings).indices.tolist()
+                    break
+                if q is None:
+                    tok = int(greedy_token(logits))
+                else:
                     qs.append(q)
                     tok = int(sample(q, generator))
-                    top = float(q.max())
                 drafts.append(tok)
                 feed = [tok]
                 if policy.confidence is not None and top < policy.confidence:
                     break
-        # -- verify phase: one target forward over [current token, drafts] --
+        # -- verify phase: one target forward over [current token, drafts] (or the tree [current, siblings]) --
         if clock is not None:
             sync()
             t_draft = time.perf_counter()
         pos = len(seq) - 1
-        fed = _ids([seq[-1], *drafts], device)
-        p_logits = target.forward(fed, pos)  # (len(drafts)+1, V)
+        if siblings:
+            fed = _ids([seq[-1], *siblings], device)
+            p_logits = target.forward_tree(fed, pos, [-1] + [0] * len(siblings))
+        else:
+            fed = _ids([seq[-1], *drafts], device)
+            p_logits = target.forward(fed, pos)  # (len(drafts)+1, V)
         if clock is not None:
             sync()
             t_verify = time.perf_counter()
-        d_tokens = _ids(drafts, p_logits.device)
-        if sampling.greedy:
-            n_acc, nxt = verify_greedy(p_logits, d_tokens)
+        rows = None  # the target rows of the accepted path, where it is not rows 0..n_acc
+        if siblings:
+            cands = _ids(siblings, p_logits.device)
+            if sampling.greedy:
+                i, tok = verify_candidates_greedy(p_logits[0], cands)
+            else:
+                i, tok = verify_candidates(to_probs(p_logits[0], sampling), cands, generator)
+            n_acc, nxt = 0, tok
+            if i >= 0:  # sibling i stands: its row gives the next token; its KV moves next to the root's
+                row = i + 1
+                rows, n_acc, drafts = [0, row], 1, [tok]
+                target.keep_path(pos, rows)
+                nxt = int(greedy_token(p_logits[row]) if sampling.greedy
+                          else sample(to_probs(p_logits[row], sampling), generator))
+        elif sampling.greedy:
+            n_acc, nxt = verify_greedy(p_logits, _ids(drafts, p_logits.device))
         else:
             q_stack = torch.stack(qs) if qs else p_logits.new_zeros((0, V))
-            n_acc, nxt = verify(to_probs(p_logits, sampling), q_stack, d_tokens, generator)
+            n_acc, nxt = verify(to_probs(p_logits, sampling), q_stack, _ids(drafts, p_logits.device), generator)
         if head is not None:  # the accepted rows' features go to the head
-            head.observe(target.last_hidden[: n_acc + 1], fed[: n_acc + 1], pos)
+            if rows is None:
+                head.observe(target.last_hidden[: n_acc + 1], fed[: n_acc + 1], pos)
+            else:
+                head.observe(target.last_hidden[rows], fed[rows], pos)
         stats.tau_hist[n_acc + 1] = stats.tau_hist.get(n_acc + 1, 0) + 1
-        stats.drafted += len(drafts)
+        proposed = len(siblings) or len(drafts)
+        stats.drafted += proposed
         stats.accepted += n_acc
         emitted = drafts[:n_acc] + [nxt]
         emitted = emitted[: max_new_tokens - n_new]
@@ -247,12 +295,13 @@ def generate(
         seq.extend(emitted)
         n_new += len(emitted)
         d_len = min(d_len, len(seq) - 1)  # draft cache: roll back to the accepted prefix
-        if drafts:
-            k = policy.next_k(k, n_acc, len(drafts))
+        if proposed:
+            k = policy.next_k(k, n_acc, 1 if siblings else len(drafts))
         if clock is not None:
             sync()
             end = time.perf_counter()
-            clock.rounds.append((len(drafts), t_draft - t_round, t_verify - t_draft, end - t_round))
+            steps = 1 if siblings else len(drafts)
+            clock.rounds.append((proposed, t_draft - t_round, t_verify - t_draft, end - t_round, steps))
         if stop:
             break
 

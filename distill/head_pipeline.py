@@ -33,7 +33,7 @@ from decode.textgen import eos_ids, machine_info, prompt_ids, versions
 from distill.head_data import HeadDataConfig, build_head_data, load_head_data
 from distill.head_train import HeadTrainConfig, depth_records, train_head
 from pairing.cost import COST_CONTEXT, calibrate_decoder, measure_cost
-from pairing.depth import expected_tau_from_depth_rates, gated_walk
+from pairing.depth import expected_tau_from_depth_rates, round_walk
 from pairing.derive import resolve_candidate
 
 HEAD = "head"  # distill.draft's value that trains a head instead of distilling a standalone draft
@@ -165,7 +165,7 @@ def carried_rates(rates: list[float | None], depth: int) -> list[float]:
 def validate_head(target_spec: str, head_dir: Path, prompts: list[Prompt], *, standalone: str | None,
                   agreement: list[float | None], k: int, max_k: int, max_new_tokens: int, out: Path,
                   quant: str | None = "int8", device: str = "cpu", standalone_k: int | None = None,
-                  held: list[dict] | None = None, gate: bool = True) -> dict:
+                  held: list[dict] | None = None, gate: bool = True, siblings: int = 2) -> dict:
     """Time the target alone, the head (`draft_after`) and, when given, the standalone draft the pair stage
     ranked first (`draft_before`, at `standalone_k`, its best predicted K, when given), interleaved on the same
     held-out prompts in one run; write `out`.
@@ -174,9 +174,10 @@ def validate_head(target_spec: str, head_dir: Path, prompts: list[Prompt], *, st
     decoder (a 2-prompt calibration decode of the head). With `held` (the held-out reference rows) the prediction
     walks the decoder's own rounds on the head's teacher-forced records of them (`depth_records`, `gated_walk`),
     and with `gate` it also picks a confidence threshold: a round stops after a draft token the head gives less
-    than it, which saves the draft steps and verify rows of rounds that would fail; without `held`, `agreement`
-    (acceptance by depth) predicts fixed-K rounds. Refuses a run whose output differs from the target's greedy
-    output, after writing the numbers."""
+    than it, which saves the draft steps and verify rows of rounds that would fail, or, with `siblings` = m >= 2
+    (where the target runner verifies trees), proposes the head's m most probable first tokens side by side there
+    instead (`KPolicy.siblings`); without `held`, `agreement` (acceptance by depth) predicts fixed-K rounds.
+    Refuses a run whose output differs from the target's greedy output, after writing the numbers."""
     torch.set_grad_enabled(False)
     target = load(target_spec, device=device)
     head = load_head(head_dir, target.model.get_input_embeddings())
@@ -190,8 +191,8 @@ def validate_head(target_spec: str, head_dir: Path, prompts: list[Prompt], *, st
     hq = head_quant(head, quant)
     drafts["draft_after"] = HeadDraft(head, max_len, quantize=hq)
     curve: dict[int, float] = {}
-    gated: dict[tuple[int, float], float] = {}
-    confidence = None
+    gated: dict[tuple[int, float, int], float] = {}
+    confidence, sib = None, 0
     timed: dict = {}  # the head's round, as the calibration decode timed it
     if k:
         why = "set by the recipe"
@@ -204,13 +205,16 @@ def validate_head(target_spec: str, head_dir: Path, prompts: list[Prompt], *, st
                  "verify_cost": {str(K): v / dc.target_token_s for K, v in dc.verify_s.items()},
                  "decoder_cost": asdict(dc)}
         if held:
-            curve, gated = _gated_curve(head, held, dc, max_k, max_new_tokens, gate)
-            k, confidence = max(gated, key=lambda kc: (gated[kc], -kc[0], -kc[1]))
+            m = siblings if hasattr(t_run, "forward_tree") and siblings <= max_k else 0  # v(m) is timed to max_k
+            curve, gated = _gated_curve(head, held, dc, max_k, max_new_tokens, gate, m)
+            k, confidence, sib = max(gated, key=lambda kc: (gated[kc], -kc[0], -kc[1], -kc[2]))
+            chosen = gated[(k, confidence, sib)]
             confidence = confidence or None
             best = ", ".join(f"K={K}: {x:.2f}x" for K, x in curve.items())
+            how = (f"proposing the head's {sib} most probable first tokens side by side" if sib else "stopping")
             why = (f"best predicted from the decoder's rounds walked on the held-out references and the round cost "
                    f"timed in the decoder ({best}"
-                   + (f"; stopping a round below draft probability {confidence}: {gated[(k, confidence)]:.2f}x"
+                   + (f"; {how} where the head's first draft has probability below {confidence}: {chosen:.2f}x"
                       if confidence else "") + ")")
         else:
             rates = carried_rates(agreement, max_k)
@@ -222,12 +226,15 @@ def validate_head(target_spec: str, head_dir: Path, prompts: list[Prompt], *, st
     ks = {"draft_before": standalone_k} if standalone and standalone_k else None
     val = validate_drafts(t_run, drafts, ids, k=k, max_new_tokens=max_new_tokens, eos_ids=eos_ids(target),
                           names=[p.id for p in prompts], device=device, ks=ks,
-                          confidence={"draft_after": confidence} if confidence else None)
+                          confidence={"draft_after": confidence} if confidence else None,
+                          siblings={"draft_after": sib} if sib else None)
     result = {"target": target_spec, "draft": standalone, "distilled": str(head_dir), "kind": HEAD,
               "labels": {"draft_before": f"standalone draft ({standalone})", "draft_after": "head"},
-              **val.to_dict(), "k_reason": why, "predicted_speedup": gated.get((k, confidence or 0.0), curve.get(k)),
+              **val.to_dict(), "k_reason": why, "predicted_speedup": gated.get((k, confidence or 0.0, sib), curve.get(k)),
               "predicted_speedup_by_k": {str(K): x for K, x in curve.items()}, "confidence": confidence,
-              "predicted_speedup_gated": {f"K={K} below {c}": x for (K, c), x in gated.items() if c},
+              "siblings": sib,
+              "predicted_speedup_gated": {f"K={K} below {c}" + (f", {m} siblings" if m else ""): x
+                                          for (K, c, m), x in gated.items() if c},
               "draft_quant": quant if standalone else None, "head_quant": hq,
               "alpha": agreement[0] if agreement else None, "cost_ratio": timed.get("cost_ratio"),
               "verify_cost": timed.get("verify_cost", {}), "decoder_cost": timed.get("decoder_cost"),
@@ -244,18 +251,22 @@ def validate_head(target_spec: str, head_dir: Path, prompts: list[Prompt], *, st
 GATES = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # the thresholds `validate_head` predicts for
 
 
-def _gated_curve(head, held: list[dict], dc, max_k: int, tokens: int,
-                 gate: bool) -> tuple[dict[int, float], dict[tuple[int, float], float]]:
-    """Predicted speedups: by K for fixed rounds, and by (K, threshold) for rounds that stop early (threshold 0:
-    never; only K >= 2 can stop early), walking the decoder's own rounds on the head's teacher-forced records of
-    the held-out references (`gated_walk`, exact at temperature 0) over the round cost timed in the decoder."""
-    records = depth_records(head, held, max_k)
+def _gated_curve(head, held: list[dict], dc, max_k: int, tokens: int, gate: bool,
+                 siblings: int = 0) -> tuple[dict[int, float], dict[tuple[int, float, int], float]]:
+    """Predicted speedups: by K for fixed rounds, and by (K, threshold, m) for rounds that stop early (m = 0;
+    threshold 0: never; only K >= 2 can stop early) or, m = `siblings` >= 2, propose m first tokens side by side
+    below the threshold, walking the decoder's own rounds on the head's teacher-forced records of the held-out
+    references (`round_walk`, exact at temperature 0) over the round cost timed in the decoder."""
+    records = depth_records(head, held, max_k, ranks=True)
     curve, gated = {}, {}
     for K in range(1, max_k + 1):
-        for thr in (GATES if gate and K > 1 else (0.0,)):
-            n, drafted = gated_walk(records, K, thr, budget=tokens)
-            gated[(K, thr)] = dc.walk_speedup(n, drafted, len(records))
-        curve[K] = gated[(K, 0.0)]
+        for thr in (GATES if gate else (0.0,)):
+            for m in ((0, siblings) if siblings and thr else (0,)):
+                if K == 1 and thr and not m:
+                    continue  # a round of one draft has nothing to stop early
+                n, rounds = round_walk(records, K, thr, budget=tokens, siblings=m)
+                gated[(K, thr, m)] = dc.walk_speedup(n, rounds, len(records))
+        curve[K] = gated[(K, 0.0, 0)]
     return curve, gated
 
 

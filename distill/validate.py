@@ -36,6 +36,8 @@ class ValidateConfig:
     max_k: int = 8  # largest K considered when k = 0
     draft_quant: str | None = "int8"  # int8 | null: draft weights on CPU (exactness is unaffected)
     gate: bool = True  # heads, k = 0: also pick a draft probability below which a round stops early
+    siblings: int = 2  # heads, with gate: also predict rounds that propose this many first tokens side by side
+    # where the head is unsure (a tree verify; 0 = never), and run them if they predict best
 
     def __post_init__(self) -> None:
         for name in ("prompts_per_domain", "max_new_tokens", "max_k"):
@@ -43,6 +45,8 @@ class ValidateConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.k < 0:
             raise ValueError(f"k must be >= 0 (0 = best measured), got {self.k}")
+        if self.siblings == 1 or self.siblings < 0:
+            raise ValueError(f"siblings must be 0 (never) or >= 2, got {self.siblings}")
         if self.draft_quant not in (None, "int8"):
             raise ValueError(f"draft_quant must be int8 or null, got {self.draft_quant!r}")
 

@@ -224,11 +224,12 @@ class DecoderCost:
     calibration_seconds: float  # wall time of the calibration decodes (what this estimate cost)
     calibration_tokens: int
 
-    def round_s(self, K: int) -> float:
-        """Seconds of one round at K drafts: K draft steps + the verify forward + the rest."""
+    def round_s(self, K: int, steps: int | None = None) -> float:
+        """Seconds of one round at K drafted tokens: `steps` draft steps (K unless told: a sibling round drafts
+        its K tokens in one) + the verify forward over K + 1 rows + the rest."""
         if K not in self.verify_s:
             raise ValueError(f"no verify time for K={K} (have {sorted(self.verify_s)})")
-        return K * self.draft_step_s + self.verify_s[K] + self.other_s
+        return (K if steps is None else steps) * self.draft_step_s + self.verify_s[K] + self.other_s
 
     def speedup(self, tau: float, K: int, tokens: float) -> float:
         """Predicted tokens/s with the draft over tokens/s alone, for prompts of `tokens` new tokens each:
@@ -237,13 +238,15 @@ class DecoderCost:
                                target_prefill_s=self.target_prefill_s, spec_prefill_s=self.spec_prefill_s,
                                round_s=self.round_s(K))
 
-    def walk_speedup(self, tokens: int, drafted: list[int], prompts: int) -> float:
-        """Predicted speedup of a walk of rounds (`pairing.depth.gated_walk`): `tokens` emitted over `prompts`
-        prompts in rounds that drafted `drafted` tokens each (0: a plain target step at the budget's end):
-        (prompts * prefill alone + tokens * token time) / (prompts * prefill with the draft + sum of the rounds)."""
+    def walk_speedup(self, tokens: int, drafted: list[int] | list[tuple[int, int]], prompts: int) -> float:
+        """Predicted speedup of a walk of rounds (`pairing.depth.gated_walk` or `round_walk`): `tokens` emitted
+        over `prompts` prompts in rounds that drafted `drafted` tokens each (0: a plain target step at the
+        budget's end), or (draft steps, tokens drafted) per round: (prompts * prefill alone + tokens * token
+        time) / (prompts * prefill with the draft + sum of the rounds)."""
         if tokens < 1 or prompts < 1 or not drafted:
             raise ValueError("need tokens >= 1, prompts >= 1 and at least one round")
-        spent = sum(self.round_s(d) if d else self.target_token_s for d in drafted)
+        rounds = [(d, d) if isinstance(d, int) else d for d in drafted]
+        spent = sum(self.round_s(d, steps) if d else self.target_token_s for steps, d in rounds)
         return ((prompts * self.target_prefill_s + tokens * self.target_token_s)
                 / (prompts * self.spec_prefill_s + spent))
 
@@ -317,7 +320,7 @@ def calibrate_decoder(
         target_token_s=statistics.median(r[3] for r in alone.rounds),
         target_prefill_s=statistics.fmean(alone.prefill_s),
         spec_prefill_s=statistics.fmean(spec.prefill_s),
-        draft_step_s=statistics.median(r[1] / r[0] for r in spec.rounds if r[0]),
+        draft_step_s=statistics.median(r[1] / r[4] for r in spec.rounds if r[4]),
         other_s=statistics.median(r[3] - r[1] - r[2] for r in spec.rounds),
         verify_s={K: t * scale for K, t in shape.items()},
         calibration_k=k_cal, calibration_seconds=seconds, calibration_tokens=tokens,

@@ -275,7 +275,7 @@ __all__ = [
 # -- rounds that stop early when the draft is unsure (KPolicy.confidence) --
 
 
-def gated_walk(rows: Sequence[tuple[Tensor, Tensor]], K: int, threshold: float, *,
+def gated_walk(rows: Sequence[tuple[Tensor, ...]], K: int, threshold: float, *,
                budget: int) -> tuple[int, list[int]]:
     """The decoder's own rounds on teacher-forced rows at temperature 0, for rounds that stop early: a round
     drafts depth 1 and goes on to depth j + 1 only while the draft gave its depth-j token a probability >=
@@ -288,23 +288,46 @@ def gated_walk(rows: Sequence[tuple[Tensor, Tensor]], K: int, threshold: float, 
     leading hits among those d, and emits them plus one token; the next round starts after them. A row of
     T < budget tokens ended at EOS, so the round that reaches it stops there. At 0/1 hits this is not an
     estimate: it is the decoder's count on those rows. Returns (tokens emitted, drafts of every round)."""
+    tokens, rounds = round_walk(rows, K, threshold, budget=budget)
+    return tokens, [d for _, d in rounds]
+
+
+def round_walk(rows: Sequence[tuple[Tensor, ...]], K: int, threshold: float, *, budget: int,
+               siblings: int = 0) -> tuple[int, list[tuple[int, int]]]:
+    """`gated_walk`, with sibling rounds (`KPolicy(confidence=threshold, siblings=m)`) when `siblings` = m >= 2:
+    a round whose depth-1 token has a draft probability below `threshold` proposes the draft's m most probable
+    tokens for that position in one draft step, and emits two tokens when the target's is among them, else one.
+    Those rows need a third entry, ranks (T,): where the target's token n stands in the draft's depth-1
+    distribution (0: its top token, which is what hits[0] says). Returns (tokens emitted, (draft steps, tokens
+    drafted) of every round)."""
     _check_k(K)
     if budget < 1:
         raise ValueError(f"budget must be >= 1, got {budget}")
     if not 0.0 <= threshold <= 1.0:
         raise ValueError(f"threshold must lie in [0, 1], got {threshold}")
-    tokens, drafted = 0, []
-    for hits, tops in rows:
+    if siblings == 1 or siblings < 0:
+        raise ValueError(f"siblings must be 0 or >= 2, got {siblings}")
+    tokens, rounds = 0, []
+    for row in rows:
+        hits, tops = row[0], row[1]
         if hits.dim() != 2 or hits.shape != tops.shape or hits.shape[0] < K:
             raise ValueError(f"a row needs hits and tops of one shape (>= {K} depths, positions), got "
                              f"{tuple(hits.shape)}, {tuple(tops.shape)}")
+        if siblings and (len(row) < 3 or row[2].shape != hits.shape[1:]):
+            raise ValueError("sibling rounds need each row's depth-1 ranks (T,) as its third entry")
         h, p = hits.tolist(), tops.tolist()
         if any(x not in (0, 1) for r in h for x in r):
             raise ValueError("hits must be 0/1")
+        rank = row[2].tolist() if siblings else None
         T = min(hits.shape[1], budget)
         n = 0
         while n < T:
             k = min(K, budget - n - 1)
+            if k > 0 and siblings and p[0][n] < threshold:
+                a = 1 if rank[n] < siblings else 0
+                n += min(a + 1, T - n)
+                rounds.append((1, siblings))
+                continue
             d = 1 if k > 0 else 0
             while d and d < k and p[d - 1][n] >= threshold:
                 d += 1
@@ -312,6 +335,6 @@ def gated_walk(rows: Sequence[tuple[Tensor, Tensor]], K: int, threshold: float, 
             while a < d and h[a][n] == 1:
                 a += 1
             n += min(a + 1, T - n)
-            drafted.append(d)
+            rounds.append((d, d))
         tokens += T
-    return tokens, drafted
+    return tokens, rounds

@@ -74,7 +74,8 @@ def _policy(args: argparse.Namespace):
     from decode.speculative import KPolicy
 
     try:
-        return KPolicy(k=args.k, dynamic=args.dynamic_k, k_max=max(16, args.k), confidence=args.confidence)
+        return KPolicy(k=args.k, dynamic=args.dynamic_k, k_max=max(16, args.k), confidence=args.confidence,
+                       siblings=args.siblings)
     except ValueError as e:
         raise DraftsmithError(str(e)) from None
 
@@ -369,6 +370,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--k", type=int, default=4, help="draft tokens per step")
     p.add_argument("--dynamic-k", action="store_true", help="grow K on full acceptance, shrink on rejection")
     p.add_argument("--confidence", type=float, default=None, help="stop drafting below this draft probability")
+    p.add_argument("--siblings", type=int, default=0,
+                   help="with --confidence: below it, propose the draft's N most probable first tokens side by side")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)

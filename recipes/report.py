@@ -287,7 +287,9 @@ def _validation(doc: Doc, run: Path) -> None:
         if name in val.stats:
             st = val.stats[name]
             K = val.ks.get(name, val.k)
-            if name == "draft_after" and b.get("confidence"):  # the head's rounds stop early below this
+            if name == "draft_after" and b.get("siblings"):  # below this, the head's top m go side by side
+                K = f"{K}, {b['siblings']} side by side below p {b['confidence']}"
+            elif name == "draft_after" and b.get("confidence"):  # the head's rounds stop early below this
                 K = f"{K}, stops below p {b['confidence']}"
             rows.append([label, "-" if name == "target_only" else K, tps[name],
                          "1.00x" if name == "target_only" else f"{val.speedup(name):.2f}x",

@@ -76,6 +76,9 @@ def main() -> None:
     ap.add_argument("--label-temperature", type=float, default=1.0)
     ap.add_argument("--head-quant", default="none", choices=["none", "int8", "both"],
                     help="bench the head in float32, with int8 Linear weights, or both side by side")
+    ap.add_argument("--siblings", type=int, default=0,
+                    help="bench with --confidences: also run every (K, threshold > 0) proposing the head's top N "
+                         "first tokens side by side below the threshold")
     ap.add_argument("--confidences", default="",
                     help="bench: comma-separated draft probabilities below which a round stops early (0 = never); "
                          "every (K, threshold) runs interleaved in one run with the target alone -> bench-gated.json")
@@ -125,14 +128,19 @@ def main() -> None:
             confs = [float(c) for c in args.confidences.split(",")]
             configs = [(k, c) for k in ks for c in confs if k > 1 or c == 0]
             q = quants[-1]
-            names = {cfg: f"K={cfg[0]}" + (f" stop<{cfg[1]}" if cfg[1] else "") for cfg in configs}
+            configs = [(k, c, 0) for k, c in configs] + [(k, c, args.siblings) for k in ks for c in confs
+                                                        if args.siblings and c]
+            names = {cfg: f"K={cfg[0]}" + (f" stop<{cfg[1]}" if cfg[1] else "")
+                     + (f" siblings={cfg[2]}" if cfg[2] else "") for cfg in configs}
             drafts = {names[cfg]: HeadDraft(head, S, quantize=q) for cfg in configs}
             val = validate_drafts(t_run, drafts, ids, k=ks[0], max_new_tokens=args.bench_new_tokens,
                                   eos_ids=eos_ids(target), names=[p.id for p in held_p], desc="bench",
                                   ks={names[cfg]: cfg[0] for cfg in configs},
-                                  confidence={names[cfg]: cfg[1] for cfg in configs if cfg[1]})
+                                  confidence={names[cfg]: cfg[1] for cfg in configs if cfg[1]},
+                                  siblings={names[cfg]: cfg[2] for cfg in configs if cfg[2]})
             result.pop("by_k")
             result.update(val.to_dict(), head_quant=q, confidence={names[c]: c[1] for c in configs},
+                          siblings={names[c]: c[2] for c in configs},
                           drafted_per_round={n: val.stats[n].drafted / val.stats[n].target_forwards for n in drafts})
             _say(val, drafts)
             atomic_write_json(args.out / "bench-gated.json", result)

@@ -230,14 +230,16 @@ def load_prompts_folder(path):
     return load_prompts(path)
 
 
-@pytest.mark.parametrize("K,threshold", [(1, 0.0), (2, 0.0), (3, 0.0), (2, 0.5), (3, 0.3), (4, 0.9)])
-def test_walking_depth_records_gives_the_decoders_own_rounds(K, threshold) -> None:
+@pytest.mark.parametrize("K,threshold,siblings", [(1, 0.0, 0), (2, 0.0, 0), (3, 0.0, 0), (2, 0.5, 0), (3, 0.3, 0),
+                                                   (4, 0.9, 0), (1, 0.9, 2), (2, 0.7, 2), (3, 0.95, 3)])
+def test_walking_depth_records_gives_the_decoders_own_rounds(K, threshold, siblings) -> None:
     """At temperature 0 the walk over the head's teacher-forced records is the decoder's count: the same number
-    of tokens, the same drafts in every round (stopping early included), the same tau."""
+    of tokens, the same drafts and draft steps in every round (stopping early and sibling rounds included), the
+    same tau."""
     from decode.model import make_runner
     from decode.speculative import KPolicy, RoundClock, generate
     from distill.head_train import depth_records
-    from pairing.depth import gated_walk
+    from pairing.depth import round_walk
     from tests.decode.test_head import mimic_head
 
     hf = target_hf(5, mix=0.0)  # a bigram target, which the mimic head often agrees with
@@ -251,13 +253,16 @@ def test_walking_depth_records_gives_the_decoders_own_rounds(K, threshold) -> No
             out = hf(input_ids=tokens[None], output_hidden_states=True)
         feats = torch.cat([out.hidden_states[i][0] for i in head.config.aux_layers], dim=-1)
         row = {"tokens": tokens, "features": feats, "next": out.logits[0].argmax(-1), "prompt_len": len(prompt)}
-        n, drafted = gated_walk(depth_records(head, [row], K), K, threshold, budget=budget)
+        n, rounds = round_walk(depth_records(head, [row], K, ranks=True), K, threshold, budget=budget,
+                               siblings=siblings)
         clock = RoundClock()
         res = generate(target, prompt, draft=HeadDraft(head, 128), max_new_tokens=budget, clock=clock,
-                       policy=KPolicy(k=K, confidence=threshold or None))
+                       policy=KPolicy(k=K, confidence=threshold or None, siblings=siblings))
         assert res.tokens == ref[:budget] and n == budget
-        assert drafted == [r[0] for r in clock.rounds], (prompt, K, threshold)
-        assert res.stats.accepted > 0 and res.stats.mean_tau == budget / len(drafted)
+        assert rounds == [(r[4], r[0]) for r in clock.rounds], (prompt, K, threshold)
+        assert res.stats.accepted > 0 and res.stats.mean_tau == budget / len(rounds)
+    if siblings:
+        assert any(r[0] == siblings for r in clock.rounds)  # sibling rounds were walked, not only chains
 
 
 def test_depth_records_refuse_rows_without_rounds() -> None:

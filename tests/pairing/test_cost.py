@@ -333,5 +333,10 @@ def test_a_walks_speedup_is_its_rounds_time_by_hand() -> None:
     # rounds all of K drafts emitting tau tokens each: the fixed-K formula
     assert dc.walk_speedup(30, [2] * 12, 1) == pytest.approx(decoder_speedup(
         2.5, 2, 30, target_token_s=0.05, target_prefill_s=0.1, spec_prefill_s=0.11, round_s=dc.round_s(2)))
+    # a sibling round: two tokens proposed in one draft step, verified over three rows
+    sib = 0.004 + 0.054 + 0.001
+    assert dc.round_s(2, steps=1) == pytest.approx(sib)
+    want = (2 * 0.1 + 7 * 0.05) / (2 * 0.11 + dc.round_s(2) + sib + dc.round_s(1) + 0.05)
+    assert dc.walk_speedup(7, [(2, 2), (1, 2), (1, 1), (0, 0)], 2) == pytest.approx(want)
     with pytest.raises(ValueError, match="round"):
         dc.walk_speedup(7, [], 2)

@@ -387,6 +387,28 @@ def test_gated_walk_by_hand():
     assert gated_walk([(hits, tops), (hits[:, :1], tops[:, :1])], 2, 0.0, budget=100) == (7, [2, 2, 2])
 
 
+def test_sibling_walk_by_hand():
+    from pairing.depth import round_walk
+
+    hits = torch.tensor([[1, 1, 0, 1, 1, 1], [1, 0, 1, 1, 0, 1]], dtype=torch.float64)
+    tops = torch.tensor([[0.9, 0.1, 0.9, 0.2, 0.9, 0.9], [0.5, 0.5, 0.5, 0.5, 0.5, 0.5]], dtype=torch.float64)
+    rank = torch.tensor([0, 0, 1, 0, 0, 0])
+    # as gated_walk's K = 2 below 0.5 until the round from 3 (0.2): siblings, one step, rank 0 accepted -> 2 tokens
+    assert round_walk([(hits, tops, rank)], 2, 0.5, budget=100, siblings=2) == (6, [(2, 2), (1, 2), (2, 2)])
+    # below 0.95 every round is a sibling round: 0 -> 2 (rank 0) -> 4 (rank 1 at 2: accepted) -> 6
+    assert round_walk([(hits, tops, rank)], 2, 0.95, budget=100, siblings=2) == (6, [(1, 2)] * 3)
+    # the same with rank 2 at position 2 and two siblings: missed, one token
+    far = torch.tensor([0, 0, 2, 0, 0, 0])
+    assert round_walk([(hits, tops, far)], 2, 0.95, budget=100, siblings=2) == (6, [(1, 2)] * 4)
+    assert round_walk([(hits, tops, far)], 2, 0.95, budget=100, siblings=3) == (6, [(1, 3)] * 3)
+    # without siblings it is gated_walk, steps = drafts
+    assert round_walk([(hits, tops)], 2, 0.5, budget=100) == (6, [(2, 2), (1, 1), (2, 2)])
+    with pytest.raises(ValueError, match="ranks"):
+        round_walk([(hits, tops)], 2, 0.5, budget=100, siblings=2)
+    with pytest.raises(ValueError, match="siblings"):
+        round_walk([(hits, tops, rank)], 2, 0.5, budget=100, siblings=1)
+
+
 def test_gated_walk_refuses_bad_input():
     with pytest.raises(ValueError, match="depths"):
         gated_walk([(torch.ones(1, 3), torch.ones(1, 3))], 2, 0.5, budget=8)

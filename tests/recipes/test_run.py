@@ -246,8 +246,10 @@ def test_a_head_recipe_runs_every_stage(world: dict) -> None:
     assert bench.get("ks", {}).get("draft_before", bench["k"]) == standalone_k
     gated = bench["confidence"]  # validate predicts from the held-out rows, rounds that stop early included
     assert "rounds walked on the held-out references" in bench["k_reason"] and bench["predicted_speedup_gated"]
-    assert bench["predicted_speedup"] == (bench["predicted_speedup_gated"][f"K={bench['k']} below {gated}"] if gated
-                                          else bench["predicted_speedup_by_k"][str(bench["k"])]) > 0
+    sib = f", {bench['siblings']} siblings" if bench["siblings"] else ""  # or side by side below it
+    assert bench["predicted_speedup"] == (bench["predicted_speedup_gated"][f"K={bench['k']} below {gated}{sib}"]
+                                          if gated else bench["predicted_speedup_by_k"][str(bench["k"])]) > 0
+    assert any(key.endswith(", 2 siblings") for key in bench["predicted_speedup_gated"])  # they were predicted
     assert max(bench["predicted_speedup_gated"].values()) <= bench["predicted_speedup"] + 1e-12
     assert max(map(int, bench["stats"]["draft_before"]["tau_hist"])) <= standalone_k + 1
     for rel in ("export/vllm/config.json", "export/sglang/config.json", "report/head_agreement.png"):
