@@ -60,6 +60,7 @@ class HeadTrainConfig:
     dedup_prompts: bool = True  # a prompt's own positions are trained on once (its first row), not once per sample
     label_temperature: float = 1.0  # the target's distribution the head learns, at this temperature (< 1 sharpens)
     dtype: str = "float32"  # matmuls in bfloat16 (autocast; weights and optimizer stay float32) run faster with AMX
+    intermediate_size: int | None = None  # the head's MLP width (None: the target's)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -174,8 +175,8 @@ def train_head(target: Loaded, rows: list[dict], held_out: list[dict], out: Path
     torch.manual_seed(cfg.seed)
     hf = target.model
     counts = torch.bincount(torch.cat([r["next"] for r in rows]), minlength=hf.config.vocab_size)
-    head = Eagle3Head(HeadConfig.for_target(hf.config, draft_vocab_size=cfg.draft_vocab_size,
-                                            aux_layers=aux_layers), hf.get_input_embeddings())
+    head = Eagle3Head(HeadConfig.for_target(hf.config, draft_vocab_size=cfg.draft_vocab_size, aux_layers=aux_layers,
+                                            intermediate_size=cfg.intermediate_size), hf.get_input_embeddings())
     head.set_vocab(*vocab_map(counts, cfg.draft_vocab_size))
     w_draft = hf.get_output_embeddings().weight.detach()[head.draft_ids].float()  # (N, H): the target's rows
     with torch.no_grad():

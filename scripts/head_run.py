@@ -69,6 +69,7 @@ def main() -> None:
     ap.add_argument("--bench-new-tokens", type=int, default=64)
     ap.add_argument("--stages", default="data,train,bench")
     ap.add_argument("--extra-prompts", type=Path, help="more training prompts (e.g. a gen-prompts folder), in data/")
+    ap.add_argument("--intermediate-size", type=int, default=None, help="the head's MLP width (default: the target's)")
     ap.add_argument("--data-dirs", default="", help="comma-separated head data folders trained on beside data/")
     ap.add_argument("--held-dir", type=Path, help="the held-out references to evaluate on (default OUT/held)")
     ap.add_argument("--gen-dtype", default="float32", choices=list(GEN_DTYPES))
@@ -111,7 +112,7 @@ def main() -> None:
                               rows_per_step=args.rows_per_step, max_minutes=args.train_minutes,
                               eval_every=args.eval_every,
                               ttt_steps=args.ttt_steps, dtype=args.train_dtype,
-                              label_temperature=args.label_temperature)
+                              label_temperature=args.label_temperature, intermediate_size=args.intermediate_size)
         summary = train_head(target, rows, held_rows, args.out / "head", cfg, aux_layers=aux)
         print(json.dumps({k: v for k, v in summary.items() if k != "evals"}, indent=1))
     if "bench" in stages:

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from decode.head import HeadDraft
+from decode.head import HeadDraft, load_head
 from decode.loading import Loaded
 from distill.head_data import HeadDataConfig, build_head_data, load_head_data, target_features
 from decode.head import ttt_logits, ttt_mask
@@ -116,6 +116,10 @@ def test_head_data_resumes_and_training_lowers_the_loss(tmp_path) -> None:
     assert b_losses[-1] < b_losses[0] and b_losses[0] == pytest.approx(losses[0], rel=0.05)
     with pytest.raises(DraftsmithError, match="dtype must be float32 or bfloat16"):
         HeadTrainConfig(dtype="float16")
+    wcfg = HeadTrainConfig(**{**vars(tcfg), "epochs": 1, "intermediate_size": 48})  # a wider MLP than the target's
+    train_head(target, rows[:10], rows[10:], tmp_path / "wide-head", wcfg, aux_layers=(1, 2, 3), progress=False)
+    wide = load_head(tmp_path / "wide-head" / "best", target.model.get_input_embeddings())
+    assert wide.config.intermediate_size == 48 == wide.midlayer.mlp.up_proj.out_features
     assert (tmp_path / "head" / "best" / "model.safetensors").is_file()
     assert 0.0 < summary["draft_vocab_coverage"] <= 1.0
 
