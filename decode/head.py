@@ -216,12 +216,16 @@ class Eagle3Head(nn.Module):
         return _linear(features.to(self.embed.dtype), self.fc)
 
     def forward(self, g: Tensor, tokens: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, pos: int,
-                mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                mask: Tensor | None = None, keep: int | None = None) -> tuple[Tensor, Tensor]:
         """Entries [pos, pos+T): g (T, H) and the next tokens (T,) -> (logits (T, V) over the target's vocabulary,
-        float32 or float64; the output hidden (T, H), pre-norm, which the next depth reads as its g)."""
+        float32 or float64, or of the last `keep` entries only (0: none); the output hidden (T, H), pre-norm,
+        which the next depth reads as its g)."""
         emb = F.embedding(tokens, self.embed).to(g.dtype)  # (T, H)
         h = self.midlayer(emb, g, cos, sin, cache, pos, mask)
-        logits = _linear(self.norm(h), self.lm_head)  # (T, N)
+        if keep == 0:
+            dtype = torch.float64 if h.dtype == torch.float64 else torch.float32
+            return h.new_zeros((0, self.config.vocab_size), dtype=dtype), h
+        logits = _linear(self.norm(h if keep is None else h[h.shape[0] - keep :]), self.lm_head)  # (keep or T, N)
         logits = logits if logits.dtype == torch.float64 else logits.float()
         return self.to_target_vocab(logits), h
 
@@ -363,23 +367,25 @@ class HeadDraft:
         f_end = min(end, self.h_len + len(self.feats))  # entries before f_end read the target's features
         if start < self.h_len or start >= end or (start >= f_end and start < 1):
             raise ValueError(f"the head holds no target features to draft from at position {pos}: observe them first")
+        need = keep or T  # the output head runs on the entries whose logits are returned only
         rows = []
         if f_end > start:  # all target-fed entries in one step
             n = f_end - start
-            rows.append(self._entries(self.head.project(self.feats[:n]), start))
+            rows.append(self._entries(self.head.project(self.feats[:n]), start, min(n, max(0, need - (end - f_end)))))
             self.feats, self.h_len = self.feats[n:], f_end
         for e in range(max(start, f_end), end):  # past them the head feeds itself its previous output hidden
-            rows.append(self._entries(self.outs[e - 1 : e], e))
+            rows.append(self._entries(self.outs[e - 1 : e], e, 1 if end - e <= need else 0))
         self.e_len = end
-        return torch.cat(rows)[-(keep or T) :]
+        return torch.cat(rows)[-need:]
 
-    def _entries(self, g: Tensor, start: int) -> Tensor:
+    def _entries(self, g: Tensor, start: int, keep: int) -> Tensor:
+        """Entries [start, start+T) from g (T, H): their output hidden into `outs`; logits of the last `keep`."""
         T = g.shape[0]
         mask = None if T == 1 else torch.ones(T, start + T, dtype=torch.bool, device=g.device).tril(start)
         cos, sin = self.cos[start : start + T], self.sin[start : start + T]
-        logits, h = self.head(g, self.tokens[start + 1 : start + 1 + T], cos, sin, self.cache, start, mask)
+        logits, h = self.head(g, self.tokens[start + 1 : start + 1 + T], cos, sin, self.cache, start, mask, keep)
         self.outs[start : start + T] = h
-        return logits  # (T, V)
+        return logits  # (keep, V)
 
 
 def save_head(head: Eagle3Head, folder: str | Path) -> Path:

@@ -241,6 +241,33 @@ def fresh_entries(hf, head: Eagle3Head, seq: list[int], S: int = 128) -> HeadDra
     return draft
 
 
+def test_keep_runs_the_output_head_on_the_returned_entries_only() -> None:
+    """forward(keep=n) returns the last n rows of what keep=0 returns, and leaves the same cache and hidden states;
+    the output head runs on the returned entries only (counted), also when self-fed entries follow target-fed ones."""
+    hf = target_hf(7)
+    head = mimic_head(hf)
+    seq = [1, 5, 7, 9, 2, 4]
+    outs = {}
+    for keep in (0, 1, 2):
+        target = LeanLM(hf, 64)
+        target.capture_layers = head.config.aux_layers
+        target.forward(torch.tensor(seq[:-2]), 0)
+        draft = HeadDraft(head, 64)
+        draft.observe(target.last_hidden, torch.tensor(seq[:-2]), 0)
+        rows, real = [], head.to_target_vocab
+        head.to_target_vocab = lambda logits: rows.append(logits.shape[0]) or real(logits)  # the output head's rows
+        try:  # 4 target-fed entries (0..3), then one self-fed (4); keep=0 returns as many rows as tokens fed
+            outs[keep] = (draft.forward(torch.tensor(seq[-2:]), len(seq) - 2, keep=keep), draft)
+        finally:
+            del head.to_target_vocab
+        assert sum(rows) == (keep or 2)  # not 5: the output head skips the entries whose logits nobody reads
+    full, ref = outs[0]
+    for keep in (1, 2):
+        logits, draft = outs[keep]
+        assert torch.equal(logits, full[-keep:])
+        assert torch.equal(draft.outs[:5], ref.outs[:5]) and torch.equal(draft.cache.k[:, :, :5], ref.cache.k[:, :, :5])
+
+
 @pytest.mark.parametrize("k,mix,tau", [(3, 1.0, 2), (5, 0.0, 3), (2, 0.0, 3)])
 def test_head_cache_after_decoding_equals_a_fresh_recomputation(k: int, mix: float, tau: int) -> None:
     hf = target_hf(6, mix=mix)
