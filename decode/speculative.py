@@ -39,6 +39,12 @@ from decode.sampling import (
 )
 
 
+def check_siblings(m: int) -> None:
+    """Sibling rounds propose m = 0 (none) or m >= 2 first tokens: one is a plain round."""
+    if m == 1 or m < 0:
+        raise ValueError(f"siblings must be 0 (never) or >= 2, got {m}")
+
+
 @dataclass(frozen=True)
 class KPolicy:
     """How many tokens the draft proposes per round.
@@ -63,9 +69,9 @@ class KPolicy:
             raise ValueError(f"need 1 <= k_min <= k <= k_max, got {self.k_min}, {self.k}, {self.k_max}")
         if self.confidence is not None and not 0.0 <= self.confidence < 1.0:
             raise ValueError(f"confidence must be in [0, 1), got {self.confidence}")
-        if self.siblings == 1 or self.siblings < 0 or (self.siblings and self.confidence is None):
-            raise ValueError(f"siblings must be 0 or >= 2, and needs a confidence threshold; got {self.siblings} "
-                             f"with confidence {self.confidence}")
+        check_siblings(self.siblings)
+        if self.siblings and self.confidence is None:
+            raise ValueError(f"siblings ({self.siblings}) needs a confidence threshold to branch below")
 
     def next_k(self, k: int, n_accepted: int, proposed: int) -> int:
         if not self.dynamic:
@@ -257,6 +263,7 @@ def generate(
         if clock is not None:
             sync()
             t_verify = time.perf_counter()
+        steps = 1 if siblings else len(drafts)  # draft steps this round
         rows = None  # the target rows of the accepted path, where it is not rows 0..n_acc
         if siblings:
             cands = _ids(siblings, p_logits.device)
@@ -296,11 +303,10 @@ def generate(
         n_new += len(emitted)
         d_len = min(d_len, len(seq) - 1)  # draft cache: roll back to the accepted prefix
         if proposed:
-            k = policy.next_k(k, n_acc, 1 if siblings else len(drafts))
+            k = policy.next_k(k, n_acc, steps)
         if clock is not None:
             sync()
             end = time.perf_counter()
-            steps = 1 if siblings else len(drafts)
             clock.rounds.append((proposed, t_draft - t_round, t_verify - t_draft, end - t_round, steps))
         if stop:
             break

@@ -172,7 +172,7 @@ def validate_head(target_spec: str, head_dir: Path, prompts: list[Prompt], *, st
 
     K: `k` when > 0, else the best predicted from the head's held-out acceptance and the round cost timed in the
     decoder (a 2-prompt calibration decode of the head). With `held` (the held-out reference rows) the prediction
-    walks the decoder's own rounds on the head's teacher-forced records of them (`depth_records`, `gated_walk`),
+    walks the decoder's own rounds on the head's teacher-forced records of them (`depth_records`, `round_walk`),
     and with `gate` it also picks a confidence threshold: a round stops after a draft token the head gives less
     than it, which saves the draft steps and verify rows of rounds that would fail, or, with `siblings` = m >= 2
     (where the target runner verifies trees), proposes the head's m most probable first tokens side by side there

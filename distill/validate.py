@@ -21,6 +21,7 @@ from decode.io import atomic_write_json
 from decode.loading import load
 from decode.model import draft_quant, make_runner
 from decode.prompts import Prompt, first_per_domain
+from decode.speculative import check_siblings
 from decode.textgen import eos_ids, machine_info, prompt_ids, versions
 from pairing.cost import COST_CONTEXT, best_k, measure_cost, speedup_curve
 from pairing.derive import resolve_candidate
@@ -45,8 +46,7 @@ class ValidateConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.k < 0:
             raise ValueError(f"k must be >= 0 (0 = best measured), got {self.k}")
-        if self.siblings == 1 or self.siblings < 0:
-            raise ValueError(f"siblings must be 0 (never) or >= 2, got {self.siblings}")
+        check_siblings(self.siblings)
         if self.draft_quant not in (None, "int8"):
             raise ValueError(f"draft_quant must be int8 or null, got {self.draft_quant!r}")
 

@@ -42,6 +42,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from decode.speculative import check_siblings
 from pairing.cost import speedup_from_tau
 
 BetaRows = Tensor | Sequence[Tensor | Sequence[float]]
@@ -305,8 +306,7 @@ def round_walk(rows: Sequence[tuple[Tensor, ...]], K: int, threshold: float, *, 
         raise ValueError(f"budget must be >= 1, got {budget}")
     if not 0.0 <= threshold <= 1.0:
         raise ValueError(f"threshold must lie in [0, 1], got {threshold}")
-    if siblings == 1 or siblings < 0:
-        raise ValueError(f"siblings must be 0 or >= 2, got {siblings}")
+    check_siblings(siblings)
     tokens, rounds = 0, []
     for row in rows:
         hits, tops = row[0], row[1]
