@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from typing import Protocol
 
 import torch
@@ -50,8 +51,9 @@ def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * h.to(x.dtype)
 
 
-LAYOUTS = ("auto", "xw", "wx")
+LAYOUTS = ("auto", "xw", "wx", "dnn")
 _CHOICE: dict[tuple, bool] = {}  # (dtype, weight shape, rows, no bias) -> compute as W @ x^T (CPU only)
+_PACKED: dict[int, tuple[weakref.ref, int, Tensor]] = {}  # id(weight) -> (the weight, its version, packed copy)
 
 
 def _layout_setting() -> str:
@@ -71,6 +73,31 @@ def _time(fn, reps: int = 5) -> float:
     return best
 
 
+def dnn_usable(weight: Tensor) -> bool:
+    """Whether a Linear with this weight runs on oneDNN's prepacked float32 kernel (`_linear`): on the CPU, in
+    float32, outside autograd and torch.compile, where the build has oneDNN, unless DRAFTSMITH_LINEAR names
+    another layout."""
+    return _dnn_layout(weight) and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+
+
+def _dnn_layout(weight: Tensor) -> bool:
+    return (_layout_setting() in ("auto", "dnn") and weight.device.type == "cpu" and weight.dtype == torch.float32
+            and torch.backends.mkldnn.is_available())
+
+
+def _packed(weight: Tensor) -> Tensor:
+    """oneDNN's own blocked copy of a weight, made once and made again if the weight changes in place (an
+    optimizer step bumps its version): a snapshot that never goes stale."""
+    key, version = id(weight), weight._version
+    hit = _PACKED.get(key)
+    if hit is None or hit[0]() is not weight or hit[1] != version:
+        if hit is None or hit[0]() is not weight:  # a new weight: forget its copy when it goes
+            weakref.finalize(weight, _PACKED.pop, key, None)
+        hit = (weakref.ref(weight), version, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None))
+        _PACKED[key] = hit
+    return hit[2]
+
+
 def _weight_first(x: Tensor, layer: nn.Linear) -> bool:
     """Whether a Linear on these few rows runs faster as (W @ x^T)^T than as x @ W^T on this CPU: decided once
     per (weight shape, rows) by timing both (the best of 5). BLAS libraries differ: on some CPUs (MKL on the
@@ -79,7 +106,7 @@ def _weight_first(x: Tensor, layer: nn.Linear) -> bool:
     setting = _layout_setting()
     # small weights (test models) are not timed: microsecond timings are noise, and a choice that differed from
     # process to process would change rounding between a run and its resumption
-    if setting != "auto" or x.device.type != "cpu" or x.shape[0] > 16 or layer.weight.numel() < 1 << 16:
+    if setting not in ("auto", "dnn") or x.device.type != "cpu" or x.shape[0] > 16 or layer.weight.numel() < 1 << 16:
         return setting == "wx"
     key = (x.dtype, tuple(layer.weight.shape), x.shape[0], layer.bias is None)
     if key not in _CHOICE:
@@ -92,11 +119,15 @@ def _weight_first(x: Tensor, layer: nn.Linear) -> bool:
 
 
 def _linear(x: Tensor, layer: nn.Module) -> Tensor:
-    """A Linear layer on a few rows, in the faster of two layouts on this machine (`_weight_first`; the
-    environment variable DRAFTSMITH_LINEAR=xw|wx fixes one). Other layer types (the int8 draft's quantised
+    """A Linear layer at inference. On the CPU in float32 (`dnn_usable`): oneDNN's kernel over a prepacked copy
+    of the weight, whose cost hardly grows from 1 to 8 rows (MKL's sgemm on few rows is 1.3-2x one row) and which
+    streams the weight faster even for one row. Otherwise the faster of two BLAS layouts on this machine
+    (`_weight_first`); DRAFTSMITH_LINEAR=xw|wx|dnn fixes one. Other layer types (the int8 draft's quantised
     Linear) run as they are."""
     if type(layer) is not nn.Linear:
         return layer(x)
+    if x.dim() == 2 and dnn_usable(layer.weight):
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), _packed(layer.weight), layer.bias, "none", [], "")
     if x.dim() != 2 or not _weight_first(x, layer):  # batched rows (training): the plain layout
         return F.linear(x, layer.weight, layer.bias)
     if layer.bias is None:
@@ -202,7 +233,8 @@ class LeanLM(nn.Module):
         # one-row steps (plain decoding, draft steps) read the head faster as a (d, V) copy on CPUs:
         # the largest single matrix, worth its extra memory; multi-row verify steps use the shared one.
         # It is a snapshot: build a new runner after changing the model's weights.
-        cpu_head = fast_head and device.type == "cpu"
+        # (not needed where oneDNN's prepacked kernel serves one row as well: `_linear`)
+        cpu_head = fast_head and device.type == "cpu" and not _dnn_layout(self.lm_head.weight)
         self.head_t = self.lm_head.weight.detach().t().contiguous() if cpu_head else None
         self.register_buffer("cos", cos, persistent=False)  # (S, D)
         self.register_buffer("sin", sin, persistent=False)
@@ -275,7 +307,8 @@ class LeanLM(nn.Module):
         if keep:
             x = x[-keep:]
         h = _rms_norm(x, self.norm, self.eps)
-        if self.head_t is not None and h.shape[0] == 1 and type(self.lm_head) is nn.Linear:
+        if (self.head_t is not None and h.shape[0] == 1 and type(self.lm_head) is nn.Linear
+                and not dnn_usable(self.lm_head.weight)):
             logits = h @ self.head_t
         else:
             logits = _linear(h, self.lm_head)
