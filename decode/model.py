@@ -74,15 +74,15 @@ def _time(fn, reps: int = 5) -> float:
 
 
 def dnn_usable(weight: Tensor) -> bool:
-    """Whether a Linear with this weight runs on oneDNN's prepacked float32 kernel (`_linear`): on the CPU, in
-    float32, outside autograd and torch.compile, where the build has oneDNN, unless DRAFTSMITH_LINEAR names
+    """Whether a Linear with this weight runs on oneDNN's prepacked kernel (`_linear`): on the CPU, in float32 or
+    bfloat16, outside autograd and torch.compile, where the build has oneDNN, unless DRAFTSMITH_LINEAR names
     another layout."""
     return _dnn_layout(weight) and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
 
 
 def _dnn_layout(weight: Tensor) -> bool:
-    return (_layout_setting() in ("auto", "dnn") and weight.device.type == "cpu" and weight.dtype == torch.float32
-            and torch.backends.mkldnn.is_available())
+    return (_layout_setting() in ("auto", "dnn") and weight.device.type == "cpu"
+            and weight.dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available())
 
 
 def _packed(weight: Tensor) -> Tensor:
@@ -119,15 +119,17 @@ def _weight_first(x: Tensor, layer: nn.Linear) -> bool:
 
 
 def _linear(x: Tensor, layer: nn.Module) -> Tensor:
-    """A Linear layer at inference. On the CPU in float32 (`dnn_usable`): oneDNN's kernel over a prepacked copy
+    """A Linear layer at inference. On the CPU in float32 or bfloat16 (`dnn_usable`): oneDNN's kernel over a prepacked copy
     of the weight, whose cost hardly grows from 1 to 8 rows (MKL's sgemm on few rows is 1.3-2x one row) and which
     streams the weight faster even for one row. Otherwise the faster of two BLAS layouts on this machine
     (`_weight_first`); DRAFTSMITH_LINEAR=xw|wx|dnn fixes one. Other layer types (the int8 draft's quantised
     Linear) run as they are."""
     if type(layer) is not nn.Linear:
         return layer(x)
-    if x.dim() == 2 and dnn_usable(layer.weight):
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), _packed(layer.weight), layer.bias, "none", [], "")
+    if dnn_usable(layer.weight) and x.dtype == layer.weight.dtype:
+        rows = x.reshape(-1, x.shape[-1]).contiguous()  # (..., d) as rows: batched decoding (BatchLM) too
+        y = torch.ops.mkldnn._linear_pointwise(rows, _packed(layer.weight), layer.bias, "none", [], "")
+        return y.view(*x.shape[:-1], y.shape[-1])
     if x.dim() != 2 or not _weight_first(x, layer):  # batched rows (training): the plain layout
         return F.linear(x, layer.weight, layer.bias)
     if layer.bias is None:

@@ -127,3 +127,24 @@ def test_samples_of_one_prompt_share_its_prefill_and_each_equals_its_decode_alon
         feats = torch.cat([ref.hidden_states[0][0], ref.hidden_states[2][0]], dim=-1)
         torch.testing.assert_close(out.features[b].double(), feats, rtol=2e-3, atol=2e-3)
         assert out.next[b].tolist() == ref.logits[0].argmax(-1).tolist()
+
+
+def test_bfloat16_one_token_attention_matches_a_float64_reference_and_ignores_columns_past_the_end() -> None:
+    from decode.batch import _attend
+
+    g = torch.Generator().manual_seed(0)
+    B, H, Hkv, S, D, end = 5, 6, 2, 12, 16, 9
+    q = torch.randn(B, H, 1, D, generator=g)
+    k, v = torch.randn(B, Hkv, S, D, generator=g), torch.randn(B, Hkv, S, D, generator=g)
+    mask = torch.rand(B, 1, 1, end, generator=g) > 0.3
+    mask[..., 0] = True  # every row sees at least one key
+    ref = torch.nn.functional.scaled_dot_product_attention(  # float64, kv heads repeated as HF's repeat_kv does
+        q.double(), k[:, :, :end].double().repeat_interleave(H // Hkv, 1),
+        v[:, :, :end].double().repeat_interleave(H // Hkv, 1), attn_mask=mask)
+    kb, vb = k.bfloat16(), v.bfloat16()
+    got = _attend(q.bfloat16(), kb, vb, end, mask)
+    torch.testing.assert_close(got.double(), ref, rtol=0.05, atol=0.05)
+    kb[:, :, end:], vb[:, :, end:] = 1e4, -1e4  # what lies past the end cannot leak in
+    torch.testing.assert_close(_attend(q.bfloat16(), kb, vb, end, mask), got, rtol=0, atol=0)
+    wrong = _attend(q.bfloat16(), kb.flip(1), vb.flip(1), end, mask)  # kv heads paired with the wrong queries
+    assert (wrong.double() - ref).abs().max() > 0.1
