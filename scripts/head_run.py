@@ -77,9 +77,9 @@ def main() -> None:
     ap.add_argument("--label-temperature", type=float, default=1.0)
     ap.add_argument("--head-quant", default="none", choices=["none", "int8", "both"],
                     help="bench the head in float32, with int8 Linear weights, or both side by side")
-    ap.add_argument("--siblings", type=int, default=0,
+    ap.add_argument("--siblings", default="0",
                     help="bench with --confidences: also run every (K, threshold > 0) proposing the head's top N "
-                         "first tokens side by side below the threshold")
+                         "first tokens side by side below the threshold, for each N of a comma-separated list")
     ap.add_argument("--confidences", default="",
                     help="bench: comma-separated draft probabilities below which a round stops early (0 = never); "
                          "every (K, threshold) runs interleaved in one run with the target alone -> bench-gated.json")
@@ -127,10 +127,10 @@ def main() -> None:
         quants = {"none": [None], "int8": ["int8"], "both": [None, "int8"]}[args.head_quant]
         if args.confidences:  # every (K, threshold) in one interleaved run
             confs = [float(c) for c in args.confidences.split(",")]
+            sibs = [int(m) for m in args.siblings.split(",") if int(m)]
             configs = [(k, c) for k in ks for c in confs if k > 1 or c == 0]
             q = quants[-1]
-            configs = [(k, c, 0) for k, c in configs] + [(k, c, args.siblings) for k in ks for c in confs
-                                                        if args.siblings and c]
+            configs = [(k, c, 0) for k, c in configs] + [(k, c, m) for m in sibs for k in ks for c in confs if c]
             names = {cfg: f"K={cfg[0]}" + (f" stop<{cfg[1]}" if cfg[1] else "")
                      + (f" siblings={cfg[2]}" if cfg[2] else "") for cfg in configs}
             drafts = {names[cfg]: HeadDraft(head, S, quantize=q) for cfg in configs}
