@@ -90,11 +90,12 @@ def _packed(weight: Tensor) -> Tensor:
     optimizer step bumps its version): a snapshot that never goes stale."""
     key, version = id(weight), weight._version
     hit = _PACKED.get(key)
-    if hit is None or hit[0]() is not weight or hit[1] != version:
-        if hit is None or hit[0]() is not weight:  # a new weight: forget its copy when it goes
-            weakref.finalize(weight, _PACKED.pop, key, None)
-        hit = (weakref.ref(weight), version, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None))
-        _PACKED[key] = hit
+    new = hit is None or hit[0]() is not weight
+    if new:  # forget its copy when the weight goes
+        weakref.finalize(weight, _PACKED.pop, key, None)
+    if new or hit[1] != version:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+        hit = _PACKED[key] = (weakref.ref(weight), version, packed)
     return hit[2]
 
 
@@ -119,9 +120,9 @@ def _weight_first(x: Tensor, layer: nn.Linear) -> bool:
 
 
 def _linear(x: Tensor, layer: nn.Module) -> Tensor:
-    """A Linear layer at inference. On the CPU in float32 or bfloat16 (`dnn_usable`): oneDNN's kernel over a prepacked copy
-    of the weight, whose cost hardly grows from 1 to 8 rows (MKL's sgemm on few rows is 1.3-2x one row) and which
-    streams the weight faster even for one row. Otherwise the faster of two BLAS layouts on this machine
+    """A Linear layer at inference. On the CPU in float32 or bfloat16 (`dnn_usable`): oneDNN's kernel over a
+    prepacked copy of the weight, whose cost hardly grows from 1 to 8 rows (MKL's sgemm on few rows is 1.3-2x one
+    row) and which streams the weight faster even for one row. Otherwise the faster of two BLAS layouts on this machine
     (`_weight_first`); DRAFTSMITH_LINEAR=xw|wx|dnn fixes one. Other layer types (the int8 draft's quantised
     Linear) run as they are."""
     if type(layer) is not nn.Linear:

@@ -53,8 +53,9 @@ def world(tmp_path_factory) -> dict:
     return {"root": root, "recipe": path, "env": {**os.environ, "DRAFTSMITH_CACHE": str(root / "cache")}}
 
 
-def draftsmith(world: dict, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([str(DRAFTSMITH), *args], capture_output=True, text=True, timeout=900, env=world["env"])
+def draftsmith(world: dict, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([str(DRAFTSMITH), *args], capture_output=True, text=True, timeout=900,
+                          env=env or world["env"])
 
 
 @pytest.fixture(scope="module")
@@ -165,8 +166,7 @@ def test_gen_data_on_two_processes_equals_one_process(world: dict) -> None:
               "--plain-data", "--batch-size", "3", "--teacher", "cache", "--teacher-topk", "4"]
     one, two = world["root"] / "dp-one", world["root"] / "dp-two"
     one_thread = {**world["env"], "OMP_NUM_THREADS": "1"}  # as each of the two processes has
-    r = subprocess.run([str(DRAFTSMITH), *common, "--out", str(one)], capture_output=True, text=True, timeout=900,
-                       env=one_thread)
+    r = draftsmith(world, *common, "--out", str(one), env=one_thread)
     assert r.returncode == 0, r.stderr[-2000:]
     launch = [str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2",
               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "recipes.cli"]
