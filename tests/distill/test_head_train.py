@@ -11,8 +11,9 @@ import torch
 from decode.head import HeadDraft, load_head
 from decode.loading import Loaded
 from distill.head_data import HeadDataConfig, build_head_data, load_head_data, target_features
-from decode.head import ttt_logits, ttt_mask
-from distill.head_train import HeadTrainConfig, train_head
+from decode.head import ttt_attention, ttt_logits, ttt_mask
+from decode.model import dense
+from distill.head_train import HeadTrainConfig, soft_cross_entropy, train_head
 from tests import helpers
 from tests.decode.test_head import random_head, target_hf
 
@@ -25,6 +26,59 @@ def test_ttt_mask_is_what_a_round_sees() -> None:
     assert m[e, 5:10].tolist() == [False, False, False, True, False]
     assert m[e, 10:].tolist() == [False, False, False, False, True]
     assert ttt_mask(4, 1).equal(torch.ones(4, 4, dtype=torch.bool).tril())
+
+
+@pytest.mark.parametrize("Hq,Hkv,j", [(6, 2, 2), (4, 4, 1), (6, 3, 3)])
+def test_ttt_attention_is_masked_softmax_attention_with_hf_head_grouping(Hq, Hkv, j) -> None:
+    g = torch.Generator().manual_seed(Hq * 10 + j)
+    B, E, D = 2, 5, 8
+    q = torch.randn(B, Hq, E, D, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(B, Hkv, j * E, D, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(B, Hkv, j * E, D, generator=g, dtype=torch.float64, requires_grad=True)
+    mask = ttt_mask(E, j)
+    out = ttt_attention(q, k, v, mask)
+    # brute force: kv heads repeated as HF's repeat_kv (query head h reads kv head h // (Hq / Hkv)), one query at a time
+    rep = Hq // Hkv
+    ref = torch.empty_like(out)
+    for b in range(B):
+        for h in range(Hq):
+            for e in range(E):
+                keys = mask[e].nonzero()[:, 0]
+                s = torch.stack([q[b, h, e] @ k[b, h // rep, c] for c in keys]) / D ** 0.5
+                ref[b, h, e] = torch.softmax(s, 0) @ v[b, h // rep, keys]
+    assert torch.allclose(out, ref, atol=1e-12)
+    if Hkv not in (1, Hq):  # negative control: the brute force tells head h -> kv head h % Hkv apart
+        bias = torch.zeros(E, j * E, dtype=torch.float64).masked_fill(~mask, float("-inf"))
+        alt = torch.softmax(q @ k.repeat(1, rep, 1, 1).transpose(-1, -2) / D ** 0.5 + bias, -1) @ v.repeat(1, rep, 1, 1)
+        assert not torch.allclose(alt, ref, atol=1e-6)
+    gq, gk, gv = torch.autograd.grad((out * torch.arange(out.numel()).view_as(out)).sum(), (q, k, v))
+    rq, rk, rv = torch.autograd.grad((ref * torch.arange(ref.numel()).view_as(ref)).sum(), (q, k, v))
+    assert torch.allclose(gq, rq) and torch.allclose(gk, rk) and torch.allclose(gv, rv)
+
+
+def test_soft_cross_entropy_and_its_gradient_against_autograd_in_float64() -> None:
+    g = torch.Generator().manual_seed(0)
+    z = (3 * torch.randn(7, 11, generator=g, dtype=torch.float64)).requires_grad_()
+    p = torch.softmax(torch.randn(7, 11, generator=g, dtype=torch.float64), -1)
+    ce = soft_cross_entropy(z, p)
+    ref = -(p * torch.log_softmax(z, -1)).sum(-1)
+    assert torch.allclose(ce, ref, atol=1e-12)
+    w = torch.randn(7, generator=g, dtype=torch.float64)
+    assert torch.allclose(torch.autograd.grad((ce * w).sum(), z)[0], torch.autograd.grad((ref * w).sum(), z)[0])
+    assert torch.autograd.gradcheck(lambda x: soft_cross_entropy(x, p), (z,))
+    zb = z.detach().bfloat16().requires_grad_()  # bfloat16 logits: the loss in float32, the gradient back in bfloat16
+    out = soft_cross_entropy(zb, p.float())
+    assert out.dtype == torch.float32
+    assert torch.autograd.grad(out.sum(), zb)[0].dtype == torch.bfloat16
+
+
+def test_dense_equals_a_matmul_and_keeps_up_with_in_place_changes() -> None:
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(9, 64, generator=g), torch.randn(300, 64, generator=g)
+    with torch.no_grad():
+        assert torch.allclose(dense(x, w), x @ w.T, atol=1e-4)
+        w.mul_(2)  # a packed copy, if any, follows the weight
+        assert torch.allclose(dense(x, w), x @ w.T, atol=1e-4)
 
 
 @pytest.mark.parametrize("N", [None, 40])
