@@ -391,6 +391,22 @@ class HeadDraft:
         self.e_len = end
         return torch.cat(rows)[-need:]
 
+    @torch.inference_mode()
+    def forward_siblings(self, tokens: Tensor, pos: int) -> Tensor:
+        """Candidates for seq[pos] side by side (a sibling round's): tokens (m,) -> logits (m, V) for the token
+        after each, what `forward(tokens[i:i+1], pos, keep=1)` gives one at a time, in one step: m entries at
+        the same position, each seeing the cache and itself. The head must have drafted seq[pos] (it holds the
+        entries before pos - 1) and is left as it was: the cache slots from pos - 1 on are scratch."""
+        e, m = pos - 1, tokens.shape[0]
+        if e < 1 or e != self.e_len or len(self.feats):
+            raise ValueError(f"forward_siblings at {pos}: the head must have drafted position {pos} last "
+                             f"(it holds {self.e_len} entries and {len(self.feats)} unread features)")
+        mask = torch.ones(m, e + m, dtype=torch.bool, device=tokens.device)
+        mask[:, e:] = torch.eye(m, dtype=torch.bool, device=tokens.device)
+        cos, sin = self.cos[e : e + 1].expand(m, -1), self.sin[e : e + 1].expand(m, -1)
+        g = self.outs[e - 1 : e].expand(m, -1)  # each reads the head's output hidden of the entry before
+        return self.head(g, tokens, cos, sin, self.cache, e, mask, m)[0]
+
     def _entries(self, g: Tensor, start: int, keep: int) -> Tensor:
         """Entries [start, start+T) from g (T, H): their output hidden into `outs`; logits of the last `keep`."""
         T = g.shape[0]

@@ -16,7 +16,10 @@ probable tokens for that one position instead, and the target scores [current to
 c_i sees the context and the current token, not the other candidates; `forward_tree`). The candidates are
 checked in turn (`decode.sampling.verify_candidates`, exact at any temperature); an accepted c_i's KV moves next
 to the current token's (`keep_path`) and its row gives the bonus token. On a CPU, where a verify of 3 rows costs
-little more than one of 2, two siblings at depth 1 can beat a chain of two.
+little more than one of 2, two siblings at depth 1 can beat a chain of two. With `sibling_depth` 2 (drafts that
+have `forward_siblings`: heads) each candidate c_i also gets the draft's most probable next token e_i, drafted for
+all of them in one more step, and the tree [current, c_1..c_m, e_1..e_m] is verified in one forward (2m + 1
+rows): an accepted c_i's row checks e_i the same way (a candidate list of one), so a round emits up to 3 tokens.
 
 A draft head (`decode.head.HeadDraft`, `reads_target`) reads the target instead of running on its own: the
 target keeps its hidden states at the head's layers, and after each target forward the accepted rows go to
@@ -54,7 +57,9 @@ class KPolicy:
     probability falls below it. `siblings` = m >= 2 (with `confidence`): a round whose first draft falls
     below it proposes the draft's m most probable tokens side by side instead, verified together as a tree
     (each reads the context, not the others; one draft step, m + 1 target rows), and at most one of them
-    is accepted. It needs a target with `forward_tree` (the lean runner).
+    is accepted. It needs a target with `forward_tree` (the lean runner). `sibling_depth` = 2 gives each of
+    them the draft's most probable next token too (a second draft step over the m of them, 2m + 1 target rows;
+    drafts with `forward_siblings`, and rounds with room for two tokens).
     """
 
     k: int = 4
@@ -63,6 +68,7 @@ class KPolicy:
     k_max: int = 16
     confidence: float | None = None
     siblings: int = 0
+    sibling_depth: int = 1
 
     def __post_init__(self) -> None:
         if not 1 <= self.k_min <= self.k <= self.k_max:
@@ -72,6 +78,8 @@ class KPolicy:
         check_siblings(self.siblings)
         if self.siblings and self.confidence is None:
             raise ValueError(f"siblings ({self.siblings}) needs a confidence threshold to branch below")
+        if self.sibling_depth not in (1, 2) or (self.sibling_depth == 2 and not self.siblings):
+            raise ValueError(f"sibling_depth must be 1, or 2 with siblings >= 2, got {self.sibling_depth}")
 
     def next_k(self, k: int, n_accepted: int, proposed: int) -> int:
         if not self.dynamic:
@@ -195,6 +203,9 @@ def generate(
     if draft is not None and policy.siblings and not hasattr(target, "forward_tree"):
         raise ValueError(f"sibling rounds need a target runner that verifies trees (forward_tree): "
                          f"{type(target).__name__} does not")
+    if draft is not None and policy.sibling_depth == 2 and not hasattr(draft, "forward_siblings"):
+        raise ValueError(f"sibling_depth 2 needs a draft that drafts after several candidates at once "
+                         f"(forward_siblings): {type(draft).__name__} does not")
     V = target.vocab_size
     eos = set(eos_ids)
     stats = Stats()
@@ -227,6 +238,7 @@ def generate(
         drafts: list[int] = []
         qs: list[Tensor] = []
         siblings: list[int] = []
+        children: list[int] = []  # sibling_depth 2: the draft's next token after each sibling
         if K > 0:
             feed = seq[d_len:]
             for depth in range(K):
@@ -239,6 +251,9 @@ def generate(
                     top = None if policy.confidence is None else float(torch.softmax(logits.float(), -1).max())
                 if depth == 0 and policy.siblings and top < policy.confidence:
                     siblings = torch.topk(logits if q is None else q, policy.siblings).indices.tolist()
+                    if policy.sibling_depth == 2 and K >= 2:
+                        nxt_logits = fit_vocab(draft.forward_siblings(_ids(siblings, device), d_len), V)
+                        children = [int(greedy_token(row)) for row in nxt_logits]
                     break
                 if q is None:
                     tok = int(greedy_token(logits))
@@ -254,16 +269,17 @@ def generate(
             sync()
             t_draft = time.perf_counter()
         pos = len(seq) - 1
+        m = len(siblings)
         if siblings:
-            fed = _ids([seq[-1], *siblings], device)
-            p_logits = target.forward_tree(fed, pos, [-1] + [0] * len(siblings))
+            fed = _ids([seq[-1], *siblings, *children], device)
+            p_logits = target.forward_tree(fed, pos, [-1] + [0] * m + list(range(1, len(children) + 1)))
         else:
             fed = _ids([seq[-1], *drafts], device)
             p_logits = target.forward(fed, pos)  # (len(drafts)+1, V)
         if clock is not None:
             sync()
             t_verify = time.perf_counter()
-        steps = 1 if siblings else len(drafts)  # draft steps this round
+        steps = (2 if children else 1) if siblings else len(drafts)  # draft steps this round
         rows = None  # the target rows of the accepted path, where it is not rows 0..n_acc
         if siblings:
             cands = _ids(siblings, p_logits.device)
@@ -275,9 +291,18 @@ def generate(
             if i >= 0:  # sibling i stands: its row gives the next token; its KV moves next to the root's
                 row = i + 1
                 rows, n_acc, drafts = [0, row], 1, [tok]
+                j = 0
+                if children:  # its row checks its child (a candidate list of one); an accepted child's row goes on
+                    child = _ids(children[i : i + 1], p_logits.device)
+                    j, nxt = (verify_candidates_greedy(p_logits[row], child) if sampling.greedy
+                              else verify_candidates(to_probs(p_logits[row], sampling), child, generator))
+                    if j == 0:
+                        row = 1 + m + i
+                        rows, n_acc, drafts = [0, 1 + i, row], 2, [tok, nxt]
                 target.keep_path(pos, rows)
-                nxt = int(greedy_token(p_logits[row]) if sampling.greedy
-                          else sample(to_probs(p_logits[row], sampling), generator))
+                if j == 0:  # the last accepted row gives the bonus token
+                    nxt = int(greedy_token(p_logits[row]) if sampling.greedy
+                              else sample(to_probs(p_logits[row], sampling), generator))
         elif sampling.greedy:
             n_acc, nxt = verify_greedy(p_logits, _ids(drafts, p_logits.device))
         else:
@@ -289,7 +314,7 @@ def generate(
             else:
                 head.observe(target.last_hidden[rows], fed[rows], pos)
         stats.tau_hist[n_acc + 1] = stats.tau_hist.get(n_acc + 1, 0) + 1
-        proposed = len(siblings) or len(drafts)
+        proposed = m + len(children) or len(drafts)
         stats.drafted += proposed
         stats.accepted += n_acc
         emitted = drafts[:n_acc] + [nxt]

@@ -165,7 +165,8 @@ def carried_rates(rates: list[float | None], depth: int) -> list[float]:
 def validate_head(target_spec: str, head_dir: Path, prompts: list[Prompt], *, standalone: str | None,
                   agreement: list[float | None], k: int, max_k: int, max_new_tokens: int, out: Path,
                   quant: str | None = "int8", device: str = "cpu", standalone_k: int | None = None,
-                  held: list[dict] | None = None, gate: bool = True, siblings: int = 2) -> dict:
+                  held: list[dict] | None = None, gate: bool = True, siblings: int = 2,
+                  sibling_depth: int = 1) -> dict:
     """Time the target alone, the head (`draft_after`) and, when given, the standalone draft the pair stage
     ranked first (`draft_before`, at `standalone_k`, its best predicted K, when given), interleaved on the same
     held-out prompts in one run; write `out`.
@@ -176,13 +177,17 @@ def validate_head(target_spec: str, head_dir: Path, prompts: list[Prompt], *, st
     and with `gate` it also picks a confidence threshold: a round stops after a draft token the head gives less
     than it, which saves the draft steps and verify rows of rounds that would fail, or, with `siblings` = m >= 2
     (where the target runner verifies trees), proposes the head's m most probable first tokens side by side there
-    instead (`KPolicy.siblings`); without `held`, `agreement` (acceptance by depth) predicts fixed-K rounds.
+    instead (`KPolicy.siblings`), and with `sibling_depth` 2 also those rounds with each sibling's next token
+    (`KPolicy.sibling_depth`; the verify of 2m + 1 rows is timed too); without `held`,
+    `agreement` (acceptance by depth) predicts fixed-K rounds.
     Refuses a run whose output differs from the target's greedy output, after writing the numbers."""
     torch.set_grad_enabled(False)
     target = load(target_spec, device=device)
     head = load_head(head_dir, target.model.get_input_embeddings())
     ids = [prompt_ids(target.tokenizer, p.prompt) for p in prompts]
-    max_len = max(max(len(i) for i in ids) + max_new_tokens, COST_CONTEXT) + max(k, max_k, standalone_k or 0) + 2
+    tree_k = 2 * siblings if siblings and sibling_depth == 2 else 0  # tokens a sibling round with children drafts
+    max_len = (max(max(len(i) for i in ids) + max_new_tokens, COST_CONTEXT)
+               + max(k, max_k, standalone_k or 0, tree_k) + 2)
     t_run = make_runner(target.model, max_len)
     drafts: dict = {}
     if standalone:
@@ -191,14 +196,14 @@ def validate_head(target_spec: str, head_dir: Path, prompts: list[Prompt], *, st
     hq = head_quant(head, quant)
     drafts["draft_after"] = HeadDraft(head, max_len, quantize=hq)
     curve: dict[int, float] = {}
-    gated: dict[tuple[int, float, int], float] = {}
-    confidence, sib = None, 0
+    gated: dict[tuple[int, float, int, int], float] = {}
+    confidence, sib, depth = None, 0, 1
     timed: dict = {}  # the head's round, as the calibration decode timed it
     if k:
         why = "set by the recipe"
     else:
-        iso = measure_cost(t_run, None, ks=range(1, max_k + 1), context=COST_CONTEXT, repeats=3, warmup=1,
-                           device=device)
+        iso = measure_cost(t_run, None, ks=range(1, max(max_k, tree_k) + 1), context=COST_CONTEXT, repeats=3,
+                           warmup=1, device=device)
         dc = calibrate_decoder(t_run, drafts["draft_after"], ids[:2], k=1, isolated=iso, max_new_tokens=32,
                                eos_ids=eos_ids(target), device=device)
         timed = {"cost_ratio": dc.draft_step_s / dc.target_token_s,
@@ -206,12 +211,14 @@ def validate_head(target_spec: str, head_dir: Path, prompts: list[Prompt], *, st
                  "decoder_cost": asdict(dc)}
         if held:
             m = siblings if hasattr(t_run, "forward_tree") and siblings <= max_k else 0  # v(m) is timed to max_k
-            curve, gated = _gated_curve(head, held, dc, max_k, max_new_tokens, gate, m)
-            k, confidence, sib = max(gated, key=lambda kc: (gated[kc], -kc[0], -kc[1], -kc[2]))
-            chosen = gated[(k, confidence, sib)]
+            d = sibling_depth if m else 1
+            curve, gated = _gated_curve(head, held, dc, max_k, max_new_tokens, gate, m, d)
+            k, confidence, sib, depth = max(gated, key=lambda kc: (gated[kc], -kc[0], -kc[1], -kc[2], -kc[3]))
+            chosen = gated[(k, confidence, sib, depth)]
             confidence = confidence or None
             best = ", ".join(f"K={K}: {x:.2f}x" for K, x in curve.items())
-            how = (f"proposing the head's {sib} most probable first tokens side by side" if sib else "stopping")
+            how = (f"proposing the head's {sib} most probable first tokens side by side"
+                   + (" with the head's next token after each" if depth == 2 else "") if sib else "stopping")
             why = (f"best predicted from the decoder's rounds walked on the held-out references and the round cost "
                    f"timed in the decoder ({best}"
                    + (f"; {how} where the head's first draft has probability below {confidence}: {chosen:.2f}x"
@@ -227,14 +234,17 @@ def validate_head(target_spec: str, head_dir: Path, prompts: list[Prompt], *, st
     val = validate_drafts(t_run, drafts, ids, k=k, max_new_tokens=max_new_tokens, eos_ids=eos_ids(target),
                           names=[p.id for p in prompts], device=device, ks=ks,
                           confidence={"draft_after": confidence} if confidence else None,
-                          siblings={"draft_after": sib} if sib else None)
+                          siblings={"draft_after": sib} if sib else None,
+                          sibling_depth={"draft_after": depth} if depth == 2 else None)
     result = {"target": target_spec, "draft": standalone, "distilled": str(head_dir), "kind": HEAD,
               "labels": {"draft_before": f"standalone draft ({standalone})", "draft_after": "head"},
-              **val.to_dict(), "k_reason": why, "predicted_speedup": gated.get((k, confidence or 0.0, sib), curve.get(k)),
+              **val.to_dict(), "k_reason": why,
+              "predicted_speedup": gated.get((k, confidence or 0.0, sib, depth), curve.get(k)),
               "predicted_speedup_by_k": {str(K): x for K, x in curve.items()}, "confidence": confidence,
-              "siblings": sib,
-              "predicted_speedup_gated": {f"K={K} below {c}" + (f", {m} siblings" if m else ""): x
-                                          for (K, c, m), x in gated.items() if c},
+              "siblings": sib, "sibling_depth": depth,
+              "predicted_speedup_gated": {f"K={K} below {c}" + (f", {m} siblings" if m else "")
+                                          + (" with children" if d == 2 else ""): x
+                                          for (K, c, m, d), x in gated.items() if c},
               "draft_quant": quant if standalone else None, "head_quant": hq,
               "alpha": agreement[0] if agreement else None, "cost_ratio": timed.get("cost_ratio"),
               "verify_cost": timed.get("verify_cost", {}), "decoder_cost": timed.get("decoder_cost"),
@@ -251,12 +261,13 @@ def validate_head(target_spec: str, head_dir: Path, prompts: list[Prompt], *, st
 GATES = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # the thresholds `validate_head` predicts for
 
 
-def _gated_curve(head, held: list[dict], dc, max_k: int, tokens: int, gate: bool,
-                 siblings: int = 0) -> tuple[dict[int, float], dict[tuple[int, float, int], float]]:
-    """Predicted speedups: by K for fixed rounds, and by (K, threshold, m) for rounds that stop early (m = 0;
-    threshold 0: never; only K >= 2 can stop early) or, m = `siblings` >= 2, propose m first tokens side by side
-    below the threshold, walking the decoder's own rounds on the head's teacher-forced records of the held-out
-    references (`round_walk`, exact at temperature 0) over the round cost timed in the decoder."""
+def _gated_curve(head, held: list[dict], dc, max_k: int, tokens: int, gate: bool, siblings: int = 0,
+                 sibling_depth: int = 1) -> tuple[dict[int, float], dict[tuple[int, float, int, int], float]]:
+    """Predicted speedups: by K for fixed rounds, and by (K, threshold, m, depth) for rounds that stop early
+    (m = 0; threshold 0: never; only K >= 2 can stop early) or, m = `siblings` >= 2, propose m first tokens
+    side by side below the threshold (depth 2, up to `sibling_depth`: with each one's next token, K >= 2),
+    walking the decoder's own rounds on the head's teacher-forced records of the held-out references
+    (`round_walk`, exact at temperature 0) over the round cost timed in the decoder."""
     records = depth_records(head, held, max_k, ranks=True)
     curve, gated = {}, {}
     for K in range(1, max_k + 1):
@@ -264,9 +275,10 @@ def _gated_curve(head, held: list[dict], dc, max_k: int, tokens: int, gate: bool
             for m in ((0, siblings) if siblings and thr else (0,)):
                 if K == 1 and thr and not m:
                     continue  # a round of one draft has nothing to stop early
-                n, rounds = round_walk(records, K, thr, budget=tokens, siblings=m)
-                gated[(K, thr, m)] = dc.walk_speedup(n, rounds, len(records))
-        curve[K] = gated[(K, 0.0, 0)]
+                for d in range(1, (sibling_depth if m and K >= 2 else 1) + 1):
+                    n, rounds = round_walk(records, K, thr, budget=tokens, siblings=m, sibling_depth=d)
+                    gated[(K, thr, m, d)] = dc.walk_speedup(n, rounds, len(records))
+        curve[K] = gated[(K, 0.0, 0, 1)]
     return curve, gated
 
 

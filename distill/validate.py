@@ -39,6 +39,7 @@ class ValidateConfig:
     gate: bool = True  # heads, k = 0: also pick a draft probability below which a round stops early
     siblings: int = 2  # heads, with gate: also predict rounds that propose this many first tokens side by side
     # where the head is unsure (a tree verify; 0 = never), and run them if they predict best
+    sibling_depth: int = 1  # 2: also predict those rounds with the head's next token after each sibling (2m + 1 rows)
 
     def __post_init__(self) -> None:
         for name in ("prompts_per_domain", "max_new_tokens", "max_k"):
@@ -47,6 +48,8 @@ class ValidateConfig:
         if self.k < 0:
             raise ValueError(f"k must be >= 0 (0 = best measured), got {self.k}")
         check_siblings(self.siblings)
+        if self.sibling_depth not in (1, 2):
+            raise ValueError(f"sibling_depth must be 1 or 2, got {self.sibling_depth}")
         if self.draft_quant not in (None, "int8"):
             raise ValueError(f"draft_quant must be int8 or null, got {self.draft_quant!r}")
 

@@ -294,19 +294,24 @@ def gated_walk(rows: Sequence[tuple[Tensor, ...]], K: int, threshold: float, *,
 
 
 def round_walk(rows: Sequence[tuple[Tensor, ...]], K: int, threshold: float, *, budget: int,
-               siblings: int = 0) -> tuple[int, list[tuple[int, int]]]:
+               siblings: int = 0, sibling_depth: int = 1) -> tuple[int, list[tuple[int, int]]]:
     """`gated_walk`, with sibling rounds (`KPolicy(confidence=threshold, siblings=m)`) when `siblings` = m >= 2:
     a round whose depth-1 token has a draft probability below `threshold` proposes the draft's m most probable
     tokens for that position in one draft step, and emits two tokens when the target's is among them, else one.
     Those rows need a third entry, ranks (T,): where the target's token n stands in the draft's depth-1
-    distribution (0: its top token, which is what hits[0] says). Returns (tokens emitted, (draft steps, tokens
-    drafted) of every round)."""
+    distribution (0: its top token, which is what hits[0] says). With `sibling_depth` 2 (`KPolicy.sibling_depth`)
+    a sibling round with room for two tokens also drafts each sibling's next token (two draft steps, 2m tokens)
+    and emits three tokens when the target's token is a sibling and hits[1] (the draft's depth-2 token after the
+    target's own, which is what the accepted sibling's child is) holds too. Returns (tokens emitted, (draft
+    steps, tokens drafted) of every round)."""
     _check_k(K)
     if budget < 1:
         raise ValueError(f"budget must be >= 1, got {budget}")
     if not 0.0 <= threshold <= 1.0:
         raise ValueError(f"threshold must lie in [0, 1], got {threshold}")
     check_siblings(siblings)
+    if sibling_depth not in (1, 2) or (sibling_depth == 2 and not siblings):
+        raise ValueError(f"sibling_depth must be 1, or 2 with siblings, got {sibling_depth}")
     tokens, rounds = 0, []
     for row in rows:
         hits, tops = row[0], row[1]
@@ -325,8 +330,11 @@ def round_walk(rows: Sequence[tuple[Tensor, ...]], K: int, threshold: float, *, 
             k = min(K, budget - n - 1)
             if k > 0 and siblings and p[0][n] < threshold:
                 a = 1 if rank[n] < siblings else 0
+                two = sibling_depth == 2 and k >= 2
+                if two and a and h[1][n] == 1:
+                    a = 2
                 n += min(a + 1, T - n)
-                rounds.append((1, siblings))
+                rounds.append((2, 2 * siblings) if two else (1, siblings))
                 continue
             d = 1 if k > 0 else 0
             while d and d < k and p[d - 1][n] >= threshold:

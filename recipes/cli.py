@@ -75,7 +75,7 @@ def _policy(args: argparse.Namespace):
 
     try:
         return KPolicy(k=args.k, dynamic=args.dynamic_k, k_max=max(16, args.k), confidence=args.confidence,
-                       siblings=args.siblings)
+                       siblings=args.siblings, sibling_depth=args.sibling_depth)
     except ValueError as e:
         raise DraftsmithError(str(e)) from None
 
@@ -372,6 +372,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--confidence", type=float, default=None, help="stop drafting below this draft probability")
     p.add_argument("--siblings", type=int, default=0,
                    help="with --confidence: below it, propose the draft's N most probable first tokens side by side")
+    p.add_argument("--sibling-depth", type=int, default=1, choices=[1, 2],
+                   help="2: each of those first tokens also gets the draft's next token (heads)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)

@@ -288,7 +288,8 @@ def _validation(doc: Doc, run: Path) -> None:
             st = val.stats[name]
             K = val.ks.get(name, val.k)
             if name == "draft_after" and b.get("siblings"):  # below this, the head's top m go side by side
-                K = f"{K}, {b['siblings']} side by side below p {b['confidence']}"
+                K = (f"{K}, {b['siblings']} side by side below p {b['confidence']}"
+                     + (", each with its next token" if b.get("sibling_depth") == 2 else ""))
             elif name == "draft_after" and b.get("confidence"):  # the head's rounds stop early below this
                 K = f"{K}, stops below p {b['confidence']}"
             rows.append([label, "-" if name == "target_only" else K, tps[name],

@@ -198,7 +198,7 @@ def stage_validate(recipe: Recipe, run: RunFolder) -> dict:
                                max_k=min(v.max_k, 4), max_new_tokens=v.max_new_tokens,
                                out=run.path("validate") / "bench.json", quant=v.draft_quant, device=recipe.device,
                                held=held_rows(run.path("distill")), gate=v.gate,
-                               siblings=v.siblings)
+                               siblings=v.siblings, sibling_depth=v.sibling_depth)
         return {"k": result["k"], "speedup_vs_target_only": result["speedup_vs_target_only"], "greedy_equal": True}
     distilled = read_json(run.path("distill") / "distill.json", missing_ok=True, what="distillation result")
     draft = distilled["draft"] if distilled else choose_draft(recipe, run)

@@ -80,6 +80,9 @@ def main() -> None:
     ap.add_argument("--siblings", default="0",
                     help="bench with --confidences: also run every (K, threshold > 0) proposing the head's top N "
                          "first tokens side by side below the threshold, for each N of a comma-separated list")
+    ap.add_argument("--sibling-depths", default="1",
+                    help="bench: with --siblings, 1 (siblings only), 2 (each with the head's next token too) or 1,2")
+    ap.add_argument("--gated-name", default="bench-gated.json", help="bench: the file --confidences writes")
     ap.add_argument("--confidences", default="",
                     help="bench: comma-separated draft probabilities below which a round stops early (0 = never); "
                          "every (K, threshold) runs interleaved in one run with the target alone -> bench-gated.json")
@@ -130,21 +133,25 @@ def main() -> None:
             sibs = [int(m) for m in args.siblings.split(",") if int(m)]
             configs = [(k, c) for k in ks for c in confs if k > 1 or c == 0]
             q = quants[-1]
-            configs = [(k, c, 0) for k, c in configs] + [(k, c, m) for m in sibs for k in ks for c in confs if c]
+            depths = [int(d) for d in args.sibling_depths.split(",")]
+            configs = [(k, c, 0, 1) for k, c in configs] + [(k, c, m, d) for m in sibs for d in depths for k in ks
+                                                            for c in confs if c and (d == 1 or k > 1)]
             names = {cfg: f"K={cfg[0]}" + (f" stop<{cfg[1]}" if cfg[1] else "")
-                     + (f" siblings={cfg[2]}" if cfg[2] else "") for cfg in configs}
+                     + (f" siblings={cfg[2]}" if cfg[2] else "") + (" children" if cfg[3] == 2 else "")
+                     for cfg in configs}
             drafts = {names[cfg]: HeadDraft(head, S, quantize=q) for cfg in configs}
             val = validate_drafts(t_run, drafts, ids, k=ks[0], max_new_tokens=args.bench_new_tokens,
                                   eos_ids=eos_ids(target), names=[p.id for p in held_p], desc="bench",
                                   ks={names[cfg]: cfg[0] for cfg in configs},
                                   confidence={names[cfg]: cfg[1] for cfg in configs if cfg[1]},
-                                  siblings={names[cfg]: cfg[2] for cfg in configs if cfg[2]})
+                                  siblings={names[cfg]: cfg[2] for cfg in configs if cfg[2]},
+                                  sibling_depth={names[cfg]: cfg[3] for cfg in configs})
             result.pop("by_k")
             result.update(val.to_dict(), head_quant=q, confidence={names[c]: c[1] for c in configs},
-                          siblings={names[c]: c[2] for c in configs},
+                          siblings={names[c]: c[2] for c in configs}, sibling_depth={names[c]: c[3] for c in configs},
                           drafted_per_round={n: val.stats[n].drafted / val.stats[n].target_forwards for n in drafts})
             _say(val, drafts)
-            atomic_write_json(args.out / "bench-gated.json", result)
+            atomic_write_json(args.out / args.gated_name, result)
             return
         for k in ks:
             drafts = {("head" if q is None else f"head-{q}"): HeadDraft(head, S, quantize=q) for q in quants}

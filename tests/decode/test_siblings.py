@@ -190,13 +190,13 @@ def test_a_sibling_check_that_always_accepts_fails_the_law_test(monkeypatch) -> 
     assert chi2_pvalue(sibling_counts(target, draft, params, n, 2)[0], law, n) < 1e-6
 
 
-def sibling_counts(target, draft, params, n, m) -> tuple[dict, set]:
+def sibling_counts(target, draft, params, n, m, depth: int = 1) -> tuple[dict, set]:
     from tests.decode.test_speculative import N_NEW
 
     g = torch.Generator().manual_seed(0)
     counts: dict = {}
     clock = RoundClock()
-    policy = KPolicy(k=2, confidence=0.9, siblings=m)
+    policy = KPolicy(k=2, confidence=0.9, siblings=m, sibling_depth=depth)
     for _ in range(n):
         out = generate(target, [1, 3], draft=draft, max_new_tokens=N_NEW, sampling=params, policy=policy, generator=g,
                        clock=clock)
@@ -213,3 +213,96 @@ def test_policy_and_runner_checks() -> None:
     with pytest.raises(ValueError, match="forward_tree"):
         generate(HFRunner(hf, 64), [1, 2], draft=make_runner(hf, 64), max_new_tokens=4,
                  policy=KPolicy(k=2, confidence=0.5, siblings=2))
+
+
+# --- sibling_depth 2: each sibling also gets the head's next token ---------------------------------------
+
+
+def test_forward_siblings_equals_one_candidate_at_a_time() -> None:
+    hf = target_hf(4, mix=0.5)
+    target = make_runner(hf, 64)
+    draft = HeadDraft(random_head(hf, 30, seed=4, scale=3.0), 64)
+    target.capture_layers = draft.capture_layers
+    seq = [1, 5, 7, 9, 11]
+    target.forward(torch.tensor(seq[:-1]), 0)
+    draft.observe(target.last_hidden, torch.tensor(seq[:-1]), 0)
+    draft.forward(torch.tensor(seq[-2:]), 3, keep=1)  # drafts position 5: entries 0..3 in its cache
+    cands = torch.tensor([2, 40, 17])
+    together = draft.forward_siblings(cands, 5)
+    assert together.shape == (3, hf.config.vocab_size)
+    for i, c in enumerate(cands.tolist()):  # one at a time, each recomputing entry 4 with its own token
+        alone = draft.forward(torch.tensor([c]), 5, keep=1)
+        assert torch.allclose(together[i], alone[0], atol=1e-12, rtol=0)
+    assert not torch.allclose(together[0], together[1])  # the candidates differ: a test that can fail
+    with pytest.raises(ValueError, match="forward_siblings"):
+        draft.forward_siblings(cands, 7)  # the head drafted 5, not 7
+
+
+def children_policies() -> list[KPolicy]:
+    return [KPolicy(k=k, confidence=c, siblings=m, sibling_depth=2) for k, c, m in
+            [(2, 0.7, 2), (3, 0.9, 3), (2, 0.999, 2), (4, 0.3, 4), (1, 0.999, 3)]]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_greedy_equals_target_greedy_with_children(seed: int) -> None:
+    h_hf = target_hf(seed, mix=0.0)
+    h_target = make_runner(h_hf, 128)
+    for prompt, policy in itertools.product(PROMPTS, children_policies()):
+        h_ref = generate(h_target, prompt, max_new_tokens=30).tokens
+        for head in (random_head(h_hf, 30, seed=seed), mimic_head(h_hf)):
+            clock = RoundClock()
+            out = generate(h_target, prompt, draft=HeadDraft(head, 128), max_new_tokens=30, policy=policy, clock=clock)
+            assert out.tokens == h_ref, policy
+            if policy.k >= 2 and policy.confidence > 0.99:  # every drafting round with room for two branches
+                assert any(r[4] == 2 and r[0] == 2 * policy.siblings for r in clock.rounds)
+
+
+def test_children_are_accepted_through_the_tree_and_counted() -> None:
+    """A mimic head on a bigram target agrees with it at depth 1 often: under a threshold no draft reaches,
+    every round is a sibling round with children, and some accept three tokens (sibling, child, bonus)."""
+    h_hf = target_hf(2, mix=0.0)
+    target = make_runner(h_hf, 128)
+    prompt = [1, 5, 7]
+    ref = generate(target, prompt, max_new_tokens=40).tokens
+    clock = RoundClock()
+    out = generate(target, prompt, draft=HeadDraft(mimic_head(h_hf), 128), max_new_tokens=40, clock=clock,
+                   policy=KPolicy(k=2, confidence=0.999999, siblings=3, sibling_depth=2))
+    assert out.tokens == ref
+    assert out.stats.tau_hist.get(3, 0) > 0  # children accepted
+    drafted = [r for r in clock.rounds if r[0]]
+    assert all(r[0] in (3, 6) for r in drafted) and sum(r[0] == 6 for r in drafted) > 0
+    assert out.stats.drafted == sum(r[0] for r in drafted)
+
+
+@pytest.mark.parametrize("params,m", [(SamplingParams(1.0), 2), (SamplingParams(0.7, top_k=3), 3)])
+def test_sampled_output_law_with_children(params: SamplingParams, m: int) -> None:
+    """As for sibling rounds (3000 draws, chi-square over all 64 continuations of 3 tokens, V = 4); the first
+    round of each draw has room for two tokens and drafts children."""
+    n = 3000
+    hf, target, draft = sibling_law_pair()
+    law = target_sequence_law(hf, [1, 3], params)
+    counts, drafted = sibling_counts(target, draft, params, n, m, depth=2)
+    assert 2 * m in drafted  # children were drafted
+    assert chi2_pvalue(counts, law, n) > 1e-3
+
+
+def test_a_child_check_that_always_accepts_fails_the_law_test(monkeypatch) -> None:
+    """Negative control: the siblings checked honestly, a child (a candidate list of one) always accepted."""
+    params, n = SamplingParams(1.0), 1000
+    hf, target, draft = sibling_law_pair()
+    law = target_sequence_law(hf, [1, 3], params)
+    honest = decode.speculative.verify_candidates
+    monkeypatch.setattr(decode.speculative, "verify_candidates",
+                        lambda p, cands, g: (0, int(cands[0])) if cands.numel() == 1 else honest(p, cands, g))
+    assert chi2_pvalue(sibling_counts(target, draft, params, n, 2, depth=2)[0], law, n) < 1e-6
+
+
+def test_children_need_a_draft_that_drafts_after_siblings() -> None:
+    with pytest.raises(ValueError, match="sibling_depth"):
+        KPolicy(k=2, sibling_depth=2)  # no siblings
+    with pytest.raises(ValueError, match="sibling_depth"):
+        KPolicy(k=2, confidence=0.5, siblings=2, sibling_depth=3)
+    hf = tiny_hf(5)
+    with pytest.raises(ValueError, match="forward_siblings"):
+        generate(make_runner(hf, 64), [1, 2], draft=make_runner(hf, 64), max_new_tokens=4,
+                 policy=KPolicy(k=2, confidence=0.5, siblings=2, sibling_depth=2))

@@ -288,12 +288,13 @@ def load_prompts_folder(path):
     return load_prompts(path)
 
 
-@pytest.mark.parametrize("K,threshold,siblings", [(1, 0.0, 0), (2, 0.0, 0), (3, 0.0, 0), (2, 0.5, 0), (3, 0.3, 0),
-                                                   (4, 0.9, 0), (1, 0.9, 2), (2, 0.7, 2), (3, 0.95, 3)])
-def test_walking_depth_records_gives_the_decoders_own_rounds(K, threshold, siblings) -> None:
+@pytest.mark.parametrize("K,threshold,siblings,depth", [
+    (1, 0.0, 0, 1), (2, 0.0, 0, 1), (3, 0.0, 0, 1), (2, 0.5, 0, 1), (3, 0.3, 0, 1), (4, 0.9, 0, 1), (1, 0.9, 2, 1),
+    (2, 0.7, 2, 1), (3, 0.95, 3, 1), (2, 0.7, 2, 2), (3, 0.95, 3, 2), (2, 0.9999, 3, 2)])
+def test_walking_depth_records_gives_the_decoders_own_rounds(K, threshold, siblings, depth) -> None:
     """At temperature 0 the walk over the head's teacher-forced records is the decoder's count: the same number
-    of tokens, the same drafts and draft steps in every round (stopping early and sibling rounds included), the
-    same tau."""
+    of tokens, the same drafts and draft steps in every round (stopping early, sibling rounds and their children
+    included), the same tau."""
     from decode.model import make_runner
     from decode.speculative import KPolicy, RoundClock, generate
     from distill.head_train import depth_records
@@ -312,15 +313,15 @@ def test_walking_depth_records_gives_the_decoders_own_rounds(K, threshold, sibli
         feats = torch.cat([out.hidden_states[i][0] for i in head.config.aux_layers], dim=-1)
         row = {"tokens": tokens, "features": feats, "next": out.logits[0].argmax(-1), "prompt_len": len(prompt)}
         n, rounds = round_walk(depth_records(head, [row], K, ranks=True), K, threshold, budget=budget,
-                               siblings=siblings)
+                               siblings=siblings, sibling_depth=depth)
         clock = RoundClock()
         res = generate(target, prompt, draft=HeadDraft(head, 128), max_new_tokens=budget, clock=clock,
-                       policy=KPolicy(k=K, confidence=threshold or None, siblings=siblings))
+                       policy=KPolicy(k=K, confidence=threshold or None, siblings=siblings, sibling_depth=depth))
         assert res.tokens == ref[:budget] and n == budget
         assert rounds == [(r[4], r[0]) for r in clock.rounds], (prompt, K, threshold)
         assert res.stats.accepted > 0 and res.stats.mean_tau == budget / len(rounds)
-    if siblings:
-        assert any(r[0] == siblings for r in clock.rounds)  # sibling rounds were walked, not only chains
+    if siblings:  # sibling rounds were walked, not only chains (with children where asked)
+        assert any(r[0] == depth * siblings and r[4] == depth for r in clock.rounds)
 
 
 def test_depth_records_refuse_rows_without_rounds() -> None:

@@ -403,6 +403,16 @@ def test_sibling_walk_by_hand():
     assert round_walk([(hits, tops, far)], 2, 0.95, budget=100, siblings=3) == (6, [(1, 3)] * 3)
     # without siblings it is gated_walk, steps = drafts
     assert round_walk([(hits, tops)], 2, 0.5, budget=100) == (6, [(2, 2), (1, 1), (2, 2)])
+    # sibling_depth 2: a sibling round with room for two tokens drafts children (2 steps, 2m tokens) and emits
+    # three tokens where the target's token is a sibling and hits[1] holds: 0 -> 3 -> 6
+    assert round_walk([(hits, tops, rank)], 2, 0.95, budget=100, siblings=2, sibling_depth=2) == (6, [(2, 4)] * 2)
+    missed = hits.clone()
+    missed[1, 0] = 0  # the child of the round from 0 misses: 0 -> 2 -> 5 (rank 1 at 2, its child hits) -> 6
+    assert round_walk([(missed, tops, rank)], 2, 0.95, budget=100, siblings=2, sibling_depth=2) == (6, [(2, 4)] * 3)
+    # no room for two tokens (budget 2): a plain sibling round
+    assert round_walk([(hits, tops, rank)], 2, 0.95, budget=2, siblings=2, sibling_depth=2) == (2, [(1, 2)])
+    with pytest.raises(ValueError, match="sibling_depth"):
+        round_walk([(hits, tops, rank)], 2, 0.95, budget=100, sibling_depth=2)
     with pytest.raises(ValueError, match="ranks"):
         round_walk([(hits, tops)], 2, 0.5, budget=100, siblings=2)
     with pytest.raises(ValueError, match="siblings"):
