@@ -202,8 +202,10 @@ def validate_head(target_spec: str, head_dir: Path, prompts: list[Prompt], *, st
     if k:
         why = "set by the recipe"
     else:
-        iso = measure_cost(t_run, None, ks=range(1, max(max_k, tree_k) + 1), context=COST_CONTEXT, repeats=3,
-                           warmup=1, device=device)
+        # 9 interleaved repeats (median): with 3, one stall on a busy machine set v(2..4) ~1.29 where they are
+        # ~1.01 (run 13's second validate), which ruled out sibling rounds that measured 1.41-1.43x
+        iso = measure_cost(t_run, None, ks=range(1, max(max_k, tree_k) + 1), context=COST_CONTEXT, repeats=9,
+                           warmup=2, device=device)
         dc = calibrate_decoder(t_run, drafts["draft_after"], ids[:2], k=1, isolated=iso, max_new_tokens=32,
                                eos_ids=eos_ids(target), device=device)
         timed = {"cost_ratio": dc.draft_step_s / dc.target_token_s,
