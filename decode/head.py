@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from decode.io import atomic_path, atomic_write_json, read_json
 from decode.kv_cache import KVCache
-from decode.model import _linear, _rms_norm, _rotate_half, quantize_linears_int8
+from decode.model import _linear, _rms_norm, _rotate_half, grouped_attention, quantize_linears_int8
 
 
 def default_aux_layers(n_layers: int) -> tuple[int, int, int]:
@@ -252,21 +252,6 @@ def ttt_mask(E: int, j: int, device=None) -> Tensor:
     return torch.cat(blocks, dim=1)
 
 
-def ttt_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-    """Attention of q (B, Hq, E, D) over k, v (B, Hkv, S, D) where `mask` (E, S) allows, query head h reading kv
-    head h // (Hq / Hkv) (HF's repeat_kv): as two matmuls, scores and softmax in float32 (at least). On the CPU,
-    forward and backward together take half the time of torch's flash kernel with a mask at training's shapes
-    (8 rows of ~200 entries, two depths); every query row sees at least one key (its own chain)."""
-    B, Hq, E, D = q.shape
-    Hkv, S = k.shape[1], k.shape[2]
-    G = Hq // Hkv
-    scores = (q.reshape(B, Hkv, G * E, D) @ k.transpose(-1, -2)).view(B, Hkv, G, E, S)  # heads of a group share k
-    bias = torch.zeros(E, S, dtype=torch.promote_types(scores.dtype, torch.float32), device=q.device)
-    scores = scores.to(bias.dtype) * D ** -0.5 + bias.masked_fill_(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(B, Hkv, G * E, S)
-    return (probs @ v).view(B, Hq, E, D)
-
-
 def ttt_logits(head: Eagle3Head, features: Tensor, tokens: Tensor, steps: int, start: int = 0) -> list[Tensor]:
     """Draft-vocabulary logits (E - start, N) of entries [start, E) at depths 1..steps (E = len(tokens) - 1).
     Every entry is still computed (the later ones attend to it); `start` only skips the output head before it.
@@ -294,7 +279,7 @@ def ttt_hidden(head: Eagle3Head, features: Tensor, tokens: Tensor, steps: int) -
             g = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], dim=1)
         q, k, v = _qkv(head, emb, g, cos, sin)
         keys.append(k), values.append(v)
-        o = ttt_attention(q, torch.cat(keys, 2), torch.cat(values, 2), ttt_mask(E, j, tokens.device))
+        o = grouped_attention(q, torch.cat(keys, 2), torch.cat(values, 2), ttt_mask(E, j, tokens.device))
         h = g + layer.self_attn.o_proj(o.transpose(1, 2).reshape(B, E, -1))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
         out.append(h)

@@ -48,6 +48,12 @@ def check_siblings(m: int) -> None:
         raise ValueError(f"siblings must be 0 (never) or >= 2, got {m}")
 
 
+def check_sibling_depth(depth: int, siblings: int) -> None:
+    """Sibling rounds go 1 deep (the siblings) or 2 (each with the draft's next token); 2 needs siblings."""
+    if depth not in (1, 2) or (depth == 2 and not siblings):
+        raise ValueError(f"sibling_depth must be 1, or 2 with siblings >= 2, got {depth}")
+
+
 @dataclass(frozen=True)
 class KPolicy:
     """How many tokens the draft proposes per round.
@@ -78,8 +84,7 @@ class KPolicy:
         check_siblings(self.siblings)
         if self.siblings and self.confidence is None:
             raise ValueError(f"siblings ({self.siblings}) needs a confidence threshold to branch below")
-        if self.sibling_depth not in (1, 2) or (self.sibling_depth == 2 and not self.siblings):
-            raise ValueError(f"sibling_depth must be 1, or 2 with siblings >= 2, got {self.sibling_depth}")
+        check_sibling_depth(self.sibling_depth, self.siblings)
 
     def next_k(self, k: int, n_accepted: int, proposed: int) -> int:
         if not self.dynamic:

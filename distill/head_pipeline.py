@@ -213,8 +213,7 @@ def validate_head(target_spec: str, head_dir: Path, prompts: list[Prompt], *, st
                  "decoder_cost": asdict(dc)}
         if held:
             m = siblings if hasattr(t_run, "forward_tree") and siblings <= max_k else 0  # v(m) is timed to max_k
-            d = sibling_depth if m else 1
-            curve, gated = _gated_curve(head, held, dc, max_k, max_new_tokens, gate, m, d)
+            curve, gated = _gated_curve(head, held, dc, max_k, max_new_tokens, gate, m, sibling_depth)
             k, confidence, sib, depth = max(gated, key=lambda kc: (gated[kc], -kc[0], -kc[1], -kc[2], -kc[3]))
             chosen = gated[(k, confidence, sib, depth)]
             confidence = confidence or None

@@ -42,7 +42,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from decode.speculative import check_siblings
+from decode.speculative import check_sibling_depth, check_siblings
 from pairing.cost import speedup_from_tau
 
 BetaRows = Tensor | Sequence[Tensor | Sequence[float]]
@@ -310,8 +310,7 @@ def round_walk(rows: Sequence[tuple[Tensor, ...]], K: int, threshold: float, *, 
     if not 0.0 <= threshold <= 1.0:
         raise ValueError(f"threshold must lie in [0, 1], got {threshold}")
     check_siblings(siblings)
-    if sibling_depth not in (1, 2) or (sibling_depth == 2 and not siblings):
-        raise ValueError(f"sibling_depth must be 1, or 2 with siblings, got {sibling_depth}")
+    check_sibling_depth(sibling_depth, siblings)
     tokens, rounds = 0, []
     for row in rows:
         hits, tops = row[0], row[1]

@@ -11,8 +11,8 @@ import torch
 from decode.head import HeadDraft, load_head
 from decode.loading import Loaded
 from distill.head_data import HeadDataConfig, build_head_data, load_head_data, target_features
-from decode.head import ttt_attention, ttt_logits, ttt_mask
-from decode.model import dense
+from decode.head import ttt_logits, ttt_mask
+from decode.model import dense, grouped_attention
 from distill.head_train import HeadTrainConfig, soft_cross_entropy, train_head
 from tests import helpers
 from tests.decode.test_head import random_head, target_hf
@@ -29,14 +29,14 @@ def test_ttt_mask_is_what_a_round_sees() -> None:
 
 
 @pytest.mark.parametrize("Hq,Hkv,j", [(6, 2, 2), (4, 4, 1), (6, 3, 3)])
-def test_ttt_attention_is_masked_softmax_attention_with_hf_head_grouping(Hq, Hkv, j) -> None:
+def test_grouped_attention_is_masked_softmax_attention_with_hf_head_grouping(Hq, Hkv, j) -> None:
     g = torch.Generator().manual_seed(Hq * 10 + j)
     B, E, D = 2, 5, 8
     q = torch.randn(B, Hq, E, D, generator=g, dtype=torch.float64, requires_grad=True)
     k = torch.randn(B, Hkv, j * E, D, generator=g, dtype=torch.float64, requires_grad=True)
     v = torch.randn(B, Hkv, j * E, D, generator=g, dtype=torch.float64, requires_grad=True)
     mask = ttt_mask(E, j)
-    out = ttt_attention(q, k, v, mask)
+    out = grouped_attention(q, k, v, mask)
     # brute force: kv heads repeated as HF's repeat_kv (query head h reads kv head h // (Hq / Hkv)), one query at a time
     rep = Hq // Hkv
     ref = torch.empty_like(out)
