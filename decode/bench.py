@@ -66,18 +66,13 @@ def _summary(tokens: int, seconds: float, per_prompt: list[dict]) -> dict:
 def side_by_side(
     target: Runner, drafts: dict[str, Runner | None], prompts: list[list[int]], *, k: int, max_new_tokens: int,
     eos_ids: list[int], desc: str | None = None, device: str | torch.device = "cpu",
-    ks: dict[str, int] | None = None, confidence: dict[str, float] | None = None,
-    siblings: dict[str, int] | None = None, sibling_depth: dict[str, int] | None = None,
+    policies: dict[str, KPolicy] | None = None,
 ) -> dict[str, tuple[Stats, list[list[int]]]]:
     """Our decoder on the same prompts with each draft (None = target only), interleaved per prompt so that
-    drift on a noisy machine hits every mode alike; a short warm-up first. Every draft drafts `k` tokens a round,
-    or `ks[name]` where given, stops a round early below `confidence[name]` where given, and proposes
-    `siblings[name]` tokens side by side there where given, each with the draft's next token where
-    `sibling_depth[name]` is 2 (KPolicy). Returns name -> (merged stats, tokens)."""
-    policies = {name: KPolicy(k=K, k_max=max(16, K), confidence=(confidence or {}).get(name),
-                              siblings=(siblings or {}).get(name, 0),
-                              sibling_depth=(sibling_depth or {}).get(name, 1))
-                for name in drafts for K in [(ks or {}).get(name, k)]}
+    drift on a noisy machine hits every mode alike; a short warm-up first. Each draft runs `policies[name]` where
+    given (K, stop threshold, siblings: one `KPolicy`), else fixed rounds of `k`. Returns name -> (merged stats,
+    tokens)."""
+    policies = {name: (policies or {}).get(name) or KPolicy(k=k, k_max=max(16, k)) for name in drafts}
     for name, d in drafts.items():
         generate(target, prompts[0][:16], draft=d, max_new_tokens=4, policy=policies[name], device=device)  # warm-up
     out: dict[str, tuple[Stats, list[list[int]]]] = {name: (Stats(), []) for name in drafts}
@@ -169,13 +164,13 @@ class Validation:
 def validate_drafts(
     target: Runner, drafts: dict[str, Runner], prompts: list[list[int]], *, k: int, max_new_tokens: int,
     eos_ids: list[int], names: list[str] | None = None, greedy: bool = True, desc: str | None = "validate",
-    device: str | torch.device = "cpu", ks: dict[str, int] | None = None, confidence: dict[str, float] | None = None,
-    siblings: dict[str, int] | None = None, sibling_depth: dict[str, int] | None = None,
+    device: str | torch.device = "cpu", policies: dict[str, KPolicy] | None = None,
 ) -> Validation:
     """The measured speedup: target alone and with each draft on the same prompts, side by side in one run.
 
-    The one home of validation: `pair --validate`, `distill` (before/after) and the recipe's validate stage call it.
-    `greedy=False` (sampled decoding) records greedy_equal as None: sampled outputs need not match."""
+    Each draft runs `policies[name]` (one `KPolicy`) where given, else fixed rounds of `k`. The timing core of
+    every validation: `pairing.validate` (the recipe's validate stage), `pair --validate` and `distill`'s
+    before/after call it. `greedy=False` (sampled decoding) records greedy_equal as None: sampled outputs need not match."""
     if not drafts:
         raise DraftsmithError("validation needs at least one draft")
     if "target_only" in drafts:
@@ -183,12 +178,12 @@ def validate_drafts(
     if not prompts:
         raise DraftsmithError("validation needs at least one prompt")
     runs = side_by_side(target, {"target_only": None, **drafts}, prompts, k=k, max_new_tokens=max_new_tokens,
-                        eos_ids=eos_ids, desc=desc, device=device, ks=ks, confidence=confidence, siblings=siblings,
-                        sibling_depth=sibling_depth)
+                        eos_ids=eos_ids, desc=desc, device=device, policies=policies)
     reference = runs["target_only"][1]
     equal = {n: (toks == reference if greedy else None) for n, (_, toks) in runs.items() if n != "target_only"}
     return Validation(k, names or [str(i) for i in range(len(prompts))], max_new_tokens, str(device),
-                      {n: st for n, (st, _) in runs.items()}, equal, {n: K for n, K in (ks or {}).items() if K != k})
+                      {n: st for n, (st, _) in runs.items()}, equal,
+                      {n: p.k for n, p in (policies or {}).items() if p.k != k})
 
 
 @dataclass

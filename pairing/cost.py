@@ -1,13 +1,13 @@
 """The cost model: what a draft step and a verify step cost on this machine, and the speedup they predict.
 
-    from pairing.cost import measure_cost, best_k
+    from pairing.cost import measure_cost, speedup_curve
     cost = measure_cost(target_runner, draft_runner)        # runners from decode.model.make_runner
-    k, speedup = best_k(alpha, cost.c, cost.v)
+    curve = speedup_curve(alpha, cost.c, cost.v)            # K -> predicted speedup (K chosen: pairing.policy)
 
 Definitions (docs/design.md): `c` = one cached one-token draft forward / one cached one-token target
 forward; `v(K)` = one cached target forward over K+1 tokens / one cached one-token target forward;
 predicted speedup = E[tau] / (K*c + v(K)) with E[tau] = (1 - alpha^(K+1)) / (1 - alpha), tau counting the
-bonus/corrected token; best K = its argmax over K in 1..16.
+bonus/corrected token; best K = its argmax over K in 1..16 (`pairing.policy.choose_policy`).
 
 Why v(K) is measured per K and not assumed to be 1: on CPU the cost of a forward over T tokens depends
 strongly on matrix shapes. Measured on this machine for a 1.5B float32 target, T=2 and T=4 cost ~1.45x a
@@ -48,6 +48,11 @@ class CostModel:
     verify_s: dict[int, float]  # K -> median time of one cached target forward over K+1 tokens
     context: int  # tokens already in the caches when timing
     repeats: int
+
+    @classmethod
+    def from_ratios(cls, c: float, v: dict[int, float]) -> "CostModel":
+        """A cost model from the ratios alone (a target step of 1 s): for predictions on given c and v(K)."""
+        return cls(1.0, c, dict(v), 0, 0)
 
     @property
     def c(self) -> float:
@@ -118,13 +123,6 @@ def speedup_curve(alpha: float, c: float, v: dict[int, float]) -> dict[int, floa
     return {K: predicted_speedup(alpha, K, c, v_K) for K, v_K in sorted(v.items())}
 
 
-def best_k(alpha: float, c: float, v: dict[int, float]) -> tuple[int, float]:
-    """(K, predicted speedup) maximising the speedup over the K in v; ties go to the smaller K."""
-    if not v:
-        raise ValueError("v is empty: need v(K) for at least one K")
-    curve = speedup_curve(alpha, c, v)
-    K = max(curve, key=lambda k: (curve[k], -k))
-    return K, curve[K]
 
 
 # -- measurement --

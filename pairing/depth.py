@@ -1,7 +1,7 @@
 """Acceptance by depth: E[tau] and the predicted speedup without assuming that positions are independent.
 
     a = depth_rates(beta_rows, 16)                  # a_j, j = 1..16, from teacher-forced beta rows
-    k, speedup = best_k_from_depth(a, cost.c, cost.v)
+    curve = speedup_curve_from_depth(a, cost.c, cost.v)   # K -> predicted speedup (K chosen: pairing.policy)
 
 Definitions (docs/design.md, "Acceptance by depth"): a_j = P(depth j accepted | depths 1..j-1 accepted),
 E[tau] = 1 + a_1 + a_1 a_2 + ... + a_1...a_K (tau counts the bonus/corrected token); the i.i.d. formula
@@ -257,17 +257,10 @@ def speedup_curve_from_depth(a: Sequence[float], c: float, v: dict[int, float]) 
     return {K: predicted_speedup_from_depth(a, K, c, v[K]) for K in ks}
 
 
-def best_k_from_depth(a: Sequence[float], c: float, v: dict[int, float]) -> tuple[int, float]:
-    """(K, predicted speedup) maximising the speedup over the K in v covered by a; ties go to the smaller K."""
-    if not v:
-        raise ValueError("v is empty: need v(K) for at least one K")
-    curve = speedup_curve_from_depth(a, c, v)
-    K = max(curve, key=lambda k: (curve[k], -k))
-    return K, curve[K]
 
 
 __all__ = [
-    "BetaRows", "best_k_from_depth", "depth_rates_from_rounds", "expected_rounds", "round_matrix", "tokens_per_round", "depth_rates", "depth_rates_censored", "depth_survival",
+    "BetaRows", "depth_rates_from_rounds", "expected_rounds", "round_matrix", "tokens_per_round", "depth_rates", "depth_rates_censored", "depth_survival",
     "expected_tau_from_depth_rates", "expected_tau_from_runs", "predicted_speedup_from_depth",
     "speedup_curve_from_depth",
 ]

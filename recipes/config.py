@@ -24,11 +24,12 @@ import yaml
 from decode import zoo
 from decode.errors import DraftsmithError
 from distill.export import ExportConfig
-from distill.head_pipeline import HEAD, HeadRunConfig
+from distill.heads.pipeline import HeadRunConfig
+from distill.kinds import is_model_spec
 from distill.pipeline import DataConfig, DistillConfig
-from distill.validate import ValidateConfig
 from pairing.derive import parse_derive_spec
 from pairing.leaderboard import PairConfig
+from pairing.validate import ValidateConfig
 
 STAGES = ("pair", "data", "distill", "validate", "export")  # data runs only when the recipe's data.n > 0
 DEVICES = ("cpu", "cuda")
@@ -188,7 +189,7 @@ def _check_models(recipe: Recipe) -> None:
     check_model_spec(recipe.target, "target")
     for i, spec in enumerate(recipe.pair.candidates):
         check_model_spec(spec, f"pair.candidates[{i}]")
-    if recipe.distill.draft not in ("best", HEAD):
+    if is_model_spec(recipe.distill.draft):
         check_model_spec(recipe.distill.draft, "distill.draft")
     check_prompts(recipe.prompts, "prompts")
 

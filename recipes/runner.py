@@ -40,11 +40,9 @@ import torch
 from decode.allocator import allocator_setting, keep_freed_memory
 from decode.errors import DraftsmithError
 from decode.io import atomic_write_json, read_json
-from decode.prompts import first_per_domain, load_prompts
-from distill.head_pipeline import HEAD, head_result, held_rows, run_head, validate_head
-from distill.pipeline import run_distill, split_prompts
-from distill.validate import validate_distilled
+from distill.kinds import RunContext, kind_for
 from pairing.leaderboard import run_pair
+from pairing.validate import validate
 from recipes.config import STAGES, Recipe, dump_recipe
 from recipes.report import write_report
 
@@ -83,11 +81,7 @@ def stage_settings(recipe: Recipe, stage: str, state: dict) -> dict:
                 "rows": {k: d[k] for k in ("draft", "data", "mix", "data_temperature", "speculative_data")},
                 "teacher": {k: d["train"][k] for k in ("teacher", "teacher_topk", "teacher_cache_dtype", "seed")}}
     if stage == "distill":
-        if recipe.distill.draft == HEAD:  # a head: its own section, and the held-out split
-            return {**base, "head": asdict(recipe.head), "eval_per_domain": recipe.distill.eval_per_domain}
-        return {**base, "distill": asdict(recipe.distill),
-                "pair": asdict(recipe.pair) if recipe.distill.draft == "best" else None,
-                **({"data": asdict(recipe.data)} if recipe.data.n else {})}
+        return {**base, **kind_for(recipe.distill.draft).settings(recipe.to_dict())}
     upstream = state.get("distill", {}).get("settings")
     if stage == "validate":
         return {**base, "validate": asdict(recipe.validate), "distill": upstream}
@@ -117,19 +111,14 @@ class RunFolder:
         self.save()
 
 
-def choose_draft(recipe: Recipe, run: RunFolder) -> str:
-    """The draft to distill: the recipe's, or the leaderboard's top token-level candidate."""
-    if recipe.distill.draft != "best":
-        return recipe.distill.draft
-    board = read_json(run.path("pair") / "leaderboard.json", missing_ok=True, what="leaderboard")
-    if board is None:
-        raise DraftsmithError("distill.draft is 'best' but the pair stage has not run here: add pair to --stages, "
-                              "or name the draft (distill.draft=MODEL)")
-    for row in board["candidates"]:  # sorted by predicted speedup
-        if row["compatible"]:
-            return row["draft"]
-    raise DraftsmithError("no candidate on the leaderboard shares the target's tokenizer; distillation needs one "
-                          "(set distill.draft=MODEL)")
+def context(recipe: Recipe, run: RunFolder) -> RunContext:
+    """What the draft's kind needs of this recipe run."""
+    return RunContext(name=recipe.name, target=recipe.target, prompts=recipe.prompts,
+                      limit_per_domain=recipe.limit_per_domain, device=recipe.device, distill=recipe.distill,
+                      head=recipe.head, export_cfg=recipe.export,
+                      validate_prompts_per_domain=recipe.validate.prompts_per_domain,
+                      folders={stage: run.path(stage) for stage in STAGE_DIRS}, has_data_stage=bool(recipe.data.n),
+                      wandb=recipe.distill.train.wandb, config=recipe.to_dict())
 
 
 # --- stages -----------------------------------------------------------------------------------------
@@ -139,123 +128,25 @@ def stage_pair(recipe: Recipe, run: RunFolder) -> dict:
     board = run_pair(recipe.target, run.path("pair"), recipe.pair, prompts=recipe.prompts,
                      limit_per_domain=recipe.limit_per_domain, device=recipe.device)
     top = board["candidates"][0]
-    return {"best": top["draft"], "alpha": top["alpha"], "predicted_speedup": top["predicted_speedup"]}
-
-
-def _log_recipe_to_wandb(recipe: Recipe, run: RunFolder) -> None:
-    mode = recipe.distill.train.wandb
-    if mode == "disabled":
-        return
-    import wandb
-
-    wandb_run = wandb.init(mode=mode, dir=str(run.out), project="draftsmith", name=f"{recipe.name}-recipe",
-                           job_type="recipe", config=recipe.to_dict())
-    wandb_run.finish()
-
-
-def top_standalone(run: RunFolder) -> tuple[str | None, int | None]:
-    """The pair stage's best token-level candidate and its best predicted K (a head run times it beside the head,
-    at that K), if the stage ran."""
-    board = read_json(run.path("pair") / "leaderboard.json", missing_ok=True, what="leaderboard") or {}
-    best = next((c for c in board.get("candidates", []) if c["compatible"] and not c["draft"].startswith("head:")),
-                None)
-    return (best["draft"], best.get("best_k")) if best else (None, None)
+    return {"best": top["draft"], "alpha": top["alpha"], "predicted_speedup": top["predicted_speedup"],
+            "best_k": top["best_k"]}
 
 
 def stage_distill(recipe: Recipe, run: RunFolder) -> dict:
-    if recipe.distill.draft == HEAD:
-        result = run_head(recipe.target, run.path("distill"), recipe.head, prompts=recipe.prompts,
-                          limit_per_domain=recipe.limit_per_domain, eval_per_domain=recipe.distill.eval_per_domain,
-                          device=recipe.device)
-        return {"draft": HEAD, "agreement_before": result["agreement_before"],
-                "agreement_after": result["agreement_after"]}
-    draft = choose_draft(recipe, run)
-    _log_recipe_to_wandb(recipe, run)
-    cfg = recipe.distill
-    if recipe.data.n:  # train on the data stage's rows (held-out prompts still come from the recipe's prompts)
-        if not (run.path("data") / "rows" / "dataset").is_dir():
-            raise DraftsmithError("distill: the recipe has a data section (data.n > 0) but the data stage has not "
-                                  "finished here; add data to --stages")
-        cfg = dataclasses.replace(cfg, data_dir=str(run.path("data") / "rows"))
-    result = run_distill(recipe.target, draft, run.path("distill"), cfg, prompts=recipe.prompts,
-                         limit_per_domain=recipe.limit_per_domain, resume=True, device=recipe.device)
-    return {"draft": draft, "alpha_before": result["alpha_before"], "alpha_after": result["alpha_after"],
-            "alpha_gain": result["alpha_gain"], "skipped_steps": result["skipped_steps"]}
+    return kind_for(recipe.distill.draft).train(context(recipe, run))
 
 
 def stage_validate(recipe: Recipe, run: RunFolder) -> dict:
-    if recipe.distill.draft == HEAD:
-        head = head_result(run.path("distill"))
-        if head is None:
-            raise DraftsmithError("validate: no trained head here; run the distill stage first")
-        held_out = split_prompts(load_prompts(recipe.prompts, limit_per_domain=recipe.limit_per_domain),
-                                 recipe.distill.eval_per_domain)[1]
-        v = recipe.validate
-        standalone, standalone_k = top_standalone(run)
-        result = validate_head(recipe.target, Path(head["head"]), first_per_domain(held_out, v.prompts_per_domain),
-                               standalone=standalone, standalone_k=standalone_k, agreement=head["agreement_after"],
-                               k=v.k,
-                               max_k=min(v.max_k, 4), max_new_tokens=v.max_new_tokens,
-                               out=run.path("validate") / "bench.json", quant=v.draft_quant, device=recipe.device,
-                               held=held_rows(run.path("distill")), gate=v.gate,
-                               siblings=v.siblings, sibling_depth=v.sibling_depth)
-        return {"k": result["k"], "speedup_vs_target_only": result["speedup_vs_target_only"], "greedy_equal": True}
-    distilled = read_json(run.path("distill") / "distill.json", missing_ok=True, what="distillation result")
-    draft = distilled["draft"] if distilled else choose_draft(recipe, run)
-    if distilled:  # the tuned draft's alpha, else the un-distilled one's (best/ is absent)
-        alpha = distilled["alpha_after"] if (run.path("distill") / "best").is_dir() else distilled["alpha_before"]
-    else:  # no distillation here: the leaderboard measured this draft's alpha
-        board = read_json(run.path("pair") / "leaderboard.json", missing_ok=True, what="leaderboard") or {}
-        alpha = next((c["alpha"] for c in board.get("candidates", []) if c["draft"] == draft), None)
-    held_out = split_prompts(load_prompts(recipe.prompts, limit_per_domain=recipe.limit_per_domain),
-                             recipe.distill.eval_per_domain)[1]
-    result = validate_distilled(recipe.target, draft, run.path("distill") / "best" if distilled else None, held_out,
-                                recipe.validate, alpha=alpha, out=run.path("validate") / "bench.json",
-                                device=recipe.device)
-    return {"k": result["k"], "speedup_vs_target_only": result["speedup_vs_target_only"], "greedy_equal": True}
+    kind = kind_for(recipe.distill.draft)
+    drafts, prompts = kind.validation(context(recipe, run))
+    result = validate(recipe.target, drafts, prompts, recipe.validate, out=run.path("validate") / "bench.json",
+                      kind=kind.name, device=recipe.device)
+    return {"k": result.k, "policy": result.to_dict()["policies"],
+            "speedup_vs_target_only": result.validation.speedup_vs_target_only, "greedy_equal": True}
 
 
 def stage_export(recipe: Recipe, run: RunFolder) -> dict:
-    from distill.export import export
-
-    if recipe.distill.draft == HEAD:
-        from distill.export.heads import export_head
-
-        head = head_result(run.path("distill"))
-        if head is None:
-            raise DraftsmithError("export: no trained head here; run the distill stage first")
-        bench = read_json(run.path("validate") / "bench.json", missing_ok=True, what="validation result") or {}
-        e = recipe.export
-        k = e.best_k or bench.get("k") or 1
-        summary = export_head(head["head"], recipe.target, run.path("export"), k=k, gguf="gguf" in e.formats,
-                              check_llama_cpp=e.check_llama_cpp, target_gguf=e.target_gguf,
-                              ks=sorted(set(e.llama_cpp_ks) | {k}) if e.llama_cpp_search else [k])
-        return {"formats": ["vllm", "sglang"] + (["gguf"] if "gguf" in summary else []),
-                "serving": summary.get("serving")}
-    best_dir = run.path("distill") / "best"
-    if not best_dir.is_dir():
-        raise DraftsmithError(f"export: no distilled draft at {best_dir}; run the distill stage first")
-    bench = read_json(run.path("validate") / "bench.json", missing_ok=True, what="validation result") or {}
-    info = {"recipe": recipe.name, **run_info(bench)}  # the rest comes from distill/distill.json next to best/
-    distilled = read_json(run.path("distill") / "distill.json", missing_ok=True, what="distillation result") or {}
-    summary = export(str(best_dir), recipe.target, run.path("export"), recipe.export, info=info,
-                     before=distilled.get("draft"))  # llama.cpp serves the un-distilled draft too, side by side
-    return {"formats": recipe.export.formats, "serving": summary.get("serving")}
-
-
-def run_info(bench: dict) -> dict:
-    """What the validate stage measured, for the model card: K and the distilled draft's speedup."""
-    info: dict[str, Any] = {}
-    if bench.get("k"):
-        info["best_k"] = bench["k"]  # chosen by validate: measured cost and the distilled draft's alpha
-    after = (bench.get("speedup_vs_target_only") or {}).get("draft_after")
-    if after is not None:
-        tps = bench["tok_per_s"]
-        info["speedup"] = after
-        info["speedup_detail"] = (f"draftsmith's decoder on {bench.get('device', 'cpu')}, K={bench['k']}, "
-                                  f"{len(bench['prompts'])} held-out prompts: {tps['draft_after']:.2f} tok/s with the "
-                                  f"draft vs {tps['target_only']:.2f} target alone (validate/bench.json)")
-    return info
+    return kind_for(recipe.distill.draft).export(context(recipe, run))
 
 
 def _report(run: RunFolder, say: Callable[[str], None]) -> None:
@@ -269,10 +160,8 @@ def _report(run: RunFolder, say: Callable[[str], None]) -> None:
 def stage_data(recipe: Recipe, run: RunFolder) -> dict:
     from distill.pipeline import run_data
 
-    if recipe.distill.draft not in ("best", HEAD):
-        draft = recipe.distill.draft
-    else:  # gen-data's rows are the target's; the draft only matters for on-policy rows or speculative generation
-        draft = choose_draft(recipe, run) if recipe.distill.draft == "best" else recipe.target
+    # gen-data's rows are the target's; the draft only matters for on-policy rows or speculative generation
+    draft = kind_for(recipe.distill.draft).data_draft(context(recipe, run))
     return run_data(recipe.target, run.path("data"), recipe.data, dataclasses.replace(recipe.distill, draft=draft),
                     device=recipe.device)
 

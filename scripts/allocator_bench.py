@@ -26,9 +26,9 @@ def one(args: argparse.Namespace) -> dict:
     from decode.allocator import keep_freed_memory
     from decode.loading import load
     from decode.prompts import load_prompts
-    from distill.head_data import HeadDataConfig, build_head_data, load_head_data
-    from distill.head_pipeline import aux_layers_for
-    from distill.head_train import HeadTrainConfig, train_head
+    from distill.heads.data import HeadDataConfig, build_head_data, load_head_data
+    from distill.heads.pipeline import aux_layers_for
+    from distill.heads.train import HeadTrainConfig, train_head
 
     setting = keep_freed_memory()
     target = load(args.target)

@@ -4,7 +4,7 @@
     .venv/bin/python scripts/head_data_bench.py --prompts runs/smollm2-head-9/distill/prompts --limit 256 \
         --out docs/head-data-bench/written
 
-Each repeat builds the same head data (`distill.head_data.build_head_data`: the target's sampled answers with its
+Each repeat builds the same head data (`distill.heads.data.build_head_data`: the target's sampled answers with its
 features, in a bfloat16 copy) once per batch size, in alternating order (64, 256, 256, 64, ...), into a scratch
 folder; prints and writes bench.json with every timing, the machine and the versions.
 """
@@ -22,8 +22,8 @@ from decode.io import atomic_write_json
 from decode.loading import load
 from decode.prompts import load_prompts
 from decode.textgen import machine_info, versions
-from distill.head_data import HeadDataConfig, build_head_data
-from distill.head_pipeline import aux_layers_for
+from distill.heads.data import HeadDataConfig, build_head_data
+from distill.heads.pipeline import aux_layers_for
 
 
 def main() -> None:

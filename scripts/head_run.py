@@ -27,9 +27,9 @@ from decode.loading import load
 from decode.model import make_runner
 from decode.prompts import load_prompts
 from decode.textgen import eos_ids, machine_info, prompt_ids, versions
-from distill.head_data import HeadDataConfig, build_head_data, load_head_data
-from distill.head_pipeline import aux_layers_for
-from distill.head_train import HeadTrainConfig, prompt_key, train_head
+from distill.heads.data import HeadDataConfig, build_head_data, load_head_data
+from distill.heads.pipeline import aux_layers_for
+from distill.heads.train import HeadTrainConfig, prompt_key, train_head
 from distill.pipeline import split_prompts
 
 

@@ -1,4 +1,4 @@
-"""How fast a head trains: seconds per optimizer step of `distill.head_train.train_head` on synthetic rows.
+"""How fast a head trains: seconds per optimizer step of `distill.heads.train.train_head` on synthetic rows.
 
     .venv/bin/python scripts/head_train_bench.py --out docs/head-train-bench/after
     git worktree add /tmp/old b2e6029 && (cd /tmp/old && PYTHONPATH=. "$OLDPWD/.venv/bin/python" \
@@ -27,7 +27,7 @@ from decode.allocator import keep_freed_memory
 from decode.io import atomic_write_json
 from decode.loading import load
 from decode.textgen import machine_info, versions
-from distill.head_train import HeadTrainConfig, train_head
+from distill.heads.train import HeadTrainConfig, train_head
 
 
 def synthetic_rows(n: int, vocab: int, hidden: int, seed: int) -> list[dict]:

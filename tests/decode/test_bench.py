@@ -82,7 +82,7 @@ def test_validate_drafts_is_one_typed_result_that_round_trips(target_model) -> N
     assert d["speedup_vs_target_only"] == {"same": val.speedup("same")} and d["tokens"]["same"] == val.stats[
         "same"].new_tokens
     both = validate_drafts(target, {"k2": make_runner(target_model, 64), "k4": make_runner(target_model, 64)},
-                           PROMPTS, k=2, max_new_tokens=N_NEW, eos_ids=[EOS], desc=None, ks={"k4": 4, "k2": 2})
+                           PROMPTS, k=2, max_new_tokens=N_NEW, eos_ids=[EOS], desc=None, policies={"k4": KPolicy(k=4), "k2": KPolicy(k=2)})
     assert both.ks == {"k4": 4} and Validation.from_dict(both.to_dict()) == both  # each draft at its own K
     assert max(both.stats["k2"].tau_hist) == 3 and max(both.stats["k4"].tau_hist) == 5
     sampled = validate_drafts(target, {"other": wrong}, PROMPTS[:1], k=2, max_new_tokens=4, eos_ids=[EOS],

@@ -10,10 +10,10 @@ import torch
 
 from decode.head import HeadDraft, load_head
 from decode.loading import Loaded
-from distill.head_data import HeadDataConfig, build_head_data, load_head_data, target_features
+from distill.heads.data import HeadDataConfig, build_head_data, load_head_data, target_features
 from decode.head import ttt_logits, ttt_mask
 from decode.model import dense, grouped_attention
-from distill.head_train import HeadTrainConfig, soft_cross_entropy, train_head
+from distill.heads.train import HeadTrainConfig, soft_cross_entropy, train_head
 from tests import helpers
 from tests.decode.test_head import random_head, target_hf
 
@@ -129,7 +129,7 @@ def test_head_data_resumes_and_training_lowers_the_loss(tmp_path) -> None:
     again = load_head_data(tmp_path / "data")
     assert all(torch.equal(a["tokens"], b["tokens"]) and torch.equal(a["features"], b["features"])
                for a, b in zip(rows, again))
-    import distill.head_data as hd
+    import distill.heads.data as hd
 
     with pytest.MonkeyPatch.context() as mp:  # the second pass the lean runner saves gives the same rows
         mp.setattr(hd, "lean_supported", lambda config: (False, "test"))
@@ -178,7 +178,7 @@ def test_head_data_resumes_and_training_lowers_the_loss(tmp_path) -> None:
     assert 0.0 < summary["draft_vocab_coverage"] <= 1.0
 
     # a time budget: after 10 timed steps the cosine is fitted to the steps that fit, and a resume follows it
-    import distill.head_train as ht
+    import distill.heads.train as ht
 
     class Clock:  # every reading of the clock is one second later
         t = 0.0
@@ -199,7 +199,7 @@ def test_head_data_resumes_and_training_lowers_the_loss(tmp_path) -> None:
 
 
 def test_a_repeated_prompt_is_trained_on_once_and_its_loss_is_the_full_rows_tail() -> None:
-    from distill.head_train import _loss_starts, _row_loss
+    from distill.heads.train import _loss_starts, _row_loss
 
     hf = target_hf(3, layers=4)
     head = random_head(hf, N=40, seed=2, scale=4.0)
@@ -227,7 +227,7 @@ def test_a_repeated_prompt_is_trained_on_once_and_its_loss_is_the_full_rows_tail
 
 
 def test_rows_unrolled_together_give_each_rows_own_loss_and_agreement() -> None:
-    from distill.head_train import _batch_loss, _bucketed, _row_loss
+    from distill.heads.train import _batch_loss, _bucketed, _row_loss
 
     hf = target_hf(3, layers=4)
     head = random_head(hf, N=40, seed=3, scale=4.0)
@@ -259,7 +259,7 @@ def test_a_head_run_trains_on_prompts_the_target_wrote_within_the_budget(tmp_pat
     """`written_prompts`: the target writes requests of its own (in a bfloat16 copy here) and answers them; the
     head trains on them beside the recipe's prompts, for what `budget_minutes` leaves after the data."""
     from decode.errors import DraftsmithError
-    from distill.head_pipeline import HeadRunConfig, run_head
+    from distill.heads.pipeline import HeadRunConfig, run_head
     from tests.distill.test_prompt_gen import EOS, TOKENS, chat_tokenizer
 
     folder = helpers.save_tiny(tmp_path / "target", chat_tokenizer(), 0, vocab_size=EOS + 1, eos_id=EOS, layers=8,
@@ -288,48 +288,3 @@ def load_prompts_folder(path):
     return load_prompts(path)
 
 
-@pytest.mark.parametrize("K,threshold,siblings,depth", [
-    (1, 0.0, 0, 1), (2, 0.0, 0, 1), (3, 0.0, 0, 1), (2, 0.5, 0, 1), (3, 0.3, 0, 1), (4, 0.9, 0, 1), (1, 0.9, 2, 1),
-    (2, 0.7, 2, 1), (3, 0.95, 3, 1), (2, 0.7, 2, 2), (3, 0.95, 3, 2), (2, 0.9999, 3, 2)])
-def test_walking_depth_records_gives_the_decoders_own_rounds(K, threshold, siblings, depth) -> None:
-    """At temperature 0 the walk over the head's teacher-forced records is the decoder's count: the same number
-    of tokens, the same drafts and draft steps in every round (stopping early, sibling rounds and their children
-    included), the same tau."""
-    from decode.model import make_runner
-    from decode.speculative import KPolicy, RoundClock, generate
-    from distill.head_train import depth_records
-    from pairing.depth import round_walk
-    from tests.decode.test_head import mimic_head
-
-    hf = target_hf(5, mix=0.0)  # a bigram target, which the mimic head often agrees with
-    head = mimic_head(hf)
-    target = make_runner(hf, 128)
-    budget = 24
-    for prompt in ([1, 5, 7, 9], [3, 8], [11, 2, 4, 6, 8, 10]):
-        ref = generate(target, prompt, max_new_tokens=40).tokens  # the held-out reference, longer than the budget
-        tokens = torch.tensor(prompt + ref)
-        with torch.no_grad():
-            out = hf(input_ids=tokens[None], output_hidden_states=True)
-        feats = torch.cat([out.hidden_states[i][0] for i in head.config.aux_layers], dim=-1)
-        row = {"tokens": tokens, "features": feats, "next": out.logits[0].argmax(-1), "prompt_len": len(prompt)}
-        n, rounds = round_walk(depth_records(head, [row], K, ranks=True), K, threshold, budget=budget,
-                               siblings=siblings, sibling_depth=depth)
-        clock = RoundClock()
-        res = generate(target, prompt, draft=HeadDraft(head, 128), max_new_tokens=budget, clock=clock,
-                       policy=KPolicy(k=K, confidence=threshold or None, siblings=siblings, sibling_depth=depth))
-        assert res.tokens == ref[:budget] and n == budget
-        assert rounds == [(r[4], r[0]) for r in clock.rounds], (prompt, K, threshold)
-        assert res.stats.accepted > 0 and res.stats.mean_tau == budget / len(rounds)
-    if siblings:  # sibling rounds were walked, not only chains (with children where asked)
-        assert any(r[0] == depth * siblings and r[4] == depth for r in clock.rounds)
-
-
-def test_depth_records_refuse_rows_without_rounds() -> None:
-    from distill.head_train import depth_records
-
-    hf = target_hf(3, layers=4)
-    head = random_head(hf, N=40, seed=4, scale=4.0)
-    row = {"tokens": torch.tensor([5, 7]), "features": torch.zeros(2, 3 * hf.config.hidden_size),
-           "next": torch.tensor([1, 2]), "prompt_len": 1}
-    with pytest.raises(ValueError, match="continuation"):
-        depth_records(head, [row], 2)

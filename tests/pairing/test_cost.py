@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from decode.model import make_runner
-from pairing.cost import CostModel, best_k, expected_tau, measure_cost, predicted_speedup, speedup_curve
+from pairing.cost import CostModel, expected_tau, measure_cost, predicted_speedup, speedup_curve
+from pairing.policy import choose_policy, taus_from_alpha
 from tests import helpers
 
 KS = range(1, 17)
@@ -48,6 +49,13 @@ def test_expected_tau_continuous_at_alpha_one() -> None:
 def test_invalid_inputs_raise(args) -> None:
     with pytest.raises(ValueError):
         predicted_speedup(*args)
+
+
+
+def best_k(alpha: float, c: float, v: dict[int, float]) -> tuple[int, float]:
+    """K and its predicted speedup for i.i.d. acceptance, through the one chooser (pairing.policy)."""
+    choice = choose_policy(CostModel.from_ratios(c, v), taus=taus_from_alpha(alpha, 16))
+    return choice.k, choice.predicted
 
 
 def test_invalid_inputs_name_the_problem() -> None:

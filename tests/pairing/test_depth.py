@@ -8,14 +8,27 @@ import random
 import pytest
 import torch
 
-from pairing.cost import best_k, expected_tau, speedup_curve
+from pairing.cost import CostModel, expected_tau, speedup_curve
 from pairing.depth import (
-    best_k_from_depth, depth_rates, depth_rates_censored, depth_rates_from_rounds, depth_survival, expected_rounds,
+    depth_rates, depth_rates_censored, depth_rates_from_rounds, depth_survival, expected_rounds,
     expected_tau_from_depth_rates, expected_tau_from_runs, gated_walk, predicted_speedup_from_depth, round_matrix,
     speedup_curve_from_depth, tokens_per_round,
 )
+from pairing.policy import choose_policy, taus_from_alpha, taus_from_rates
 
 KS = range(1, 17)
+
+
+def best_k(alpha: float, c: float, v: dict[int, float]) -> tuple[int, float]:
+    """K and its predicted speedup for i.i.d. acceptance, through the one chooser (pairing.policy)."""
+    choice = choose_policy(CostModel.from_ratios(c, v), taus=taus_from_alpha(alpha, 16))
+    return choice.k, choice.predicted
+
+
+def best_k_from_depth(a: list[float], c: float, v: dict[int, float]) -> tuple[int, float]:
+    """K and its predicted speedup from acceptance by depth (K up to len(a)), through the one chooser."""
+    choice = choose_policy(CostModel.from_ratios(c, v), taus=taus_from_rates(a, len(a)), max_k=len(a))
+    return choice.k, choice.predicted
 
 
 # -- brute force: walk a round from every start --

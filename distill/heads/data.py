@@ -1,6 +1,6 @@
 """Training data for a draft head: the target's own text with its hidden states at the head's aux layers.
 
-    from distill.head_data import HeadDataConfig, build_head_data, load_head_data
+    from distill.heads.data import HeadDataConfig, build_head_data, load_head_data
     build_head_data(load("smollm2-135m-instruct"), prompts, Path("runs/head/data"), HeadDataConfig(samples=8))
     data = load_head_data(Path("runs/head/data"))
 

@@ -1,7 +1,7 @@
-"""Train an EAGLE-3 draft head on the target's own text and features (`distill.head_data`), with the
+"""Train an EAGLE-3 draft head on the target's own text and features (`distill.heads.data`), with the
 training-time test: the head is unrolled on its own outputs for `ttt_steps` depths, as decoding will run it.
 
-    from distill.head_train import HeadTrainConfig, train_head
+    from distill.heads.train import HeadTrainConfig, train_head
     summary = train_head(target, load_head_data(data_dir), held_out_rows, Path("runs/head"), HeadTrainConfig())
 
 Depth 1 of entry e reads fc(features_e) and the embedding of token e+1; depth j >= 2 reads the head's own
@@ -156,44 +156,6 @@ def evaluate(head: Eagle3Head, rows: list[dict], w_draft: Tensor, steps: int) ->
     return {"agreement_by_depth": [a / b if b else None for a, b in tot], "kl": kl / max(n, 1)}
 
 
-def depth_records(head: Eagle3Head, rows: list[dict], depth: int, *, ranks: bool = False) -> list[tuple[Tensor, ...]]:
-    """Per row, the head's teacher-forced rounds from every new token, for `pairing.depth.gated_walk`: hits
-    (depth, T) 1 where the token the head drafts at depth j of the round whose first draft is new token n equals
-    the target's greedy one, tops (depth, T) the head's probability of it (softmax over its vocabulary, as the
-    decoder's confidence check reads it); 0 where that token lies past the row. Depth j of that round is entry
-    prompt_len - 2 + n + j - 1 at unroll depth j (`ttt_hidden`). Rows with a one-token prompt give none (the
-    decoder drafts nothing before the target has read a token). `ranks` adds a third entry for sibling rounds
-    (`pairing.depth.round_walk`): (T,) how many draft tokens the head ranks above the target's at depth 1 (N,
-    the draft vocabulary's size, where the target's token lies outside it)."""
-    if depth < 1:
-        raise ValueError(f"depth must be >= 1, got {depth}")
-    N = head.config.draft_vocab_size
-    draft_id = torch.full((head.config.vocab_size,), N, dtype=torch.long)  # N: outside the draft vocabulary
-    draft_id[head.draft_ids.cpu()] = torch.arange(N)
-    out = []
-    with torch.no_grad():
-        for row in rows:
-            P, T = row["prompt_len"], len(row["tokens"]) - row["prompt_len"]
-            if P < 2 or T < 1:
-                continue
-            hits, tops = torch.zeros(depth, T, dtype=torch.float64), torch.zeros(depth, T, dtype=torch.float64)
-            rank = torch.zeros(T, dtype=torch.long)
-            for j, h in enumerate(ttt_hidden(head, row["features"], row["tokens"], depth), start=1):
-                n = torch.arange(0, T - j + 1)  # the depth-j token is new token n + j - 1 < T
-                e = P - 2 + n + j - 1
-                probs = torch.softmax(head.lm_head(head.norm(h[e])).float(), dim=-1)
-                top, idx = probs.max(-1)
-                want = row["next"][e + 1].long()
-                hits[j - 1, n] = (head.draft_ids[idx] == want).double()
-                tops[j - 1, n] = top.double()
-                if j == 1 and ranks:
-                    d = draft_id[want]
-                    above = (probs > probs.gather(1, d.clamp(max=N - 1)[:, None])).sum(-1)
-                    rank[n] = torch.where(d < N, above, torch.full_like(above, N))
-            out.append((hits, tops, rank) if ranks else (hits, tops))
-    if not out:
-        raise ValueError("no row has a prompt of >= 2 tokens and a continuation to take rounds from")
-    return out
 
 
 def train_head(target: Loaded, rows: list[dict], held_out: list[dict], out: Path, cfg: HeadTrainConfig, *,

@@ -1,0 +1,161 @@
+"""A draft head through the recipe line: data, held-out references and training (`run_head`). `draftsmith run`
+calls it (through `distill.kinds`) when a recipe says `distill.draft: head`; validation is `pairing.validate`.
+
+    from distill.heads.pipeline import HeadRunConfig, run_head
+    result = run_head("smollm2-135m-instruct", Path("runs/x/distill"), HeadRunConfig(train_minutes=12.5),
+                      prompts="code,json,summarize,chat", eval_per_domain=4)
+
+Prompts split as in distillation (the first `eval_per_domain` of every domain held out). `out/data/`: the
+target's sampled continuations of the training prompts with its features (`distill.heads.data`); with
+`written_prompts`, `out/prompts/` (requests the target writes itself, `distill.prompt_gen`) and `out/written/`
+(its continuations of them, trained on beside `out/data/`); `out/held/`:
+greedy continuations of the held-out prompts; `out/head/`: training (`distill.heads.train`; `best/` by held-out
+depth-1 agreement, resumable); `out/head.json`: this run's result. Every step resumes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+from decode.batch import GEN_DTYPES
+from decode.errors import DraftsmithError
+from decode.io import atomic_write_json, read_json
+from decode.loading import load
+from decode.prompts import load_prompts
+from distill.heads.data import HeadDataConfig, build_head_data, load_head_data
+from distill.heads.train import HeadTrainConfig, train_head
+
+HEAD = "head"  # distill.draft's value that trains a head instead of distilling a standalone draft
+HEAD_RESULT = "head.json"
+
+
+@dataclass
+class HeadRunConfig:
+    """A recipe's `head:` section: the head's data and training (used when distill.draft is `head`)."""
+
+    samples: int = 12  # sampled continuations of the target per training prompt
+    max_new_tokens: int = 128  # tokens per continuation
+    temperature: float = 0.8  # of the training continuations (held-out ones are greedy)
+    gen_batch_size: int = 64  # rows the target decodes together
+    written_prompts: int = 0  # prompts the target writes itself (distill.prompt_gen, the training prompts' domains),
+    # answered and trained on beside the recipe's own
+    written_samples: int = 1  # sampled continuations per written prompt
+    prompt_tokens: int = 96  # a written prompt longer than this is dropped
+    gen_dtype: str = "float32"  # the target's weights while it writes the training data (a copy; bfloat16: faster
+    # on CPUs with AMX); the held-out references are always written in the target's own dtype
+    draft_vocab_size: int = 8192  # ids the head can propose: the target's most frequent predictions
+    ttt_steps: int = 3  # depths unrolled in training (EAGLE-3's training-time test)
+    lr: float = 1e-3  # peak AdamW learning rate
+    epochs: float = 10.0  # passes over the data (at most; train_minutes usually ends training first)
+    rows_per_step: int = 8  # sequences per optimizer step
+    train_minutes: float = 12.5  # training time budget (the cosine schedule is fitted to it); 0 = epochs decide
+    budget_minutes: float = 0.0  # data and training together: training gets what the data's generation left
+    # (its recorded seconds, so a resumed run plans the same), at most train_minutes; 0 = train_minutes alone
+    eval_every: int = 50  # steps between held-out evaluations
+    label_temperature: float = 1.0  # the target's distribution the head learns, at this temperature (< 1 sharpens)
+    train_dtype: str = "float32"  # matmuls of training in bfloat16 (autocast; weights and optimizer stay float32)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name, value in (("gen_dtype", self.gen_dtype), ("train_dtype", self.train_dtype)):
+            if value not in GEN_DTYPES:
+                raise ValueError(f"{name} must be {' or '.join(GEN_DTYPES)}, got {value!r}")
+        if self.written_prompts < 0:
+            raise ValueError(f"written_prompts must be >= 0, got {self.written_prompts}")
+        for name in ("samples", "written_samples", "prompt_tokens", "max_new_tokens", "gen_batch_size",
+                     "draft_vocab_size", "ttt_steps", "rows_per_step", "eval_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.label_temperature <= 0:
+            raise ValueError(f"label_temperature must be > 0, got {self.label_temperature}")
+        if self.lr <= 0 or self.epochs <= 0 or self.train_minutes < 0 or self.temperature < 0:
+            raise ValueError("lr and epochs must be > 0, train_minutes and temperature >= 0")
+        if self.budget_minutes < 0:
+            raise ValueError(f"budget_minutes must be >= 0, got {self.budget_minutes}")
+
+
+def aux_layers_for(n_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's default feature layers: low, middle, high ([2, L/2, L-3], as llama.cpp's converter assumes)."""
+    if n_layers < 4:
+        raise DraftsmithError(f"a head reads 3 target layers [2, L/2, L-3]: the target has only {n_layers}")
+    return 2, n_layers // 2, n_layers - 3
+
+
+def run_head(target_spec: str, out: Path, cfg: HeadRunConfig, *, prompts: str = "code,json,summarize,chat",
+             limit_per_domain: int | None = None, eval_per_domain: int = 4, device: str = "cpu",
+             progress: bool = True) -> dict:
+    """Data, held-out references and training into `out`; returns (and writes out/head.json) the result."""
+    from distill.pipeline import split_prompts
+
+    out = Path(out)
+    target = load(target_spec, device=device)
+    aux = aux_layers_for(target.model.config.num_hidden_layers)
+    train_p, held_p = split_prompts(load_prompts(prompts, limit_per_domain=limit_per_domain), eval_per_domain)
+    t0 = time.perf_counter()
+    data = build_head_data(target, train_p, out / "data", HeadDataConfig(
+        samples=cfg.samples, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed,
+        batch_size=cfg.gen_batch_size, aux_layers=aux, dtype=cfg.gen_dtype), progress=progress)
+    folders, written = [out / "data"], None
+    if cfg.written_prompts:
+        from distill.prompt_gen import DOMAINS, generate_prompts
+
+        domains = [d for d in dict.fromkeys(p.domain for p in train_p) if d in DOMAINS] or list(DOMAINS)
+        generate_prompts(target, cfg.written_prompts, domains, out / "prompts", temperature=cfg.temperature or 0.8,
+                         seed=cfg.seed, batch_size=cfg.gen_batch_size, max_prompt_tokens=cfg.prompt_tokens,
+                         dtype=cfg.gen_dtype, progress=progress)
+        written = build_head_data(target, load_prompts(out / "prompts"), out / "written", HeadDataConfig(
+            samples=cfg.written_samples, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+            seed=cfg.seed, batch_size=cfg.gen_batch_size, aux_layers=aux, dtype=cfg.gen_dtype), progress=progress)
+        folders.append(out / "written")
+    held = build_head_data(target, held_p, out / "held", HeadDataConfig(
+        samples=1, max_new_tokens=cfg.max_new_tokens, temperature=0.0, batch_size=cfg.gen_batch_size,
+        aux_layers=aux), progress=progress)
+    data_seconds = time.perf_counter() - t0
+    rows = [r for folder in folders for r in load_head_data(folder)]
+    generation_s = sum(d["generate_seconds"] + d["feature_seconds"] for d in (data, written, held) if d)
+    if cfg.written_prompts:
+        generation_s += read_json(out / "prompts" / "stats.json", what="prompt statistics")["seconds_this_run"]
+    train_minutes = cfg.train_minutes
+    if cfg.budget_minutes:
+        left = cfg.budget_minutes - generation_s / 60
+        if left < 1:
+            raise DraftsmithError(f"head: the data took {generation_s / 60:.1f} of budget_minutes "
+                                  f"{cfg.budget_minutes:g}; nothing is left to train (raise it, or ask for less data)")
+        train_minutes = min(train_minutes, left) if train_minutes else left
+    summary = train_head(target, rows, load_head_data(out / "held"), out / "head",
+                         HeadTrainConfig(draft_vocab_size=cfg.draft_vocab_size, ttt_steps=cfg.ttt_steps, lr=cfg.lr,
+                                         epochs=cfg.epochs, rows_per_step=cfg.rows_per_step,
+                                         eval_every=cfg.eval_every, max_minutes=train_minutes, seed=cfg.seed,
+                                         dtype=cfg.train_dtype, label_temperature=cfg.label_temperature),
+                         aux_layers=aux, progress=progress)
+    evals = summary["evals"]
+    best = next((e for e in evals if e["step"] == summary["best_step"]), evals[-1])
+    result = {
+        "kind": HEAD, "target": target_spec, "head": str(out / "head" / "best"), "aux_layers": list(aux),
+        "config": asdict(cfg), "train_prompts": len(train_p), "held_out_prompts": len(held_p),
+        "held_out_ids": [p.id for p in held_p], "data": data, "written_data": written, "held_data": held,
+        "data_seconds_this_session": data_seconds, "generation_seconds": generation_s,
+        "train_minutes": train_minutes,
+        "agreement_before": evals[0]["agreement_by_depth"], "agreement_after": best["agreement_by_depth"],
+        "curve": [{"tokens": e["tokens"], "agreement_by_depth": e["agreement_by_depth"]} for e in evals],
+        "train_summary": {k: v for k, v in summary.items() if k != "evals"},
+    }
+    atomic_write_json(out / HEAD_RESULT, result)
+    return result
+
+
+def held_rows(folder: Path) -> list[dict] | None:
+    """The held-out reference rows `run_head` wrote into folder/held (None where there are none)."""
+    held = Path(folder) / "held"
+    return load_head_data(held) if any(held.glob("shard-*.safetensors")) else None
+
+
+def head_result(folder: Path) -> dict | None:
+    """out/head.json of a head run (None when absent)."""
+    return read_json(Path(folder) / HEAD_RESULT, missing_ok=True, what="head result")
+
+
+__all__ = ["HEAD", "HeadRunConfig", "aux_layers_for", "head_result", "held_rows", "run_head"]

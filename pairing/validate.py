@@ -1,0 +1,221 @@
+"""Validation: the target alone and each draft on the same prompts, interleaved in one run: the measured speedup.
+
+    from pairing.validate import DraftUnderTest, ValidateConfig, validate
+    result = validate("smollm2-135m-instruct",
+                      [DraftUnderTest("draft_before", "derive:smollm2-135m-instruct:keep=4", alpha=0.04),
+                       DraftUnderTest("draft_after", "runs/x/distill/best", alpha=0.17, chooses=True)],
+                      prompts, ValidateConfig(), out=Path("runs/x/validate/bench.json"))
+
+Any draft kind goes through here: a model spec (zoo name, HF folder, .gguf, derive:...) or `head:FOLDER`. One draft
+`chooses`: its evidence picks the round policy (`pairing.policy.choose_policy`) over the round cost timed here, and
+every draft without a K of its own runs that policy. The cost is timed the way the draft runs: a draft that reads
+the target (a head) only inside the decoder (a short calibration decode), any other draft step by step in
+isolation. The result (`ValidationResult`, written as bench.json) records each draft's policy, the choice and its
+evidence, the timings, the machine and the versions. A run whose speculative output differs from the target's
+greedy output is refused after its numbers are written (the decoder's contract).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from decode.bench import Validation, validate_drafts
+from decode.errors import DraftsmithError
+from decode.head import HeadDraft, head_quant
+from decode.io import atomic_write_json
+from decode.loading import Loaded, load
+from decode.model import draft_quant, make_runner
+from decode.prompts import Prompt, first_per_domain
+from decode.speculative import KPolicy, check_siblings
+from decode.textgen import eos_ids, machine_info, prompt_ids, versions
+from pairing.cost import COST_CONTEXT, calibrate_decoder, measure_cost
+from pairing.derive import resolve_candidate
+from pairing.head_rounds import depth_records
+from pairing.leaderboard import HEAD_PREFIX, load_head_candidate
+from pairing.policy import PolicyChoice, choose_policy, taus_from_alpha, taus_from_rates
+
+
+@dataclass
+class ValidateConfig:
+    """The validate stage's settings: the target alone and each draft, same prompts, same run."""
+
+    prompts_per_domain: int = 2  # held-out prompts per domain
+    max_new_tokens: int = 64  # tokens decoded per prompt
+    k: int = 0  # draft tokens per round; 0 = the best predicted from the measured cost and the draft's acceptance
+    max_k: int = 8  # largest K considered when k = 0
+    draft_quant: str | None = "int8"  # int8 | null: draft weights on CPU (exactness is unaffected)
+    gate: bool = True  # heads, k = 0: also pick a draft probability below which a round stops early
+    siblings: int = 2  # heads, with gate: also predict rounds that propose this many first tokens side by side
+    # where the head is unsure (a tree verify; 0 = never), and run them if they predict best
+    sibling_depth: int = 1  # 2: also predict those rounds with the head's next token after each sibling (2m + 1 rows)
+
+    def __post_init__(self) -> None:
+        for name in ("prompts_per_domain", "max_new_tokens", "max_k"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.k < 0:
+            raise ValueError(f"k must be >= 0 (0 = best measured), got {self.k}")
+        check_siblings(self.siblings)
+        if self.sibling_depth not in (1, 2):
+            raise ValueError(f"sibling_depth must be 1 or 2, got {self.sibling_depth}")
+        if self.draft_quant not in (None, "int8"):
+            raise ValueError(f"draft_quant must be int8 or null, got {self.draft_quant!r}")
+
+
+@dataclass
+class DraftUnderTest:
+    """One draft to time. Evidence for choosing its policy, any of: `alpha` (teacher-forced, i.i.d. rounds),
+    `rates` (acceptance by depth), `held` (held-out reference rows of a head, walked as the decoder walks them).
+    `k` pins its K (e.g. a standalone draft at the pair stage's best K beside a head)."""
+
+    name: str  # its key in bench.json: draft_before | draft_after
+    spec: str  # model spec, or head:FOLDER
+    label: str | None = None  # how the report names it
+    alpha: float | None = None
+    rates: list[float | None] | None = None
+    held: list[dict] | None = None
+    k: int | None = None
+    chooses: bool = False
+
+
+@dataclass
+class Opened:
+    """A draft as the decoder runs it."""
+
+    runner: object
+    quant: str | None
+    head: object | None = None  # the float head a HeadDraft runs (its rounds are walked on held-out rows)
+
+
+def open_draft(spec: str, target: Loaded, max_len: int, quant: str | None, device: str = "cpu") -> Opened:
+    """Any draft spec as the decoder runs it: `head:FOLDER` a HeadDraft on the target's embeddings, anything else
+    a model runner (int8 Linear weights on CPU when `quant` asks and the model can take it)."""
+    if spec.startswith(HEAD_PREFIX):
+        head = load_head_candidate(spec, target)
+        q = head_quant(head, quant)
+        return Opened(HeadDraft(head, max_len, quantize=q), q, head)
+    model = load(resolve_candidate(spec), device=device).model
+    q = draft_quant(model, quant)
+    return Opened(make_runner(model, max_len, quantize=q), q)
+
+
+@dataclass
+class ValidationResult:
+    """What a validation measured: the side-by-side timing, each draft's policy, and how the policy was chosen."""
+
+    target: str
+    drafts: list[DraftUnderTest]
+    validation: Validation
+    policies: dict[str, KPolicy]
+    choice: PolicyChoice
+    quant: dict[str, str | None]
+    cost: dict = field(default_factory=dict)  # cost_ratio, verify_cost, decoder_cost (the chooser's)
+    kind: str = "standalone"
+
+    @property
+    def k(self) -> int:
+        return self.choice.k
+
+    @property
+    def greedy_equal(self) -> bool:
+        return all(self.validation.greedy_equal.values())
+
+    def to_dict(self) -> dict:
+        by = {d.name: d for d in self.drafts}
+        before, after = by.get("draft_before"), by.get("draft_after")
+        chooser = next(d for d in self.drafts if d.chooses)
+        p = self.choice.policy
+        out = {
+            "target": self.target, "kind": self.kind, "draft": before.spec if before else None,
+            "distilled": after.spec.removeprefix(HEAD_PREFIX) if after else None,
+            "labels": {d.name: d.label for d in self.drafts if d.label},
+            **self.validation.to_dict(), **self.choice.to_dict(),
+            "confidence": p.confidence, "siblings": p.siblings, "sibling_depth": p.sibling_depth,
+            "policies": {n: _policy_dict(pol) for n, pol in self.policies.items()},
+            "draft_quant": next((q for n, q in self.quant.items() if not by[n].spec.startswith(HEAD_PREFIX)), None),
+            "head_quant": next((q for n, q in self.quant.items() if by[n].spec.startswith(HEAD_PREFIX)), None),
+            "alpha": chooser.alpha if chooser.alpha is not None else (chooser.rates or [None])[0],
+            "cost_ratio": self.cost.get("cost_ratio"), "verify_cost": self.cost.get("verify_cost", {}),
+            "decoder_cost": self.cost.get("decoder_cost"),
+            "machine": machine_info(), "versions": versions(),
+        }
+        tps = self.validation.tok_per_s
+        if "draft_before" in tps and "draft_after" in tps:
+            out["speedup_after_vs_before"] = tps["draft_after"] / tps["draft_before"]
+        return out
+
+
+def _policy_dict(p: KPolicy) -> dict:
+    return {"k": p.k, "confidence": p.confidence, "siblings": p.siblings, "sibling_depth": p.sibling_depth}
+
+
+def _choose(d: DraftUnderTest, opened: Opened, t_run, ids: list[list[int]], cfg: ValidateConfig, eos: list[int],
+            device: str) -> tuple[PolicyChoice, dict]:
+    """The chooser's policy and the cost it was chosen on, timed as this draft runs."""
+    k_max = cfg.max_k
+    if not getattr(opened.runner, "reads_target", False):  # a standalone step times alone
+        cost = measure_cost(t_run, opened.runner, ks=range(1, k_max + 1), context=COST_CONTEXT, repeats=3,
+                            warmup=1, device=device)
+        taus = taus_from_alpha(d.alpha, k_max) if d.alpha is not None else None
+        choice = choose_policy(cost, taus=taus, tokens=cfg.max_new_tokens, max_k=k_max, fixed_k=cfg.k,
+                               evidence=f"alpha {d.alpha:.3f}" if d.alpha is not None else "")
+        return choice, {"cost_ratio": cost.c, "verify_cost": {str(K): x for K, x in cost.v.items()}}
+    if cfg.k:  # a head's step is only timed inside the decoder: with K set, nothing to time
+        return choose_policy(None, fixed_k=cfg.k, max_k=k_max), {}
+    siblings = cfg.siblings if cfg.gate and hasattr(t_run, "forward_tree") and cfg.siblings <= k_max else 0
+    tree_k = 2 * siblings if siblings and cfg.sibling_depth == 2 else 0
+    # 9 interleaved repeats (median): with 3, one stall on a busy machine set v(2..4) ~1.29 where they are ~1.01,
+    # which ruled out sibling rounds that measured 1.41-1.43x
+    iso = measure_cost(t_run, None, ks=range(1, max(k_max, tree_k) + 1), context=COST_CONTEXT, repeats=9, warmup=2,
+                       device=device)
+    dc = calibrate_decoder(t_run, opened.runner, ids[:2], k=1, isolated=iso, max_new_tokens=32, eos_ids=eos,
+                           device=device)
+    timed = {"cost_ratio": dc.draft_step_s / dc.target_token_s,
+             "verify_cost": {str(K): v / dc.target_token_s for K, v in dc.verify_s.items()},
+             "decoder_cost": dc.to_dict()}
+    if d.held:
+        records = depth_records(opened.head, d.held, k_max, ranks=True)
+        return choose_policy(dc, records=records, tokens=cfg.max_new_tokens, max_k=k_max, gate=cfg.gate,
+                             siblings=siblings, sibling_depth=cfg.sibling_depth), timed
+    taus = taus_from_rates(d.rates, k_max) if d.rates else None
+    return choose_policy(dc, taus=taus, tokens=cfg.max_new_tokens, max_k=k_max,
+                         evidence="the draft's held-out acceptance by depth and its round cost timed in the decoder"
+                         ), timed
+
+
+def _max_len(ids: list[list[int]], drafts: list[DraftUnderTest], cfg: ValidateConfig) -> int:
+    tree_k = 2 * cfg.siblings if cfg.siblings and cfg.sibling_depth == 2 else 0
+    most_k = max([cfg.k, cfg.max_k, tree_k] + [d.k or 0 for d in drafts])
+    return max(max(len(i) for i in ids) + cfg.max_new_tokens, COST_CONTEXT) + most_k + 2
+
+
+def validate(target_spec: str, drafts: list[DraftUnderTest], prompts: list[Prompt], cfg: ValidateConfig, *,
+             out: Path, kind: str = "standalone", device: str = "cpu") -> ValidationResult:
+    """Time the target alone and every draft on the first `cfg.prompts_per_domain` prompts of each domain,
+    interleaved in one run; write `out` (bench.json); refuse (after writing) a run that is not greedy-equal."""
+    if sum(d.chooses for d in drafts) != 1:
+        raise ValueError("exactly one draft chooses the round policy")
+    torch.set_grad_enabled(False)
+    target = load(target_spec, device=device)
+    prompts = first_per_domain(prompts, cfg.prompts_per_domain)
+    ids = [prompt_ids(target.tokenizer, p.prompt) for p in prompts]
+    max_len = _max_len(ids, drafts, cfg)
+    t_run = make_runner(target.model, max_len)
+    opened = {d.name: open_draft(d.spec, target, max_len, cfg.draft_quant, device) for d in drafts}
+    chooser = next(d for d in drafts if d.chooses)
+    eos = eos_ids(target)
+    choice, cost = _choose(chooser, opened[chooser.name], t_run, ids, cfg, eos, device)
+    policies = {d.name: (KPolicy(k=d.k, k_max=max(16, d.k)) if d.k else choice.policy) for d in drafts}
+    val = validate_drafts(t_run, {n: o.runner for n, o in opened.items()}, ids, k=choice.k, policies=policies,
+                          max_new_tokens=cfg.max_new_tokens, eos_ids=eos, names=[p.id for p in prompts],
+                          device=device)
+    result = ValidationResult(target_spec, drafts, val, policies, choice, {n: o.quant for n, o in opened.items()},
+                              cost, kind)
+    atomic_write_json(out, result.to_dict())
+    if not result.greedy_equal:
+        raise DraftsmithError("validate: speculative output differs from the target's greedy output "
+                              f"({val.greedy_equal}); see {out}")
+    return result
