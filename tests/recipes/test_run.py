@@ -268,6 +268,71 @@ def test_a_head_recipe_runs_every_stage(world: dict) -> None:
     assert head_row["predicted_speedup"] == bench["predicted_speedup"] and head_row["measured_speedup"] > 0
 
 
+def _head_recipe(world: dict) -> Path:
+    """A head recipe whose training is decided by its steps alone (no time budget), so that two runs agree."""
+    target = save_tiny(world["root"] / "target8", 0, 8)
+    recipe = {
+        "name": "tiny-head-resume", "target": str(target), "prompts": str(world["root"] / "prompts.jsonl"),
+        "pair": {"candidates": [f"derive:{target}:keep=2"]},
+        "distill": {"draft": "head", "eval_per_domain": 2},
+        "head": {"samples": 2, "max_new_tokens": 8, "gen_batch_size": 4, "draft_vocab_size": 16, "epochs": 6,
+                 "rows_per_step": 2, "train_minutes": 0, "eval_every": 3},
+    }
+    path = world["root"] / "tiny-head-resume.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def _head_weights(run: Path) -> dict[str, dict[str, torch.Tensor]]:
+    head = run / "distill" / "head"
+    return {"last": load_file(str(head / "checkpoint" / "head.safetensors")),
+            "best": load_file(str(head / "best" / "model.safetensors"))}
+
+
+def test_killed_mid_head_training_then_rerun_ends_with_the_same_weights(world: dict) -> None:
+    """`draftsmith run` on a head recipe, killed once head training has checkpointed, then run again: it resumes
+    (data kept, training from its checkpoint) and ends with the weights of an uninterrupted run, bit for bit."""
+    path = _head_recipe(world)
+    whole = world["root"] / "runs" / "head-whole"
+    r = draftsmith(world, "run", str(path), "--out", str(whole), "--stages", "distill")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    steps = json.loads((whole / "distill" / "head" / "summary.json").read_text())["steps"]
+    assert steps >= 30
+
+    out = world["root"] / "runs" / "head-killed"
+    trainer = out / "distill" / "head" / "checkpoint" / "trainer.json"
+    proc = subprocess.Popen([str(DRAFTSMITH), "run", str(path), "--out", str(out), "--stages", "distill"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=world["env"])
+    deadline = time.monotonic() + 600
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                at = json.loads(trainer.read_text())["step"] if trainer.is_file() else 0
+            except (OSError, ValueError):  # caught mid-write: look again
+                at = 0
+            if 6 <= at < steps:
+                proc.send_signal(signal.SIGKILL)  # harsher than Ctrl-C: nothing gets to clean up
+                break
+            time.sleep(0.005)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed mid-training"
+    assert json.loads((out / "state.json").read_text())["stages"]["distill"]["status"] == "running"
+
+    r = draftsmith(world, "run", str(path), "--out", str(out), "--stages", "distill")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "[distill] resuming" in r.stdout
+    assert json.loads((out / "distill" / "head" / "summary.json").read_text())["steps"] == steps
+    logged = [json.loads(line) for line in (out / "distill" / "head" / "log.jsonl").read_text().splitlines()]
+    assert sum(1 for e in logged if e.get("step") == 1 and "loss" in e) == 1, "training started over, not resumed"
+    a, b = _head_weights(whole), _head_weights(out)
+    for which in ("last", "best"):
+        assert a[which].keys() == b[which].keys()
+        assert all(torch.equal(a[which][k], b[which][k]) for k in a[which]), f"resumed run differs ({which})"
+
+
 def test_a_recipe_with_a_data_section_trains_on_what_the_target_wrote(world: dict) -> None:
     """`data: {n: 4}`: the data stage has the target write 4 requests (gen-prompts) and answer them with its top-k
     kept (gen-data); distill trains on those rows, held-out prompts still from the recipe's prompts."""
