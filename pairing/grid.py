@@ -1,0 +1,121 @@
+"""A grid of round policies for one draft, timed side by side with the target alone in one interleaved run.
+
+    .venv/bin/draftsmith grid --target smollm2-135m-instruct --draft head:runs/smollm2-head/distill/head/best \
+        --k 1,2,3 --confidence 0,0.5,0.6 --siblings 0,3 --sibling-depth 1,2 --quant int8,none --out grid.json
+
+Every combination of K, stop threshold (0: never stop early), siblings (0: none; m >= 2 proposes the draft's m
+most probable first tokens side by side where its first token falls below the threshold) and sibling depth (2:
+each sibling with the draft's next token; heads only) that the decoder accepts becomes one `KPolicy`, and each
+runs beside the target alone on the same prompts, interleaved prompt by prompt, with the draft's weights as each
+`quant` asks (int8 or none, side by side). Use it on prompts kept for choosing (dev prompts), never on the ones a
+speedup is reported on.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from decode.bench import validate_drafts
+from decode.errors import DraftsmithError
+from decode.head import HeadDraft
+from decode.io import atomic_write_json
+from decode.loading import load
+from decode.model import make_runner
+from decode.prompts import first_per_domain, load_prompts
+from decode.speculative import KPolicy
+from decode.textgen import eos_ids, machine_info, prompt_ids, versions
+from pairing.validate import open_draft
+
+QUANTS = ("int8", "none")
+
+
+@dataclass
+class GridConfig:
+    """The settings of `draftsmith grid` (its options are generated from these fields)."""
+
+    prompts: str = "code,json,summarize,chat"  # suite names or a JSONL/CSV/Parquet file
+    prompts_per_domain: int = 2  # the first N prompts of every domain
+    max_new_tokens: int = 64  # tokens decoded per prompt
+    k: list[int] = field(default_factory=lambda: [1, 2, 3])  # K values
+    confidence: list[float] = field(default_factory=lambda: [0.0])  # stop thresholds (0 = never stop early)
+    siblings: list[int] = field(default_factory=lambda: [0])  # first tokens side by side below the threshold
+    sibling_depth: list[int] = field(default_factory=lambda: [1])  # 2: each sibling with the draft's next token
+    quant: list[str] = field(default_factory=lambda: ["int8"])  # the draft's weights: int8 and/or none
+
+    def __post_init__(self) -> None:
+        if self.prompts_per_domain < 1 or self.max_new_tokens < 1:
+            raise DraftsmithError("prompts_per_domain and max_new_tokens must be >= 1")
+        if not self.k or min(self.k) < 1:
+            raise DraftsmithError(f"k must list integers >= 1, got {self.k}")
+        if any(not 0.0 <= c < 1.0 for c in self.confidence):
+            raise DraftsmithError(f"confidence must list thresholds in [0, 1), got {self.confidence}")
+        if any(m == 1 or m < 0 for m in self.siblings):
+            raise DraftsmithError(f"siblings must list 0 (none) or counts >= 2, got {self.siblings}")
+        if any(d not in (1, 2) for d in self.sibling_depth):
+            raise DraftsmithError(f"sibling_depth must list 1 and/or 2, got {self.sibling_depth}")
+        bad = [q for q in self.quant if q not in QUANTS]
+        if bad or not self.quant:
+            raise DraftsmithError(f"quant must list {' and/or '.join(QUANTS)}, got {self.quant}")
+
+
+def policy_label(p: KPolicy) -> str:
+    return (f"K={p.k}" + (f" stop<{p.confidence}" if p.confidence else "")
+            + (f" siblings={p.siblings}" if p.siblings else "") + (" children" if p.sibling_depth == 2 else ""))
+
+
+def policy_grid(cfg: GridConfig) -> list[KPolicy]:
+    """Every distinct policy the grid names that the decoder can run: a threshold stops a round of K >= 2 early
+    (a round of one has nothing to stop), or with siblings branches below it; children need K >= 2."""
+    out: dict[str, KPolicy] = {}
+    for K, c, m, d in itertools.product(cfg.k, cfg.confidence, cfg.siblings, cfg.sibling_depth):
+        if (m and not c) or (d == 2 and (not m or K < 2)) or (c and not m and K == 1):
+            continue
+        p = KPolicy(k=K, k_max=max(16, K), confidence=c or None, siblings=m if c else 0, sibling_depth=d)
+        out.setdefault(policy_label(p), p)
+    return list(out.values())
+
+
+def run_grid(target_spec: str, draft_spec: str, cfg: GridConfig, *, out: Path | None = None,
+             device: str = "cpu") -> dict:
+    """Time the target alone and the draft at every policy of the grid (and every quant) side by side on the same
+    prompts in one interleaved run; write `out` (JSON with raw timings, machine and versions); return it."""
+    policies = policy_grid(cfg)
+    if not policies:
+        raise DraftsmithError("the grid names no policy the decoder can run (siblings need a threshold; "
+                              "sibling depth 2 needs siblings and K >= 2)")
+    torch.set_grad_enabled(False)
+    target = load(target_spec, device=device)
+    prompts = first_per_domain(load_prompts(cfg.prompts), cfg.prompts_per_domain)
+    ids = [prompt_ids(target.tokenizer, p.prompt) for p in prompts]
+    deepest = max(max(p.k, 2 * p.siblings) for p in policies)
+    max_len = max(len(i) for i in ids) + cfg.max_new_tokens + deepest + 2
+    t_run = make_runner(target.model, max_len)
+    if any(p.siblings for p in policies) and not hasattr(t_run, "forward_tree"):
+        raise DraftsmithError(f"sibling rounds need the lean runner; {target_spec} is served by the generic one "
+                              "(use --siblings 0)")
+    drafts, named = {}, {}
+    for q in cfg.quant:
+        opened = open_draft(draft_spec, target, max_len, None if q == "none" else q, device)
+        for p in policies:
+            name = policy_label(p) + ("" if len(cfg.quant) == 1 else f" {q}")
+            # a head keeps per-decode state of its own: one HeadDraft per policy (a model runner is position-based)
+            drafts[name] = opened.runner if opened.head is None else HeadDraft(opened.head, max_len,
+                                                                               quantize=opened.quant)
+            named[name] = p
+    val = validate_drafts(t_run, drafts, ids, k=policies[0].k, policies=named, max_new_tokens=cfg.max_new_tokens,
+                          eos_ids=eos_ids(target), names=[p.id for p in prompts], desc="grid", device=device)
+    result = {"target": target_spec, "draft": draft_spec, **val.to_dict(),
+              "policies": {n: {"k": p.k, "confidence": p.confidence, "siblings": p.siblings,
+                               "sibling_depth": p.sibling_depth} for n, p in named.items()},
+              "drafted_per_round": {n: val.stats[n].drafted / max(1, val.stats[n].target_forwards) for n in drafts},
+              "machine": machine_info(), "versions": versions()}
+    if out is not None:
+        atomic_write_json(Path(out), result)
+    if not all(val.greedy_equal.values()):
+        raise DraftsmithError(f"grid: speculative output differs from the target's greedy output "
+                              f"({val.greedy_equal}){f'; see {out}' if out else ''}")
+    return result
