@@ -158,10 +158,11 @@ def evaluate(head: Eagle3Head, rows: list[dict], w_draft: Tensor, steps: int) ->
 
 
 
-def train_head(target: Loaded, rows: list[dict], held_out: list[dict], out: Path, cfg: HeadTrainConfig, *,
-               aux_layers: tuple[int, ...], progress: bool = True) -> dict:
-    """Train from scratch (or resume from out/checkpoint); returns the summary (also out/summary.json)."""
-    out = Path(out)
+def _new_head(target: Loaded, rows: list[dict], cfg: HeadTrainConfig,
+              aux_layers: tuple[int, ...]) -> tuple[Eagle3Head, Tensor, float]:
+    """A head whose draft vocabulary is the `draft_vocab_size` ids the target predicts most often in `rows`, its
+    lm_head the target's rows for them and its final norm the target's; with those rows (N, H) and the share of
+    the target's predictions the vocabulary covers."""
     torch.manual_seed(cfg.seed)
     hf = target.model
     counts = torch.bincount(torch.cat([r["next"] for r in rows]), minlength=hf.config.vocab_size)
@@ -172,23 +173,44 @@ def train_head(target: Loaded, rows: list[dict], held_out: list[dict], out: Path
     with torch.no_grad():
         head.lm_head.weight.copy_(w_draft)
         head.norm.weight.copy_(hf.model.norm.weight.detach())
-    coverage = float(counts[head.draft_ids].sum() / counts.sum())
-    w_label = w_draft / cfg.label_temperature  # the logits the loss's labels come from (held-out KL stays at T = 1)
+    return head, w_draft, float(counts[head.draft_ids].sum() / counts.sum())
+
+
+def _optimizer(head: Eagle3Head, cfg: HeadTrainConfig, plan: dict):
+    """AdamW with a linear warm-up, then a cosine to 0 at `plan["total"]` steps (read when stepped: a time budget
+    refits it)."""
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
-    plan = {"total": max(1, math.ceil(cfg.epochs * len(rows) / cfg.rows_per_step))}
-    plan["epochs"] = plan["total"]  # the most steps: the epochs'
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / (cfg.warmup_steps + 1), 0.5 * (
         1 + math.cos(math.pi * min(1.0, max(0, s - cfg.warmup_steps) / max(1, plan["total"] - cfg.warmup_steps))))))
-    state = {"step": 0, "best": -1.0, "best_step": None, "log": [], "seconds": 0.0, "planned_steps": None}
-    ckpt = out / "checkpoint"
-    if (ckpt / "trainer.json").is_file():
-        from safetensors.torch import load_file
+    return opt, sched
 
-        head.load_state_dict(load_file(str(ckpt / "head.safetensors")), strict=False)
-        blob = torch.load(ckpt / "optim.pt", weights_only=True)
-        opt.load_state_dict(blob["opt"]), sched.load_state_dict(blob["sched"])
-        state = read_json(ckpt / "trainer.json", what="head checkpoint")
-        plan["total"] = state.get("planned_steps") or plan["total"]
+
+def _resume(head: Eagle3Head, opt, sched, ckpt: Path, state: dict, plan: dict) -> dict:
+    """The trainer's state from `ckpt` when a run left one there (weights, optimizer and schedule loaded)."""
+    if not (ckpt / "trainer.json").is_file():
+        return state
+    from safetensors.torch import load_file
+
+    head.load_state_dict(load_file(str(ckpt / "head.safetensors")), strict=False)
+    blob = torch.load(ckpt / "optim.pt", weights_only=True)
+    opt.load_state_dict(blob["opt"]), sched.load_state_dict(blob["sched"])
+    state = read_json(ckpt / "trainer.json", what="head checkpoint")
+    plan["total"] = state.get("planned_steps") or plan["total"]
+    return state
+
+
+def train_head(target: Loaded, rows: list[dict], held_out: list[dict], out: Path, cfg: HeadTrainConfig, *,
+               aux_layers: tuple[int, ...], progress: bool = True) -> dict:
+    """Train from scratch (or resume from out/checkpoint); returns the summary (also out/summary.json)."""
+    out = Path(out)
+    head, w_draft, coverage = _new_head(target, rows, cfg, aux_layers)
+    w_label = w_draft / cfg.label_temperature  # the logits the loss's labels come from (held-out KL stays at T = 1)
+    plan = {"total": max(1, math.ceil(cfg.epochs * len(rows) / cfg.rows_per_step))}
+    plan["epochs"] = plan["total"]  # the most steps: the epochs'
+    opt, sched = _optimizer(head, cfg, plan)
+    ckpt = out / "checkpoint"
+    state = _resume(head, opt, sched, ckpt, {"step": 0, "best": -1.0, "best_step": None, "log": [], "seconds": 0.0,
+                                             "planned_steps": None}, plan)
     calibrate = min(10, max(1, cfg.warmup_steps))  # steps timed before a time budget fixes the schedule's length
     gen = torch.Generator().manual_seed(cfg.seed)
     order = torch.cat([_bucketed(rows, cfg.rows_per_step, gen) for _ in range(math.ceil(cfg.epochs) + 1)])
