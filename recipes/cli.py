@@ -349,20 +349,23 @@ GEN_DATA_SETTINGS = {"draft", "data", "mix", "max_new_tokens", "data_temperature
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from decode.bench import BenchConfig
-    from distill.export import ExportConfig
-    from distill.pipeline import DistillConfig
-    from pairing.leaderboard import PairConfig
-    from recipes.options import add_options
-
     parser = argparse.ArgumentParser(prog="draftsmith", description="Make speculative decoding pay off.")
     sub = parser.add_subparsers(dest="verb", required=True)
+    for add_verb in (_models_parser, _decode_parser, _bench_parser, _pair_parser, _derive_parser, _distill_parser,
+                     _gen_prompts_parser, _gen_data_parser, _export_parser, _export_head_parser, _run_parser,
+                     _leaderboard_parser):
+        add_verb(sub)
+    return parser
 
+
+def _models_parser(sub) -> None:
     p = sub.add_parser("models", help="the offline model zoo: list | pull NAME | path NAME")
     p.add_argument("action", choices=["list", "pull", "path"])
     p.add_argument("name", nargs="?")
     p.set_defaults(func=cmd_models)
 
+
+def _decode_parser(sub) -> None:
     p = sub.add_parser("decode", help="decode one prompt, speculative when --draft is given")
     _add_pair_args(p)
     p.add_argument("--no-draft", action="store_true", help="target only (the baseline)")
@@ -383,12 +386,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_decode)
 
+
+def _bench_parser(sub) -> None:
+    from decode.bench import BenchConfig
+    from recipes.options import add_options
+
     p = sub.add_parser("bench", help="time target-only, speculative, HF generate and HF assisted side by side")
     p.add_argument("--target", default=DEFAULT_TARGET, help=f"zoo name, HF folder or .gguf file (default {DEFAULT_TARGET})")
     p.add_argument("--draft", default=DEFAULT_DRAFT, help=f"zoo name, HF folder or .gguf, same tokenizer (default {DEFAULT_DRAFT})")
     add_options(p, BenchConfig, taken={"target", "draft"})
     p.add_argument("--out", type=Path, default=None)
     p.set_defaults(func=cmd_bench)
+
+
+def _pair_parser(sub) -> None:
+    from pairing.leaderboard import PairConfig
+    from recipes.options import add_options
 
     p = sub.add_parser("pair", help="rank candidate drafts for a target: alpha, cost, predicted/measured speedup")
     taken: set[str] = set()
@@ -399,6 +412,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, required=True)
     p.set_defaults(func=cmd_pair)
 
+
+def _derive_parser(sub) -> None:
     p = sub.add_parser("derive", help="make a draft from a subset of a model's layers (HF folder)")
     p.add_argument("--from", dest="source", required=True, help="zoo name or HF folder")
     p.add_argument("--layers", default=None, help="layer indices, e.g. 0,1,2,3 or 0-3")
@@ -406,8 +421,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=None, help="output folder (default: in the cache)")
     p.set_defaults(func=cmd_derive)
 
+
+def _distill_parser(sub) -> None:
+    from distill.pipeline import DistillConfig
+    from recipes.options import add_options
+
     p = sub.add_parser("distill", help="distill a draft toward the target; alpha (and tokens/s) before and after")
-    taken = set()
+    taken: set[str] = set()
     _add_common(p, taken)
     add_options(p, DistillConfig, required={"draft"}, taken=taken,
                 aliases={"lora_r": ["--lora"], "early_stop_patience": ["--early-stop"]})
@@ -416,6 +436,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, required=True)
     p.set_defaults(func=cmd_distill)
 
+
+def _gen_prompts_parser(sub) -> None:
     p = sub.add_parser("gen-prompts", help="prompts the target writes itself (pre-query template), deduplicated")
     p.add_argument("--target", required=True, help="an instruct model with a chat template: zoo name, HF folder, .gguf")
     p.add_argument("--n", type=int, required=True, help="prompts to keep, shared evenly across the domains")
@@ -432,14 +454,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, required=True, help="a datasets folder; a rerun resumes it")
     p.set_defaults(func=cmd_gen_prompts)
 
+
+def _gen_data_parser(sub) -> None:
+    from distill.pipeline import DistillConfig
+    from recipes.options import add_options
+
     p = sub.add_parser("gen-data", help="generate distillation data (resumable) without training")
-    taken = set()
+    taken: set[str] = set()
     _add_common(p, taken)
     add_options(p, DistillConfig, only=GEN_DATA_SETTINGS, required={"draft"}, taken=taken,
                 aliases={"gen_batch_size": ["--batch-size"]})
     _add_plain_data(p)
     p.add_argument("--out", type=Path, required=True, help="folder; a rerun resumes it (other settings are refused)")
     p.set_defaults(func=cmd_gen_data)
+
+
+def _export_parser(sub) -> None:
+    from distill.export import ExportConfig
+    from recipes.options import add_options
 
     p = sub.add_parser("export", help="export a (distilled) draft: HF folder, GGUF for llama.cpp, vLLM/SGLang lines")
     p.add_argument("--draft", required=True, help="HF folder (e.g. a distill run's best/), zoo name or derive spec")
@@ -451,6 +483,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, required=True)
     p.set_defaults(func=cmd_export)
 
+
+def _export_head_parser(sub) -> None:
     p = sub.add_parser("export-head", help="export a trained EAGLE-3 head: vLLM speculators and SGLang folders, checked")
     p.add_argument("--head", required=True, help="a head folder (config.json + model.safetensors), e.g. RUN/head/best")
     p.add_argument("--target", required=True, help="the target the head reads (zoo name, HF folder or .gguf)")
@@ -463,6 +497,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, required=True)
     p.set_defaults(func=cmd_export_head)
 
+
+def _run_parser(sub) -> None:
     p = sub.add_parser("run", help="run a recipe: pair -> distill -> validate -> export, resumable, with a report")
     p.add_argument("recipe", type=Path, help="a recipe YAML (see recipes/*.yaml)")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. distill.train.steps=200")
@@ -471,11 +507,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--restart", default=None, metavar="STAGE", help="redo STAGE and every stage after it")
     p.set_defaults(func=cmd_run)
 
+
+def _leaderboard_parser(sub) -> None:
     p = sub.add_parser("leaderboard", help="merge run folders into one acceptance-rate leaderboard (md/html/json)")
     p.add_argument("runs", nargs="+", type=Path, help="run folders, e.g. runs/*")
     p.add_argument("--out", type=Path, default=Path("leaderboard"))
     p.set_defaults(func=cmd_leaderboard)
-    return parser
 
 
 def _one_line(e: BaseException) -> str:
