@@ -41,6 +41,7 @@ import hashlib
 import json
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
@@ -250,8 +251,89 @@ def _generate_rows(
                 f"a prompt plus {max_new_tokens} new tokens needs {max_seq_len} positions; "
                 f"{who.name} supports {limit} (use shorter prompts or fewer new tokens)"
             )
+    writer = _row_writer(target, draft, ids, from_draft, todo, max_seq_len, max_new_tokens=max_new_tokens,
+                         temperature=temperature, speculative=speculative, batch_size=batch_size, topk=topk,
+                         engine=engine)
+    bar = tqdm(total=len(prompts), initial=len(rows), desc="distill data", unit="prompt", disable=not progress)
+    with part.open("a", encoding="utf-8") as f:
+        for start in range(len(rows), len(prompts), batch_size):
+            chunk = range(start, min(start + batch_size, len(prompts)))
+            outs, tops = writer.continuations(chunk, [prompt_seed(seed, offset + i) for i in chunk])
+            if len(tops) == len(chunk):  # every row of the batch has its top-k: kept beside the rows
+                _save_topk(part.parent / TOPK_DIR, start, [tops[i] for i in chunk])
+            new = [{"index": i, "id": prompts[i].id, "domain": prompts[i].domain,
+                    "source": "draft" if i in from_draft else "target", "prompt_ids": ids[i],
+                    "continuation_ids": outs[i]} for i in chunk]
+            rows.extend(new)
+            append_rows(f, new)  # a checkpoint per batch
+            bar.update(len(chunk))
+    bar.close()
 
-    # which rows a model decodes alone: batched through its HF model, unless batch_size is 1 (then a runner)
+
+@dataclass
+class _RowWriter:
+    """Who writes each row: the draft (on-policy rows, `from_draft`) or the target, with the decoder the settings
+    ask for. `batched`: the rows a model decodes alone go through its HF model a batch at a time (else one at a
+    time through a runner); the target's rows are speculative (`t_runner` verifying `proposer`) unless batched
+    plain, or vLLM's (`llm`). `topk` > 0: the target keeps its top-k log-probs as it decodes its rows."""
+
+    target: Loaded
+    draft: Loaded
+    ids: list[list[int]]  # prompt i's token ids
+    from_draft: set[int]
+    max_new_tokens: int
+    temperature: float
+    stop: list[int]  # the target's EOS ids: every row ends at one (or at max_new_tokens)
+    batched: bool
+    speculative: bool
+    topk: int
+    vocab_size: int
+    device: torch.device
+    t_runner: object | None
+    proposer: object | None
+    alone: object | None  # the draft's own runner for on-policy rows one at a time
+    llm: object | None
+
+    def continuations(self, chunk: range, seeds: list[int]) -> tuple[dict[int, list[int]], dict[int, tuple]]:
+        """New tokens of every prompt in `chunk` (on-policy ones first), and the target's top-k of the rows that
+        kept them. Prompt i samples with its own generator seeded with its seed."""
+        gens = {i: torch.Generator(device=self.device).manual_seed(s) if self.temperature > 0 else None
+                for i, s in zip(chunk, seeds)}
+        seed_of = dict(zip(chunk, seeds))
+        outs: dict[int, list[int]] = {}
+        tops: dict[int, tuple] = {}
+        for on_policy in (True, False):
+            group = [i for i in chunk if (i in self.from_draft) == on_policy]
+            if group:
+                toks, got_tops = self._decode(group, on_policy, gens, seed_of)
+                outs.update(zip(group, toks))
+                tops.update(zip(group, got_tops or []))
+        return outs, tops
+
+    def _decode(self, group: list[int], on_policy: bool, gens: dict,
+                seed_of: dict[int, int]) -> tuple[list, list | None]:
+        """One group's continuations (all the draft's or all the target's) and their top-k, None when not kept."""
+        prompts = [self.ids[i] for i in group]
+        sampling, stop = SamplingParams(temperature=self.temperature), self.stop
+        if self.llm is not None and not on_policy:
+            return vllm_rows(self.llm, prompts, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                             seeds=[seed_of[i] for i in group], eos_ids=stop, topk=self.topk)
+        if self.batched and (on_policy or not self.speculative):
+            kw = dict(max_new_tokens=self.max_new_tokens, sampling=sampling, eos_ids=stop,
+                      generators=[gens[i] for i in group], vocab_size=self.vocab_size)
+            if not on_policy and self.topk:  # the target's own rows: keep its top-k as it decodes
+                got = decode_batch(self.target.model, prompts, topk=self.topk, **kw)
+                return got.tokens, list(zip(got.topk_values, got.topk_indices))
+            return generate_batch((self.draft if on_policy else self.target).model, prompts, **kw), None
+        runner, proposing = (self.alone, None) if on_policy else (self.t_runner, self.proposer)
+        return [generate(runner, self.ids[i], draft=proposing, max_new_tokens=self.max_new_tokens, sampling=sampling,
+                         eos_ids=stop, generator=gens[i], device=self.device).tokens for i in group], None
+
+
+def _row_writer(target: Loaded, draft: Loaded, ids: list[list[int]], from_draft: set[int], todo: range,
+                max_seq_len: int, *, max_new_tokens: int, temperature: float, speculative: bool, batch_size: int,
+                topk: int, engine: str) -> _RowWriter:
+    """The runners (or engine) the rows in `todo` need, and no others."""
     batched = batch_size > 1
     V = target_vocab(target)
     need_target = any(i not in from_draft for i in todo)
@@ -265,57 +347,11 @@ def _generate_rows(
         alone = make_runner(draft.model, max_seq_len)
         if alone.vocab_size != V:
             alone = TargetVocab(alone, V)
-
     keep_topk = topk > 0 and (engine == "vllm" or lean_supported(target.model.config)[0])
     device = next(target.model.parameters()).device
     llm = vllm_engine(target) if engine == "vllm" and need_target else None
-    sampling = SamplingParams(temperature=temperature)
-    stop = eos_ids(target)
-    bar = tqdm(total=len(prompts), initial=len(rows), desc="distill data", unit="prompt", disable=not progress)
-    with part.open("a", encoding="utf-8") as f:
-        for start in range(len(rows), len(prompts), batch_size):
-            chunk = range(start, min(start + batch_size, len(prompts)))
-            gens = {i: torch.Generator(device=device).manual_seed(prompt_seed(seed, offset + i)) if temperature > 0 else None
-                    for i in chunk}
-            outs: dict[int, list[int]] = {}
-            tops: dict[int, tuple] = {}
-            for on_policy in (True, False):
-                group = [i for i in chunk if (i in from_draft) == on_policy]
-                if not group:
-                    continue
-                who = draft if on_policy else target
-                if llm is not None and not on_policy:
-                    toks, got_tops = vllm_rows(llm, [ids[i] for i in group], max_new_tokens=max_new_tokens,
-                                               temperature=temperature, seeds=[prompt_seed(seed, offset + i) for i in group],
-                                               eos_ids=stop, topk=topk if keep_topk else 0)
-                    outs.update(zip(group, toks))
-                    tops.update(zip(group, got_tops))
-                    continue
-                if batched and (on_policy or not speculative):
-                    kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=stop,
-                              generators=[gens[i] for i in group], vocab_size=V)
-                    if not on_policy and keep_topk:  # the target's own rows: keep its top-k as it decodes
-                        got = decode_batch(who.model, [ids[i] for i in group], topk=topk, **kw)
-                        toks = got.tokens
-                        tops.update(zip(group, zip(got.topk_values, got.topk_indices)))
-                    else:
-                        toks = generate_batch(who.model, [ids[i] for i in group], **kw)
-                    outs.update(zip(group, toks))
-                    continue
-                for i in group:
-                    runner, proposing = (alone, None) if on_policy else (t_runner, proposer)
-                    outs[i] = generate(runner, ids[i], draft=proposing, max_new_tokens=max_new_tokens,
-                                       sampling=sampling, eos_ids=stop, generator=gens[i], device=device).tokens
-            if len(tops) == len(chunk):  # every row of the batch has its top-k: kept beside the rows
-                _save_topk(part.parent / TOPK_DIR, start, [tops[i] for i in chunk])
-            for i in chunk:
-                p = prompts[i]
-                row = {"index": i, "id": p.id, "domain": p.domain, "source": "draft" if i in from_draft else "target",
-                       "prompt_ids": ids[i], "continuation_ids": outs[i]}
-                rows.append(row)
-            append_rows(f, rows[-len(chunk):])  # a checkpoint per batch
-            bar.update(len(chunk))
-    bar.close()
+    return _RowWriter(target, draft, ids, from_draft, max_new_tokens, temperature, eos_ids(target), batched,
+                      speculative, topk if keep_topk else 0, V, device, t_runner, proposer, alone, llm)
 
 
 def vllm_engine(target: Loaded):

@@ -30,6 +30,7 @@ import time
 import unicodedata
 from collections import Counter
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
@@ -242,6 +243,54 @@ def generate_prompts(
     every domain): fewer than n are kept then (stats.json says `"complete": false`). `dtype` bfloat16 writes
     with a bfloat16 copy of the target (`decode.batch.writer_model`: 2-3x faster on CPUs with AMX)."""
     domains = list(dict.fromkeys(domains))
+    _check_arguments(domains, n=n, temperature=temperature, batch_size=batch_size,
+                     max_prompt_tokens=max_prompt_tokens, min_chars=min_chars, dedup_threshold=dedup_threshold,
+                     max_attempts=max_attempts, dtype=dtype)
+    max_attempts = 4 * n if max_attempts is None else max_attempts
+    prefix = {d: pre_query(target.tokenizer, d) for d in domains}  # domain -> (ids, end-of-turn id)
+    _check_positions(target, prefix, max_prompt_tokens)
+    out = Path(out)
+    settings = {"format": FORMAT_VERSION, "n": n, "domains": domains, "temperature": float(temperature),
+                "seed": seed, "max_prompt_tokens": max_prompt_tokens, "min_chars": min_chars,
+                "dedup_threshold": float(dedup_threshold), "max_attempts": max_attempts,
+                "prefix_sha256": hashlib.sha256(json.dumps(prefix).encode()).hexdigest(),
+                "target": folder_identity(target.path)}
+    if dtype != "float32":  # folders written before the option existed keep their settings
+        settings["dtype"] = dtype
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        if not _check_settings(out, settings):
+            raise DraftsmithError(f"{out} exists and is not a generate_prompts folder; remove it or choose another")
+        return datasets.load_from_disk(str(out))
+    partial = _partial_folder(out, settings)
+
+    filt = _Filter(n, domains, min_chars, dedup_threshold)
+    rows = _read_rows(partial / ROWS)
+    for row in rows:
+        filt.consider(row)
+    stop = sorted(set(eos_ids(target)) | {end for _, end in prefix.values() if end is not None})
+    attempts = _Attempts(domains, prefix, stop, seed, temperature, max_prompt_tokens)
+    start = rows[-1]["index"] + 1 if rows else 0  # resume after the last attempt saved
+    t0 = time.perf_counter()
+    nxt, new_tokens = _write_until_full(target, attempts, filt, partial / ROWS, start=start, n=n,
+                                        max_attempts=max_attempts, batch_size=batch_size, dtype=dtype,
+                                        progress=progress)
+    seconds = time.perf_counter() - t0
+    stats = filt.stats(n, nxt) | {"new_tokens_this_run": new_tokens, "seconds_this_run": round(seconds, 3),
+                                  "tokens_per_s": round(new_tokens / seconds, 1) if new_tokens else None}
+    if not filt.kept:
+        why = ", ".join(f"{k} {v}" for k, v in stats["rejected"].items())
+        raise DraftsmithError(f"no request kept out of {stats['generated']} attempts ({why}); raise max_attempts "
+                              "or max_prompt_tokens, or lower min_chars")
+    if not stats["complete"]:
+        print(f"draftsmith: kept {len(filt.kept)} of {n} prompts after {nxt} attempts", file=sys.stderr)
+    _save(out, filt.kept, settings, stats)
+    shutil.rmtree(partial, ignore_errors=True)
+    return datasets.load_from_disk(str(out))
+
+
+def _check_arguments(domains: list[str], *, n: int, temperature: float, batch_size: int, max_prompt_tokens: int,
+                     min_chars: int, dedup_threshold: float, max_attempts: int | None, dtype: str) -> None:
+    """Known domains (at least one) and every number in its range; a one-line error otherwise."""
     unknown = [d for d in domains if d not in DOMAINS] or ([] if domains else ["(none given)"])
     if unknown:
         raise DraftsmithError(f"unknown prompt domain {unknown[0]!r}; known domains: {', '.join(DOMAINS)}")
@@ -255,25 +304,19 @@ def generate_prompts(
             ("dtype", dtype, dtype in GEN_DTYPES, f"one of {', '.join(GEN_DTYPES)}")):
         if not ok:
             raise DraftsmithError(f"{name} must be {need}, got {value}")
-    max_attempts = 4 * n if max_attempts is None else max_attempts
-    prefix = {d: pre_query(target.tokenizer, d) for d in domains}  # domain -> (ids, end-of-turn id)
+
+
+def _check_positions(target: Loaded, prefix: dict[str, tuple[list[int], int | None]], max_prompt_tokens: int) -> None:
+    """The longest pre-query prefix plus a whole request must fit the target's positions."""
     limit = getattr(target.model.config, "max_position_embeddings", None)
     need = max(len(ids) for ids, _ in prefix.values()) + max_prompt_tokens
     if limit and need > limit:
         raise DraftsmithError(f"a pre-query prefix plus {max_prompt_tokens} tokens needs {need} positions; "
                               f"{target.name} supports {limit} (lower max_prompt_tokens)")
-    out = Path(out)
-    settings = {"format": FORMAT_VERSION, "n": n, "domains": domains, "temperature": float(temperature),
-                "seed": seed, "max_prompt_tokens": max_prompt_tokens, "min_chars": min_chars,
-                "dedup_threshold": float(dedup_threshold), "max_attempts": max_attempts,
-                "prefix_sha256": hashlib.sha256(json.dumps(prefix).encode()).hexdigest(),
-                "target": folder_identity(target.path)}
-    if dtype != "float32":  # folders written before the option existed keep their settings
-        settings["dtype"] = dtype
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        if not _check_settings(out, settings):
-            raise DraftsmithError(f"{out} exists and is not a generate_prompts folder; remove it or choose another")
-        return datasets.load_from_disk(str(out))
+
+
+def _partial_folder(out: Path, settings: dict) -> Path:
+    """`<out>.partial`, holding `settings` (an earlier run's with the same settings is resumed as it is)."""
     partial = out.with_name(out.name + ".partial")
     try:
         partial.mkdir(parents=True, exist_ok=True)
@@ -281,33 +324,65 @@ def generate_prompts(
             atomic_write_json(partial / SETTINGS, settings)
     except OSError as e:
         raise DraftsmithError(f"cannot write prompts under {partial}: {e.strerror}") from None
+    return partial
 
-    filt = _Filter(n, domains, min_chars, dedup_threshold)
-    rows = _read_rows(partial / ROWS)
-    for row in rows:
-        filt.consider(row)
-    tok, device = target.tokenizer, next(target.model.parameters()).device
-    stop = sorted(set(eos_ids(target)) | {end for _, end in prefix.values() if end is not None})
-    nxt, new_tokens, t0 = (rows[-1]["index"] + 1 if rows else 0), 0, time.perf_counter()
+
+# -- writing -------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Attempts:
+    """What attempt i writes: a request for domain `domains[i % len(domains)]` after its pre-query prefix,
+    sampled with a generator seeded from (seed, i), until a `stop` id or `max_tokens` tokens."""
+
+    domains: list[str]
+    prefix: dict[str, tuple[list[int], int | None]]
+    stop: list[int]
+    seed: int
+    temperature: float
+    max_tokens: int
+
+    def domain(self, i: int) -> str:
+        return self.domains[i % len(self.domains)]
+
+    def next_batch(self, filt: _Filter, start: int, size: int, end: int) -> tuple[list[int], int]:
+        """Up to `size` attempt indices from `start` (below `end`) whose domain still wants prompts, and the
+        index after the last one looked at."""
+        batch, nxt = [], start
+        while len(batch) < size and nxt < end:
+            batch += [] if filt.full(self.domain(nxt)) else [nxt]
+            nxt += 1
+        return batch, nxt
+
+    def write(self, model, tokenizer, batch: list[int], device) -> list[dict]:
+        """The batch's attempts decoded together: one row each (index, domain, text, tokens, clean: it ended
+        on a stop id rather than at the token cap)."""
+        doms = [self.domain(i) for i in batch]
+        gens = [torch.Generator(device=device).manual_seed(prompt_seed(self.seed, i)) for i in batch]
+        outs = generate_batch(model, [self.prefix[d][0] for d in doms], max_new_tokens=self.max_tokens,
+                              sampling=SamplingParams(self.temperature), eos_ids=self.stop, generators=gens)
+        rows = []
+        for i, d, toks in zip(batch, doms, outs):
+            clean = bool(toks) and toks[-1] in self.stop
+            text = tokenizer.decode(toks[:-1] if clean else toks, skip_special_tokens=True).strip()
+            rows.append({"index": i, "domain": d, "text": text, "tokens": len(toks), "clean": clean})
+        return rows
+
+
+def _write_until_full(target: Loaded, attempts: _Attempts, filt: _Filter, rows_file: Path, *, start: int, n: int,
+                      max_attempts: int, batch_size: int, dtype: str, progress: bool) -> tuple[int, int]:
+    """Batches of attempts from index `start` until `filt` holds `n` or the indices reach `max_attempts`; every
+    batch's rows are appended to `rows_file` (a checkpoint) and replayed through `filt`. Returns (the next
+    attempt index, tokens generated)."""
+    nxt, new_tokens, device = start, 0, next(target.model.parameters()).device
     model = writer_model(target.model, dtype) if len(filt.kept) < n and nxt < max_attempts else None
     bar = tqdm(total=n, initial=len(filt.kept), desc="prompts", unit="prompt", disable=not progress)
-    with (partial / ROWS).open("a", encoding="utf-8") as f:
+    with rows_file.open("a", encoding="utf-8") as f:
         while len(filt.kept) < n and nxt < max_attempts:
-            batch = []  # the next attempt indices whose domain still wants prompts
-            while len(batch) < batch_size and nxt < max_attempts:
-                batch += [] if filt.full(domains[nxt % len(domains)]) else [nxt]
-                nxt += 1
+            batch, nxt = attempts.next_batch(filt, nxt, batch_size, max_attempts)
             if not batch:  # the last indices all belong to domains that are full
                 break
-            doms = [domains[i % len(domains)] for i in batch]
-            gens = [torch.Generator(device=device).manual_seed(prompt_seed(seed, i)) for i in batch]
-            outs = generate_batch(model, [prefix[d][0] for d in doms], max_new_tokens=max_prompt_tokens,
-                                  sampling=SamplingParams(temperature), eos_ids=stop, generators=gens)
-            new = []
-            for i, d, toks in zip(batch, doms, outs):
-                clean = bool(toks) and toks[-1] in stop
-                text = tok.decode(toks[:-1] if clean else toks, skip_special_tokens=True).strip()
-                new.append({"index": i, "domain": d, "text": text, "tokens": len(toks), "clean": clean})
+            new = attempts.write(model, target.tokenizer, batch, device)
             append_rows(f, new)  # a checkpoint per batch
             before = len(filt.kept)
             for row in new:
@@ -316,18 +391,7 @@ def generate_prompts(
             bar.update(len(filt.kept) - before)
             bar.set_postfix(attempts=nxt, refresh=False)
     bar.close()
-    seconds = time.perf_counter() - t0
-    stats = filt.stats(n, nxt) | {"new_tokens_this_run": new_tokens, "seconds_this_run": round(seconds, 3),
-                                  "tokens_per_s": round(new_tokens / seconds, 1) if new_tokens else None}
-    if not filt.kept:
-        why = ", ".join(f"{k} {v}" for k, v in stats["rejected"].items())
-        raise DraftsmithError(f"no request kept out of {stats['generated']} attempts ({why}); raise max_attempts "
-                              "or max_prompt_tokens, or lower min_chars")
-    if not stats["complete"]:
-        print(f"draftsmith: kept {len(filt.kept)} of {n} prompts after {nxt} attempts", file=sys.stderr)
-    _save(out, filt.kept, settings, stats)
-    shutil.rmtree(partial, ignore_errors=True)
-    return datasets.load_from_disk(str(out))
+    return nxt, new_tokens
 
 
 def _save(out: Path, kept: list[dict], settings: dict, stats: dict) -> None:

@@ -300,18 +300,7 @@ def _wandb_run(cfg: TrainConfig, out: Path, main: bool):
     return wandb.init(mode=cfg.wandb, project="draftsmith", dir=str(out), config=cfg.to_dict())
 
 
-# -- the loop -------------------------------------------------------------------------------------------------
-
-
-def _evaluate(target: Loaded, student: nn.Module, draft: Loaded, refs: datasets.Dataset, batch_size: int) -> dict:
-    """Greedy teacher-forced alpha of the current student on the reference rows."""
-    student.eval()
-    try:
-        a = measure_acceptance(target, [Loaded(student, draft.tokenizer, draft.path, draft.name)], refs,
-                               params=SamplingParams(0.0), batch_size=batch_size, progress=False)[0]
-    finally:
-        student.train()
-    return {"alpha": a.alpha, "alpha_by_domain": a.alpha_by_domain, "positions": a.positions}
+# -- training ---------------------------------------------------------------------------------------------------
 
 
 def train(
@@ -329,7 +318,6 @@ def train(
     """Train a copy of `draft` towards `target` on `data` (see the module docstring); returns the summary.
 
     `teacher_cache_dir` replaces the default place of the teacher cache (with `cfg.teacher == "cache"`)."""
-    from accelerate import Accelerator
     from accelerate.utils import set_seed
 
     check_vocab(target, draft)
@@ -339,33 +327,120 @@ def train(
         raise DraftsmithError("refresh_every: the data has no on-policy rows (source 'draft'); generate it with "
                               "data: draft or mixed")
     out = Path(out)
+    accelerator = _accelerator(cfg)
+    set_seed(cfg.seed)
+    latest = _prepare_folder(out, resume, accelerator)
+    teacher = target.model.to(accelerator.device).eval().requires_grad_(False)
+    cache = None
+    if cfg.teacher == "cache":
+        cache = build_teacher_cache(target, rows, teacher_cache_dir or _teacher_cache_root(data, out),
+                                    k=cfg.teacher_topk, dtype=cfg.teacher_cache_dtype, batch_size=cfg.batch_size,
+                                    rank=accelerator.process_index, processes=accelerator.num_processes,
+                                    wait=accelerator.wait_for_everyone,
+                                    progress=progress and accelerator.is_main_process)
+    run = _start_run(cfg, target, draft, eval_refs, out, accelerator, rows, latest)
+    if eval_refs is not None and run.state["step"] == 0 and run.state["alpha_before"] is None:
+        run.evaluate_and_keep_best(0)
+    first_step = run.state["step"]
+    _train_loop(run, teacher, cache, onpolicy, progress)
+    if eval_refs is None and run.main and (run.state["step"] > first_step or not (out / "best").is_dir()):
+        run.save_best({"step": run.state["step"], "alpha": None, "config": cfg.to_dict()})
+    accelerator.wait_for_everyone()  # every rank returns once best/ is in place
+    summary = _summary(run, cache)
+    if run.main:
+        atomic_write_json(out / "summary.json", summary)
+    return summary
+
+
+# -- setting up a run ----------------------------------------------------------------------------------------
+
+
+def _accelerator(cfg: TrainConfig):
+    from accelerate import Accelerator
+
     try:
-        accelerator = Accelerator(mixed_precision=cfg.mixed_precision)
+        return Accelerator(mixed_precision=cfg.mixed_precision)
     except (ValueError, RuntimeError) as e:
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise DraftsmithError(f"TrainConfig.mixed_precision={cfg.mixed_precision!r}: {why}") from None
-    main = accelerator.is_main_process
-    nproc, rank = accelerator.num_processes, accelerator.process_index
-    device = accelerator.device
-    set_seed(cfg.seed)
 
+
+def _prepare_folder(out: Path, resume: bool, accelerator) -> Path | None:
+    """The checkpoint to resume from, or None for a fresh start, which clears what an earlier run left in `out`."""
     latest = list_checkpoints(out)[-1] if resume and list_checkpoints(out) else None
-    if main:
+    if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         if latest is None:  # a fresh start: nothing from an earlier run may survive into this one
             for stale in ("checkpoints", "best"):
                 shutil.rmtree(out / stale, ignore_errors=True)
             (out / "log.jsonl").unlink(missing_ok=True)
     accelerator.wait_for_everyone()
+    return latest
 
-    teacher = target.model.to(device).eval().requires_grad_(False)
-    cache = None
-    if cfg.teacher == "cache":
-        cache = build_teacher_cache(target, rows, teacher_cache_dir or _teacher_cache_root(data, out),
-                                    k=cfg.teacher_topk, dtype=cfg.teacher_cache_dtype, batch_size=cfg.batch_size,
-                                    rank=rank, processes=nproc, wait=accelerator.wait_for_everyone,
-                                    progress=progress and main)
-    student = make_student(draft.model, cfg).to(device)
+
+@dataclass
+class _Run:
+    """One training run's moving parts and bookkeeping (`state`, saved in every checkpoint)."""
+
+    cfg: TrainConfig
+    target: Loaded
+    draft: Loaded
+    eval_refs: datasets.Dataset | None
+    out: Path
+    accelerator: Any
+    rows: list
+    order: DataOrder
+    model: nn.Module  # as accelerate prepared it: what the steps train
+    student: nn.Module  # the same, unwrapped: what is evaluated and saved
+    params: list
+    optimizer: Any
+    scheduler: Any
+    state: dict
+    wandb: Any
+
+    @property
+    def main(self) -> bool:
+        return self.accelerator.is_main_process
+
+    @property
+    def log_path(self) -> Path:
+        return self.out / "log.jsonl"
+
+    def log(self, line: dict) -> None:
+        if self.main:
+            with self.log_path.open("a", encoding="utf-8") as f:
+                f.write(json.dumps(line) + "\n")
+            self.wandb.log(line, step=line["step"])
+
+    def save_best(self, info: dict) -> None:
+        save_hf(merged_model(self.student), self.draft.tokenizer, self.out / "best", info)
+
+    def evaluate_and_keep_best(self, step: int) -> None:
+        state = self.state
+        result = _evaluate(self.target, self.student, self.draft, self.eval_refs, self.cfg.batch_size)
+        self.log({"step": step, "eval": True, **result})
+        if state["alpha_before"] is None:
+            state["alpha_before"] = result["alpha"]
+        if state["best_alpha"] is None or result["alpha"] > state["best_alpha"]:
+            state["best_alpha"], state["best_step"], state["evals_without_gain"] = result["alpha"], step, 0
+            if self.main:
+                self.save_best({"step": step, "alpha": result["alpha"], "config": self.cfg.to_dict()})
+        else:
+            state["evals_without_gain"] += 1
+
+    def checkpoint(self) -> None:
+        if self.main:
+            trainer_json = {**self.state, "epoch": self.order.epoch, "index": self.order.index, "rows": len(self.rows),
+                            "config": self.cfg.to_dict()}
+            save_checkpoint(self.out, self.state["step"], self.student, self.optimizer, self.scheduler,
+                            self.accelerator.scaler, self.order, trainer_json)
+        self.accelerator.wait_for_everyone()
+
+
+def _start_run(cfg: TrainConfig, target: Loaded, draft: Loaded, eval_refs: datasets.Dataset | None, out: Path,
+               accelerator, rows: list, latest: Path | None) -> _Run:
+    """The student, optimizer, schedule and data order, fresh or as the checkpoint `latest` left them."""
+    student = make_student(draft.model, cfg).to(accelerator.device)
     params = list(trainable(student).values())
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -378,116 +453,47 @@ def train(
         state = restore_checkpoint(latest, cfg.to_dict(), len(rows), student, optimizer, scheduler,
                                    accelerator.scaler, order, resumable=RESUMABLE_CHANGES,
                                    defaults=TrainConfig().to_dict())
-        if main and (latest / "log.jsonl").is_file():  # drop lines the interrupted run wrote after the checkpoint
-            shutil.copyfile(latest / "log.jsonl", out / "log.jsonl")
+        if accelerator.is_main_process and (latest / "log.jsonl").is_file():
+            shutil.copyfile(latest / "log.jsonl", out / "log.jsonl")  # drop lines written after the checkpoint
         for i, cont in (state.get("refresh") or {}).get("rows", {}).items():  # the resampled rows it trained on
             rows[int(i)] = (rows[int(i)][0], cont)
     model, optimizer = accelerator.prepare(student, optimizer)
-    student = accelerator.unwrap_model(model)
-    run = _wandb_run(cfg, out, main)
-    log_path = out / "log.jsonl"
+    return _Run(cfg, target, draft, eval_refs, out, accelerator, rows, order, model, accelerator.unwrap_model(model),
+                params, optimizer, scheduler, state, _wandb_run(cfg, out, accelerator.is_main_process))
 
-    def log(line: dict) -> None:
-        if main:
-            with log_path.open("a", encoding="utf-8") as f:
-                f.write(json.dumps(line) + "\n")
-            run.log(line, step=line["step"])
 
-    def evaluate_and_keep_best(step: int) -> None:
-        result = _evaluate(target, student, draft, eval_refs, cfg.batch_size)
-        log({"step": step, "eval": True, **result})
-        if state["alpha_before"] is None:
-            state["alpha_before"] = result["alpha"]
-        if state["best_alpha"] is None or result["alpha"] > state["best_alpha"]:
-            state["best_alpha"], state["best_step"], state["evals_without_gain"] = result["alpha"], step, 0
-            if main:
-                info = {"step": step, "alpha": result["alpha"], "config": cfg.to_dict()}
-                save_hf(merged_model(student), draft.tokenizer, out / "best", info)
-        else:
-            state["evals_without_gain"] += 1
-
-    def trainer_json() -> dict:
-        return {**state, "epoch": order.epoch, "index": order.index, "rows": len(rows), "config": cfg.to_dict()}
-
-    def checkpoint() -> None:
-        if main:
-            save_checkpoint(out, state["step"], student, optimizer, scheduler, accelerator.scaler, order,
-                            trainer_json())
-        accelerator.wait_for_everyone()
-
-    if eval_refs is not None and state["step"] == 0 and state["alpha_before"] is None:
-        evaluate_and_keep_best(0)
-
-    finished = state["step"] >= cfg.steps or state["stopped_early"]
-    first_step = state["step"]
-    bar = tqdm(total=cfg.steps, initial=state["step"], desc=f"distill ({cfg.loss})", unit="step",
-               disable=not (progress and main))
-    try:
-        while not finished:
-            loss, grad_norm, tokens = _step(cfg, rows, order, model, teacher, cache, accelerator, params, device,
-                                            nproc, rank)
-            bad = not (math.isfinite(loss) and math.isfinite(grad_norm))
-            lr = scheduler.get_last_lr()[0]
-            if bad and accelerator.scaler is None:
-                state["skipped_steps"] += 1
-            else:
-                optimizer.step()  # under fp16 the grad scaler itself skips a step with inf/NaN gradients
-                state["skipped_steps"] += int(bad)
-            optimizer.zero_grad(set_to_none=True)
-            with warnings.catch_warnings():  # a skipped step still advances the schedule (lr = f(step)),
-                warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler\.step\(\)` before")  # so say nothing
-                scheduler.step()
-            state["step"] += 1
-            step = state["step"]
-            log({"step": step, "loss": loss, cfg.loss: loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
-                 "skipped": bad})
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.4f}")
-            if state["skipped_steps"] >= cfg.max_bad_steps:
-                checkpoint()
-                raise DraftsmithError(
-                    f"training stopped at step {step}: {state['skipped_steps']} steps had a non-finite loss or "
-                    f"gradient (max_bad_steps={cfg.max_bad_steps}); lower lr or use mixed_precision='no'"
-                )
-            last = step >= cfg.steps
-            if eval_refs is not None and (step % cfg.eval_every == 0 or last):
-                evaluate_and_keep_best(step)
-                if cfg.early_stop_patience and state["evals_without_gain"] >= cfg.early_stop_patience:
-                    state["stopped_early"] = True
-            finished = last or state["stopped_early"]
-            if cfg.refresh_every and step % cfg.refresh_every == 0 and not finished:
-                state["refresh"] = refresh_onpolicy(student, rows, onpolicy, step // cfg.refresh_every, cfg.seed,
-                                                    draft, target, device)
-                log({"step": step, "refresh": state["refresh"]["round"], "rows": len(onpolicy),
-                     "new_tokens": sum(len(c) for c in state["refresh"]["rows"].values())})
-            if step % cfg.save_every == 0 or finished:
-                checkpoint()
-    finally:
-        bar.close()
-        run.finish()
-
-    if eval_refs is None and main and (state["step"] > first_step or not (out / "best").is_dir()):
-        info = {"step": state["step"], "alpha": None, "config": cfg.to_dict()}
-        save_hf(merged_model(student), draft.tokenizer, out / "best", info)
-    accelerator.wait_for_everyone()  # every rank returns once best/ is in place
+def _summary(run: _Run, cache: TeacherTopK | None) -> dict:
+    state, out = run.state, run.out
     latest = list_checkpoints(out)[-1] if list_checkpoints(out) else None
     summary = {
         "alpha_before": state["alpha_before"],
         "alpha_after": state["best_alpha"],
-        "best_step": state["best_step"] if eval_refs is not None else state["step"],
+        "best_step": state["best_step"] if run.eval_refs is not None else state["step"],
         "steps_done": state["step"],
         "stopped_early": state["stopped_early"],
         "skipped_steps": state["skipped_steps"],
-        "loss": cfg.loss,
-        "config": cfg.to_dict(),
-        "paths": {"out": str(out), "best": str(out / "best"), "log": str(log_path),
+        "loss": run.cfg.loss,
+        "config": run.cfg.to_dict(),
+        "paths": {"out": str(out), "best": str(out / "best"), "log": str(run.log_path),
                   "checkpoint": str(latest) if latest else None},
     }
     if cache is not None:
         summary["paths"]["teacher_cache"] = str(cache.folder)
-    if main:
-        atomic_write_json(out / "summary.json", summary)
     return summary
+
+
+# -- the steps --------------------------------------------------------------------------------------------------
+
+
+def _evaluate(target: Loaded, student: nn.Module, draft: Loaded, refs: datasets.Dataset, batch_size: int) -> dict:
+    """Greedy teacher-forced alpha of the current student on the reference rows."""
+    student.eval()
+    try:
+        a = measure_acceptance(target, [Loaded(student, draft.tokenizer, draft.path, draft.name)], refs,
+                               params=SamplingParams(0.0), batch_size=batch_size, progress=False)[0]
+    finally:
+        student.train()
+    return {"alpha": a.alpha, "alpha_by_domain": a.alpha_by_domain, "positions": a.positions}
 
 
 def onpolicy_rows(data: datasets.Dataset) -> list[int]:
@@ -527,6 +533,73 @@ def refresh_onpolicy(student: nn.Module, rows: list, onpolicy: list[int], round_
     finally:
         student.train(was_training)
     return {"round": round_, "rows": new}
+
+
+def _train_loop(run: _Run, teacher, cache: TeacherTopK | None, onpolicy: list[int], progress: bool) -> None:
+    """Optimizer steps until `cfg.steps`, an early stop or too many bad steps."""
+    cfg, state = run.cfg, run.state
+    finished = state["step"] >= cfg.steps or state["stopped_early"]
+    bar = tqdm(total=cfg.steps, initial=state["step"], desc=f"distill ({cfg.loss})", unit="step",
+               disable=not (progress and run.main))
+    try:
+        while not finished:
+            loss = _optimizer_step(run, teacher, cache)
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.4f}")
+            finished = _after_step(run, onpolicy)
+    finally:
+        bar.close()
+        run.wandb.finish()
+
+
+def _optimizer_step(run: _Run, teacher, cache: TeacherTopK | None) -> float:
+    """One optimizer step, logged; a step whose loss or gradient is not finite is skipped and counted. Returns
+    the loss."""
+    cfg, acc, state = run.cfg, run.accelerator, run.state
+    loss, grad_norm, tokens = _step(cfg, run.rows, run.order, run.model, teacher, cache, acc, run.params, acc.device,
+                                    acc.num_processes, acc.process_index)
+    bad = not (math.isfinite(loss) and math.isfinite(grad_norm))
+    lr = run.scheduler.get_last_lr()[0]
+    if bad and acc.scaler is None:
+        state["skipped_steps"] += 1
+    else:
+        run.optimizer.step()  # under fp16 the grad scaler itself skips a step with inf/NaN gradients
+        state["skipped_steps"] += int(bad)
+    run.optimizer.zero_grad(set_to_none=True)
+    with warnings.catch_warnings():  # a skipped step still advances the schedule (lr = f(step)),
+        warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler\.step\(\)` before")  # so say nothing
+        run.scheduler.step()
+    state["step"] += 1
+    run.log({"step": state["step"], "loss": loss, cfg.loss: loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
+             "skipped": bad})
+    return loss
+
+
+def _after_step(run: _Run, onpolicy: list[int]) -> bool:
+    """What follows a step: stop on too many bad steps, evaluate (and maybe stop early), resample the on-policy
+    rows, checkpoint. Returns whether the run is finished."""
+    cfg, state = run.cfg, run.state
+    step = state["step"]
+    if state["skipped_steps"] >= cfg.max_bad_steps:
+        run.checkpoint()
+        raise DraftsmithError(
+            f"training stopped at step {step}: {state['skipped_steps']} steps had a non-finite loss or "
+            f"gradient (max_bad_steps={cfg.max_bad_steps}); lower lr or use mixed_precision='no'"
+        )
+    last = step >= cfg.steps
+    if run.eval_refs is not None and (step % cfg.eval_every == 0 or last):
+        run.evaluate_and_keep_best(step)
+        if cfg.early_stop_patience and state["evals_without_gain"] >= cfg.early_stop_patience:
+            state["stopped_early"] = True
+    finished = last or state["stopped_early"]
+    if cfg.refresh_every and step % cfg.refresh_every == 0 and not finished:
+        state["refresh"] = refresh_onpolicy(run.student, run.rows, onpolicy, step // cfg.refresh_every, cfg.seed,
+                                            run.draft, run.target, run.accelerator.device)
+        run.log({"step": step, "refresh": state["refresh"]["round"], "rows": len(onpolicy),
+                 "new_tokens": sum(len(c) for c in state["refresh"]["rows"].values())})
+    if step % cfg.save_every == 0 or finished:
+        run.checkpoint()
+    return finished
 
 
 def _step(cfg: TrainConfig, rows, order: DataOrder, model, teacher, cache: TeacherTopK | None, accelerator, params,

@@ -22,7 +22,7 @@ import csv
 import html
 import io
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 
@@ -193,18 +193,60 @@ def run_pair(target_spec: str, out: Path, cfg: PairConfig, *, prompts: str = "co
 
     `prompts`: suite names or a file; `limit_per_domain` caps the prompts per domain before the pair's own
     `prompts_per_domain` does (a recipe's shared limit)."""
-    candidate_specs = cfg.candidates
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    source = prompts
     limits = [n for n in (cfg.prompts_per_domain, limit_per_domain) if n]
-    prompts = load_prompts(source, limit_per_domain=min(limits) if limits else None)
-    params = SamplingParams(cfg.temperature)
+    suite = load_prompts(prompts, limit_per_domain=min(limits) if limits else None)
 
     target = load(target_spec, device=device)
+    cands = _load_candidates(cfg, target, device)
+    refs = reference_continuations(target, suite, max_new_tokens=cfg.max_new_tokens,
+                                   temperature=cfg.temperature, seed=cfg.seed, draft=_reference_helper(cands),
+                                   progress=progress)
+    _measure_acceptance(target, cands, refs, cfg, progress)
+    timing = _timing(target, refs, cfg)
+    for cand in cands:
+        cand.row = _rank(target, cand, timing, cfg, device, progress)
+    cands.sort(key=lambda c: c.row["predicted_speedup"], reverse=True)
+    if cfg.validate:
+        _validate_top(target, cands, timing.runner, refs, load_prompts(prompts, limit_per_domain=cfg.validate_prompts),
+                      cfg, device)
+
+    board = {
+        "target": target_spec,
+        "machine": machine_info(),
+        "versions": versions(),
+        "settings": {**asdict(cfg), "prompts": prompts, "limit_per_domain": limit_per_domain, "device": device,
+                     "n_prompts": len(suite),
+                     "domains": sorted({p.domain for p in suite})},
+        "definitions": DEFINITIONS,
+        "seconds": time.perf_counter() - t0,
+        "candidates": [c.row for c in cands],
+    }
+    write_leaderboard(board, out)
+    return board
+
+
+DEFINITIONS = {
+    "alpha": "mean over positions of beta_t = sum_x min(p_t(x), q_t(x)), teacher-forced on the target's continuations",
+    "tau": "tokens emitted per target forward, including the bonus/corrected token",
+    "cost_ratio": "one-token draft forward / one-token target forward (cached), measured here",
+    "verify_cost": "target forward over K+1 tokens / over 1 token, measured here",
+    "predicted_speedup": "tokens alone / tokens with the draft, per prompt: (prefill + n * token time) / "
+                         "(prefill + n / tau(K) * round time(K)); tau(K) from the teacher-forced rows walked "
+                         "round by round as the decoder does, round time from a calibration decode",
+    "predicted_speedup_iid": "E[tau] / (K * cost_ratio + verify_cost(K)), E[tau] from alpha (i.i.d.)",
+}
+
+
+# --- candidates and acceptance -----------------------------------------------------------------
+
+
+def _load_candidates(cfg: PairConfig, target: Loaded, device: str) -> list[Candidate]:
+    """Every candidate spec loaded (a head on the target's embedding) with its compatibility verdict."""
     cands: list[Candidate] = []
-    for spec in candidate_specs:
+    for spec in cfg.candidates:
         if spec.startswith(HEAD_PREFIX):
             if not cfg.calibrate_prompts:
                 raise DraftsmithError(f"{spec}: a head's cost is timed in the decoder; set calibrate_prompts >= 1")
@@ -215,168 +257,208 @@ def run_pair(target_spec: str, out: Path, cfg: PairConfig, *, prompts: str = "co
         loaded = load(resolve_candidate(spec), device=device)
         loaded.name = spec
         cands.append(Candidate(spec, loaded, check_pair(target, loaded)))
+    return cands
 
-    # a same-tokenizer candidate speeds up the references (exactly); derived drafts start near alpha 0 and would
-    # slow them down, so they never help
-    helper = next((c.loaded for c in cands if c.loaded is not None and c.compat.compatible
-                   and parse_derive_spec(c.spec) is None), None)
-    refs = reference_continuations(target, prompts, max_new_tokens=cfg.max_new_tokens,
-                                   temperature=cfg.temperature, seed=cfg.seed, draft=helper,
-                                   progress=progress)
+
+def _reference_helper(cands: list[Candidate]) -> Loaded | None:
+    """A same-tokenizer candidate speeds up the references (exactly); derived drafts start near alpha 0 and would
+    slow them down, so they never help."""
+    return next((c.loaded for c in cands if c.loaded is not None and c.compat.compatible
+                 and parse_derive_spec(c.spec) is None), None)
+
+
+def _measure_acceptance(target: Loaded, cands: list[Candidate], refs, cfg: PairConfig, progress: bool) -> None:
+    """Sets every candidate's `acc`: the models teacher-forced together in one pass over the target, each head
+    by depth, fed by itself."""
+    params = SamplingParams(cfg.temperature)
     models = [c for c in cands if c.head is None]
     by_model = dict(zip((c.spec for c in models), measure_acceptance(
         target, [c.loaded for c in models], refs, params=params, batch_size=cfg.batch_size, progress=progress)))
-    accs = [by_model[c.spec] if c.head is None else
-            measure_head_acceptance(target, c.head, refs, c.spec, params=params, depth=MAX_K, progress=progress)
-            for c in cands]
+    for c in cands:
+        c.acc = by_model[c.spec] if c.head is None else measure_head_acceptance(
+            target, c.head, refs, c.spec, params=params, depth=MAX_K, progress=progress)
 
+
+# --- cost and the predicted speedup ------------------------------------------------------------
+
+
+@dataclass
+class _Timing:
+    """What every candidate is timed against: the target's runner at the decoder's mean context, the calibration
+    prompts, the mean continuation length (overall under None, and per domain) and the target's v(K)."""
+
+    runner: object
+    context: int
+    mean_tokens: dict[str | None, float]
+    calib_prompts: list[list[int]]
+    v_ratios: dict[int, float] | None = None  # measured with the first candidate, reused for the rest
+
+
+def _timing(target: Loaded, refs, cfg: PairConfig) -> _Timing:
     max_len = max(len(r) for r in refs["prompt_ids"]) + cfg.max_new_tokens + MAX_K + 2
     # time c and v(K) at the decoder's mean context: mean prompt + half the new tokens
     context = round(sum(len(r) for r in refs["prompt_ids"]) / len(refs) + cfg.max_new_tokens / 2)
-    t_runner = make_runner(target.model, max(max_len, context + MAX_K + 2))
-    mean_tokens = {None: sum(len(r) for r in refs["continuation_ids"]) / len(refs)}
+    runner = make_runner(target.model, max(max_len, context + MAX_K + 2))
+    return _Timing(runner, context, _mean_tokens(refs), _calibration_prompts(refs, cfg.calibrate_prompts))
+
+
+def _mean_tokens(refs) -> dict[str | None, float]:
+    """Mean length of the reference continuations: overall (key None) and per domain."""
+    mean = {None: sum(len(r) for r in refs["continuation_ids"]) / len(refs)}
     for d in {r for r in refs["domain"]}:
         lens = [len(c) for c, dd in zip(refs["continuation_ids"], refs["domain"]) if dd == d]
-        mean_tokens[d] = sum(lens) / len(lens)
-    calib_prompts = _calibration_prompts(refs, cfg.calibrate_prompts)
-    v_ratios: dict[int, float] | None = None
-    for cand, acc in zip(cands, accs):
-        cand.acc = acc
-        # tokens per round at every K, walked once: overall and per domain
-        taus = {K: acc.tokens_per_round(K) for K in range(1, MAX_K + 1)}
-        taus_by_domain = {d: {K: acc.tokens_per_round(K, d) for K in range(1, MAX_K + 1)} for d in acc.alpha_by_domain}
-        d_runner = _draft(cand, t_runner.max_seq_len, cfg)
-        timed_draft = None if cand.head is not None else d_runner  # a head's step is timed in the decoder only
-        if v_ratios is None:  # v(K) is the target's alone: measure the whole curve once
-            cost = measure_cost(t_runner, timed_draft, ks=range(1, MAX_K + 1), repeats=3, warmup=1, context=context,
-                                device=device)
-            v_ratios = cost.v
-        else:  # c side by side with the target step; v(K) reused as ratios to that step
-            quick = measure_cost(t_runner, timed_draft, ks=[1], repeats=5, warmup=1, context=context, device=device)
-            cost = CostModel(quick.target_step_s, quick.draft_step_s,
-                             {K: v * quick.target_step_s for K, v in v_ratios.items()}, quick.context, quick.repeats)
-        dcost = None
-        if cand.compat.compatible and calib_prompts:  # the decoder can run it: time its rounds there
-            if cand.head is not None:  # a head's step is only timed inside the decoder: calibrate at c = 0.1 first
-                cost = CostModel(cost.target_step_s, 0.1 * cost.target_step_s, cost.verify_s, cost.context,
-                                 cost.repeats)
-            k0 = _argmax(_predict(taus, cost, None, mean_tokens[None]))
-            dcost = calibrate_decoder(t_runner, d_runner, calib_prompts, k=k0, isolated=cost,
-                                      max_new_tokens=min(cfg.calibrate_tokens, cfg.max_new_tokens),
-                                      eos_ids=eos_ids(target), device=device, progress=progress)
-            if cand.head is not None:  # c as the decoder measured it
-                cost = CostModel(cost.target_step_s, dcost.draft_step_s / dcost.target_token_s * cost.target_step_s,
-                                 cost.verify_s, cost.context, cost.repeats)
-        tau_iid_curve = speedup_curve(acc.alpha, cost.c, cost.v)
-        del d_runner
-        curve = _predict(taus, cost, dcost, mean_tokens[None])
-        k = _argmax(curve)
-        by_domain = {d: _predict(t, cost, dcost, mean_tokens[d]) for d, t in taus_by_domain.items()}
-        cand.row = {
-            "draft": cand.spec,
-            "params": _params_million(cand.head if cand.head is not None else cand.loaded.model),
-            "params_unit": "million",
-            "compatible": cand.compat.compatible,
-            "kind": cand.compat.kind,
-            "compat_notes": cand.compat.notes,
-            "llama_cpp_compatible": cand.compat.llama_cpp,
-            "llama_cpp_notes": cand.compat.llama_cpp_notes,
-            "alpha": acc.alpha,
-            "alpha_by_domain": acc.alpha_by_domain,
-            "positions": acc.positions,
-            "positions_by_domain": acc.positions_by_domain,
-            "acceptance_method": acc.method,
-            "alpha_by_position": acc.by_position,
-            "depth_rates": acc.depth_rates(MAX_K),
-            "expected_tau": {str(K): t for K, t in acc.expected_tau.items()},
-            "tokens_per_round": {str(K): t for K, t in taus.items()},
-            "tokens_per_round_by_domain": {d: {str(K): t for K, t in ts.items()} for d, ts in taus_by_domain.items()},
-            "cost_ratio": cost.c,
-            "verify_cost": {str(K): v for K, v in cost.v.items()},
-            "timings": cost.to_dict(),
-            "decoder_cost": dcost.to_dict() if dcost else None,
-            "prediction_method": "rows walked as the decoder walks them; round cost "
-                                 + ("timed in the decoder (calibration)" if dcost else "from isolated c and v(K)"),
-            "best_k": k,
-            "predicted_speedup": curve[k],
-            "predicted_speedup_by_k": {str(K): x for K, x in curve.items()},
-            "predicted_speedup_iid": tau_iid_curve[k],
-            "best_k_by_domain": {d: _argmax(c) for d, c in by_domain.items()},
-            "predicted_speedup_by_domain": {d: c[_argmax(c)] for d, c in by_domain.items()},
-            "measured_speedup": None,
-            "validation": None,
-        }
-    cands.sort(key=lambda c: c.row["predicted_speedup"], reverse=True)
+        mean[d] = sum(lens) / len(lens)
+    return mean
 
-    if cfg.validate:
-        chosen = [c for c in cands if c.compat.compatible][: cfg.validate]
-        val_prompts = load_prompts(source, limit_per_domain=cfg.validate_prompts)
-        val_prompts = [p for p in val_prompts if p.id in set(refs["id"])]
-        for cand in chosen:
-            best = cand.row["best_k"]
-            vals = {K: _validate(target, t_runner, cand, val_prompts, refs, K, cfg, device)
-                    for K in sorted({best, *cfg.validate_ks})}
-            val = vals[best]
-            val["expected_tau_same_prompts"] = cand.acc.tokens_per_round(best, ids={p.id for p in val_prompts})
-            cand.row["validation"] = val
-            cand.row["measured_speedup"] = val["measured_speedup"]
-            cand.row["prediction_error"] = _relative_error(val["measured_speedup"], cand.row["predicted_speedup"])
-            cand.row["prediction_breakdown"] = _breakdown(cand.row, val)
-            if len(vals) > 1:
-                measured = {K: v["measured_speedup"] for K, v in vals.items()}
-                mk = _argmax(measured)
-                cand.row["validation_by_k"] = {str(K): v for K, v in vals.items()}
-                cand.row["measured_speedup_by_k"] = {str(K): x for K, x in measured.items()}
-                cand.row["prediction_error_by_k"] = {
-                    str(K): _relative_error(x, cand.row["predicted_speedup_by_k"][str(K)]) for K, x in measured.items()}
-                cand.row["measured_best_k"] = mk
-                cand.row["best_k_shortfall"] = 1 - measured[best] / measured[mk]  # 0 when the predicted K is best
-        cross = [c for c in cands if not c.compat.compatible and c.loaded is not None] if cfg.temperature == 0 else []
-        by_id = {r["id"]: r for r in refs}
-        for cand in cross[: cfg.validate]:
-            # another tokenizer: our token-level decoder cannot run it; transformers' universal assisted
-            # generation can (text-level), measured against transformers' generate on the target alone
-            best = cand.row["best_k"]
-            try:
-                val = hf_side_by_side(target, cand.loaded, [by_id[p.id]["prompt_ids"] for p in val_prompts],
-                                      k=best, max_new_tokens=cfg.max_new_tokens, eos_ids=eos_ids(target),
-                                      desc=f"validate {cand.spec} (transformers)")
-            except (ValueError, TypeError, RuntimeError) as e:  # transformers refuses this pair: say so, keep the rest
-                cand.row["validation_note"] = (f"cross-tokenizer: transformers' universal assisted generation could "
-                                               f"not run it ({str(e).splitlines()[0][:200]}); not validated")
-                continue
-            val["engine"] = "transformers universal assisted generation vs transformers generate"
-            cand.row["validation"] = val
-            cand.row["measured_speedup"] = val["measured_speedup"]
-            if val["measured_speedup"]:
-                cand.row["prediction_error"] = _relative_error(val["measured_speedup"], cand.row["predicted_speedup"])
-        for cand in cands:
-            if not cand.compat.compatible and cand.row["measured_speedup"] is None:
-                cand.row.setdefault("validation_note",
-                                    "cross-tokenizer: the token-level decoder cannot run it; not validated")
 
-    board = {
-        "target": target_spec,
-        "machine": machine_info(),
-        "versions": versions(),
-        "settings": {**asdict(cfg), "prompts": source, "limit_per_domain": limit_per_domain, "device": device,
-                     "n_prompts": len(prompts),
-                     "domains": sorted({p.domain for p in prompts})},
-        "definitions": {
-            "alpha": "mean over positions of beta_t = sum_x min(p_t(x), q_t(x)), teacher-forced on the target's continuations",
-            "tau": "tokens emitted per target forward, including the bonus/corrected token",
-            "cost_ratio": "one-token draft forward / one-token target forward (cached), measured here",
-            "verify_cost": "target forward over K+1 tokens / over 1 token, measured here",
-            "predicted_speedup": "tokens alone / tokens with the draft, per prompt: (prefill + n * token time) / "
-                                 "(prefill + n / tau(K) * round time(K)); tau(K) from the teacher-forced rows walked "
-                                 "round by round as the decoder does, round time from a calibration decode",
-            "predicted_speedup_iid": "E[tau] / (K * cost_ratio + verify_cost(K)), E[tau] from alpha (i.i.d.)",
-        },
-        "seconds": time.perf_counter() - t0,
-        "candidates": [c.row for c in cands],
+def _isolated_cost(timing: _Timing, draft, device: str) -> CostModel:
+    """c and v(K) timed outside the decoder; `draft` None times the target alone (a head's step is timed in the
+    decoder only)."""
+    if timing.v_ratios is None:  # v(K) is the target's alone: measure the whole curve once
+        cost = measure_cost(timing.runner, draft, ks=range(1, MAX_K + 1), repeats=3, warmup=1, context=timing.context,
+                            device=device)
+        timing.v_ratios = cost.v
+        return cost
+    # c side by side with the target step; v(K) reused as ratios to that step
+    quick = measure_cost(timing.runner, draft, ks=[1], repeats=5, warmup=1, context=timing.context, device=device)
+    return CostModel(quick.target_step_s, quick.draft_step_s,
+                     {K: v * quick.target_step_s for K, v in timing.v_ratios.items()}, quick.context, quick.repeats)
+
+
+def _decoder_cost(target: Loaded, cand: Candidate, d_runner, cost: CostModel, taus: dict[int, float],
+                  timing: _Timing, cfg: PairConfig, device: str,
+                  progress: bool) -> tuple[CostModel, DecoderCost | None]:
+    """Rounds timed in the decoder by a short calibration decode at the K the isolated cost ranks best, when the
+    decoder can run the candidate; a head's c then comes from there. Returns (cost, decoder cost or None)."""
+    if not (cand.compat.compatible and timing.calib_prompts):
+        return cost, None
+    if cand.head is not None:  # a head's step is only timed inside the decoder: calibrate at c = 0.1 first
+        cost = replace(cost, draft_step_s=0.1 * cost.target_step_s)
+    k0 = _argmax(_predict(taus, cost, None, timing.mean_tokens[None]))
+    dcost = calibrate_decoder(timing.runner, d_runner, timing.calib_prompts, k=k0, isolated=cost,
+                              max_new_tokens=min(cfg.calibrate_tokens, cfg.max_new_tokens),
+                              eos_ids=eos_ids(target), device=device, progress=progress)
+    if cand.head is not None:  # c as the decoder measured it
+        cost = replace(cost, draft_step_s=dcost.draft_step_s / dcost.target_token_s * cost.target_step_s)
+    return cost, dcost
+
+
+def _rank(target: Loaded, cand: Candidate, timing: _Timing, cfg: PairConfig, device: str, progress: bool) -> dict:
+    """The candidate's leaderboard row: its tokens per round at every K (walked once, overall and per domain),
+    its measured cost and the predicted speedup and best K."""
+    acc = cand.acc
+    taus = {K: acc.tokens_per_round(K) for K in range(1, MAX_K + 1)}
+    taus_by_domain = {d: {K: acc.tokens_per_round(K, d) for K in range(1, MAX_K + 1)} for d in acc.alpha_by_domain}
+    d_runner = _draft(cand, timing.runner.max_seq_len, cfg)
+    cost = _isolated_cost(timing, None if cand.head is not None else d_runner, device)
+    cost, dcost = _decoder_cost(target, cand, d_runner, cost, taus, timing, cfg, device, progress)
+    del d_runner
+    curve = _predict(taus, cost, dcost, timing.mean_tokens[None])
+    by_domain = {d: _predict(t, cost, dcost, timing.mean_tokens[d]) for d, t in taus_by_domain.items()}
+    return _row(cand, taus, taus_by_domain, cost, dcost, curve, by_domain)
+
+
+def _row(cand: Candidate, taus: dict[int, float], taus_by_domain: dict[str, dict[int, float]], cost: CostModel,
+         dcost: DecoderCost | None, curve: dict[int, float], by_domain: dict[str, dict[int, float]]) -> dict:
+    """The leaderboard row: `curve` is K -> predicted speedup, `by_domain` the same per domain."""
+    acc, k = cand.acc, _argmax(curve)
+    return {
+        "draft": cand.spec,
+        "params": _params_million(cand.head if cand.head is not None else cand.loaded.model),
+        "params_unit": "million",
+        "compatible": cand.compat.compatible,
+        "kind": cand.compat.kind,
+        "compat_notes": cand.compat.notes,
+        "llama_cpp_compatible": cand.compat.llama_cpp,
+        "llama_cpp_notes": cand.compat.llama_cpp_notes,
+        "alpha": acc.alpha,
+        "alpha_by_domain": acc.alpha_by_domain,
+        "positions": acc.positions,
+        "positions_by_domain": acc.positions_by_domain,
+        "acceptance_method": acc.method,
+        "alpha_by_position": acc.by_position,
+        "depth_rates": acc.depth_rates(MAX_K),
+        "expected_tau": {str(K): t for K, t in acc.expected_tau.items()},
+        "tokens_per_round": {str(K): t for K, t in taus.items()},
+        "tokens_per_round_by_domain": {d: {str(K): t for K, t in ts.items()} for d, ts in taus_by_domain.items()},
+        "cost_ratio": cost.c,
+        "verify_cost": {str(K): v for K, v in cost.v.items()},
+        "timings": cost.to_dict(),
+        "decoder_cost": dcost.to_dict() if dcost else None,
+        "prediction_method": "rows walked as the decoder walks them; round cost "
+                             + ("timed in the decoder (calibration)" if dcost else "from isolated c and v(K)"),
+        "best_k": k,
+        "predicted_speedup": curve[k],
+        "predicted_speedup_by_k": {str(K): x for K, x in curve.items()},
+        "predicted_speedup_iid": speedup_curve(acc.alpha, cost.c, cost.v)[k],
+        "best_k_by_domain": {d: _argmax(c) for d, c in by_domain.items()},
+        "predicted_speedup_by_domain": {d: c[_argmax(c)] for d, c in by_domain.items()},
+        "measured_speedup": None,
+        "validation": None,
     }
-    write_leaderboard(board, out)
-    return board
+
+
+# --- validation --------------------------------------------------------------------------------
+
+
+def _validate_top(target: Loaded, cands: list[Candidate], t_runner, refs, val_prompts: list[Prompt],
+                  cfg: PairConfig, device: str) -> None:
+    """The top `cfg.validate` candidates the decoder can run, measured in it; at temperature 0 the top
+    cross-tokenizer ones in transformers; a note on every cross-tokenizer row left unmeasured. `cands` sorted."""
+    val_prompts = [p for p in val_prompts if p.id in set(refs["id"])]
+    for cand in [c for c in cands if c.compat.compatible][: cfg.validate]:
+        _validate_in_decoder(target, t_runner, cand, val_prompts, refs, cfg, device)
+    cross = [c for c in cands if not c.compat.compatible and c.loaded is not None] if cfg.temperature == 0 else []
+    by_id = {r["id"]: r for r in refs}
+    for cand in cross[: cfg.validate]:
+        _validate_cross_tokenizer(target, cand, [by_id[p.id]["prompt_ids"] for p in val_prompts], cfg)
+    for cand in cands:
+        if not cand.compat.compatible and cand.row["measured_speedup"] is None:
+            cand.row.setdefault("validation_note",
+                                "cross-tokenizer: the token-level decoder cannot run it; not validated")
+
+
+def _validate_in_decoder(target: Loaded, t_runner, cand: Candidate, val_prompts: list[Prompt], refs,
+                         cfg: PairConfig, device: str) -> None:
+    """Measured speedup at the predicted best K (and at `validate_ks`, for the measured best K), the prediction
+    error and its breakdown, into the candidate's row."""
+    row, best = cand.row, cand.row["best_k"]
+    vals = {K: _validate(target, t_runner, cand, val_prompts, refs, K, cfg, device)
+            for K in sorted({best, *cfg.validate_ks})}
+    val = vals[best]
+    val["expected_tau_same_prompts"] = cand.acc.tokens_per_round(best, ids={p.id for p in val_prompts})
+    row["validation"] = val
+    row["measured_speedup"] = val["measured_speedup"]
+    row["prediction_error"] = _relative_error(val["measured_speedup"], row["predicted_speedup"])
+    row["prediction_breakdown"] = _breakdown(row, val)
+    if len(vals) > 1:
+        measured = {K: v["measured_speedup"] for K, v in vals.items()}
+        mk = _argmax(measured)
+        row["validation_by_k"] = {str(K): v for K, v in vals.items()}
+        row["measured_speedup_by_k"] = {str(K): x for K, x in measured.items()}
+        row["prediction_error_by_k"] = {
+            str(K): _relative_error(x, row["predicted_speedup_by_k"][str(K)]) for K, x in measured.items()}
+        row["measured_best_k"] = mk
+        row["best_k_shortfall"] = 1 - measured[best] / measured[mk]  # 0 when the predicted K is best
+
+
+def _validate_cross_tokenizer(target: Loaded, cand: Candidate, prompt_ids: list[list[int]], cfg: PairConfig) -> None:
+    """Another tokenizer: our token-level decoder cannot run it; transformers' universal assisted generation can
+    (text-level), measured against transformers' generate on the target alone. A pair transformers refuses gets
+    a note; the rest go on."""
+    row = cand.row
+    try:
+        val = hf_side_by_side(target, cand.loaded, prompt_ids, k=row["best_k"], max_new_tokens=cfg.max_new_tokens,
+                              eos_ids=eos_ids(target), desc=f"validate {cand.spec} (transformers)")
+    except (ValueError, TypeError, RuntimeError) as e:
+        row["validation_note"] = (f"cross-tokenizer: transformers' universal assisted generation could "
+                                  f"not run it ({str(e).splitlines()[0][:200]}); not validated")
+        return
+    val["engine"] = "transformers universal assisted generation vs transformers generate"
+    row["validation"] = val
+    row["measured_speedup"] = val["measured_speedup"]
+    if val["measured_speedup"]:
+        row["prediction_error"] = _relative_error(val["measured_speedup"], row["predicted_speedup"])
 
 
 # --- outputs ----------------------------------------------------------------------------------

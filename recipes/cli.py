@@ -2,7 +2,7 @@
 
     .venv/bin/draftsmith models list
     .venv/bin/draftsmith models pull smollm2-135m-instruct
-    .venv/bin/draftsmith decode --target T --draft D --prompt "..." [--k 4 | --dynamic-k] [--json]
+    .venv/bin/draftsmith decode --target T --draft D|head:PATH --prompt "..." [--k 4 | --dynamic-k] [--json]
     .venv/bin/draftsmith bench --target T --draft D [--prompts code] [--k 3,5] --out bench.json
     .venv/bin/draftsmith pair --target T --candidates D1,D2,derive:T:keep=8 --suite code,chat --validate 1 --out DIR
     .venv/bin/draftsmith derive --from T --keep 8 --out DIR
@@ -81,11 +81,10 @@ def _policy(args: argparse.Namespace):
 
 
 def cmd_decode(args: argparse.Namespace) -> int:
-    from decode.textgen import decode_text, load_pair
+    from decode.textgen import decode_text
 
     sampling, policy = _sampling(args), _policy(args)
-    quant = None if args.draft_quant == "none" else args.draft_quant
-    pair = load_pair(args.target, None if args.no_draft else args.draft, draft_quant=quant, max_seq_len=args.max_seq_len)
+    pair = _decode_pair(args, policy)
     out = decode_text(pair, args.prompt, max_new_tokens=args.max_new_tokens, sampling=sampling, policy=policy,
                       seed=args.seed, chat=not args.no_chat)
     if args.json:
@@ -98,6 +97,65 @@ def cmd_decode(args: argparse.Namespace) -> int:
           f"mean tau {st['mean_tau']:.2f} (tokens per target forward, bonus included); "
           f"acceptance {alpha}; tau histogram {st['tau_hist']}]", file=sys.stderr)
     return 0
+
+
+def _decode_pair(args: argparse.Namespace, policy):
+    """`decode`'s target and draft runners, the draft a standalone model or a head on the target's embedding;
+    a one-line error, before any decoding, for what the decoder cannot run."""
+    from dataclasses import replace
+
+    from decode.textgen import load_pair
+
+    draft = None if args.no_draft else args.draft
+    head = _head_spec(draft)
+    if draft is not None and head is None and policy.sibling_depth == 2:
+        raise DraftsmithError("--sibling-depth 2 needs a draft head (--draft head:PATH): a standalone draft cannot "
+                              "draft after several candidates at once")
+    quant = None if args.draft_quant == "none" else args.draft_quant
+    pair = load_pair(args.target, None if head else draft, draft_quant=quant, max_seq_len=args.max_seq_len)
+    _check_positions(pair.target, args)
+    if draft is not None and policy.siblings and not hasattr(pair.target_runner, "forward_tree"):
+        raise DraftsmithError(f"--siblings needs a target the lean runner can run (it verifies the siblings as a "
+                              f"tree); {pair.target.name} runs in transformers")
+    if head is not None:
+        pair = replace(pair, draft_runner=_head_draft(head, pair.target, args.max_seq_len, quant))
+    return pair
+
+
+def _head_spec(draft: str | None) -> str | None:
+    """`head:PATH` for a draft head: given so, or a folder `decode.head.save_head` wrote (its config.json names
+    Eagle3Head); None for a standalone draft."""
+    from pairing.leaderboard import HEAD_PREFIX
+
+    if draft is None or draft.startswith(HEAD_PREFIX):
+        return draft
+    config = Path(draft).expanduser() / "config.json"
+    try:
+        architectures = json.loads(config.read_text()).get("architectures") if config.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        return None  # not a head's; loading it as a model says what is wrong
+    return f"{HEAD_PREFIX}{draft}" if architectures == ["Eagle3Head"] else None
+
+
+def _head_draft(spec: str, target, max_seq_len: int, quant: str | None):
+    """The head in `spec` (head:PATH) as a draft, checked against the target; int8 as `--draft-quant` asks."""
+    from decode.head import HeadDraft, head_quant
+    from pairing.leaderboard import load_head_candidate
+
+    head = load_head_candidate(spec, target)
+    return HeadDraft(head, max_seq_len, quantize=head_quant(head, quant))
+
+
+def _check_positions(target, args: argparse.Namespace) -> None:
+    """The prompt and every new token must fit the caches (--max-seq-len positions)."""
+    from decode.textgen import prompt_ids
+
+    n = len(prompt_ids(target.tokenizer, args.prompt, chat=not args.no_chat))
+    if n < 1:
+        raise DraftsmithError("--prompt gives no tokens: the decoder needs at least one")
+    if n + args.max_new_tokens > args.max_seq_len:
+        raise DraftsmithError(f"the prompt ({n} tokens) plus --max-new-tokens {args.max_new_tokens} needs "
+                              f"{n + args.max_new_tokens} positions; --max-seq-len is {args.max_seq_len}")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -235,10 +293,12 @@ DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 
 def _add_pair_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET, help=f"zoo name, HF folder or .gguf file (default {DEFAULT_TARGET})")
-    p.add_argument("--draft", default=DEFAULT_DRAFT, help=f"zoo name, HF folder or .gguf, same tokenizer (default {DEFAULT_DRAFT})")
+    p.add_argument("--draft", default=DEFAULT_DRAFT,
+                   help="zoo name, HF folder or .gguf, same tokenizer; or a draft head on the target: head:PATH or "
+                        f"the head's folder, e.g. RUN/head/best (default {DEFAULT_DRAFT})")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--draft-quant", choices=["int8", "none"], default="int8",
-                   help="draft weights on CPU (the target always runs as loaded; exactness is unaffected)")
+                   help="draft (or head) weights on CPU (the target always runs as loaded; exactness is unaffected)")
 
 
 def _add_plain_data(p: argparse.ArgumentParser) -> None:
@@ -349,20 +409,23 @@ GEN_DATA_SETTINGS = {"draft", "data", "mix", "max_new_tokens", "data_temperature
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from decode.bench import BenchConfig
-    from distill.export import ExportConfig
-    from distill.pipeline import DistillConfig
-    from pairing.leaderboard import PairConfig
-    from recipes.options import add_options
-
     parser = argparse.ArgumentParser(prog="draftsmith", description="Make speculative decoding pay off.")
     sub = parser.add_subparsers(dest="verb", required=True)
+    for add_verb in (_models_parser, _decode_parser, _bench_parser, _pair_parser, _derive_parser, _distill_parser,
+                     _gen_prompts_parser, _gen_data_parser, _export_parser, _export_head_parser, _run_parser,
+                     _leaderboard_parser):
+        add_verb(sub)
+    return parser
 
+
+def _models_parser(sub) -> None:
     p = sub.add_parser("models", help="the offline model zoo: list | pull NAME | path NAME")
     p.add_argument("action", choices=["list", "pull", "path"])
     p.add_argument("name", nargs="?")
     p.set_defaults(func=cmd_models)
 
+
+def _decode_parser(sub) -> None:
     p = sub.add_parser("decode", help="decode one prompt, speculative when --draft is given")
     _add_pair_args(p)
     p.add_argument("--no-draft", action="store_true", help="target only (the baseline)")
@@ -373,15 +436,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--siblings", type=int, default=0,
                    help="with --confidence: below it, propose the draft's N most probable first tokens side by side")
     p.add_argument("--sibling-depth", type=int, default=1, choices=[1, 2],
-                   help="2: each of those first tokens also gets the draft's next token (heads)")
+                   help="2: each of those first tokens also gets the draft's next token (a draft head only)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-chat", action="store_true", help="feed the prompt raw, without the chat template")
-    p.add_argument("--max-seq-len", type=int, default=4096)
+    p.add_argument("--max-seq-len", type=int, default=4096,
+                   help="positions the caches hold: the prompt plus --max-new-tokens must fit")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_decode)
+
+
+def _bench_parser(sub) -> None:
+    from decode.bench import BenchConfig
+    from recipes.options import add_options
 
     p = sub.add_parser("bench", help="time target-only, speculative, HF generate and HF assisted side by side")
     p.add_argument("--target", default=DEFAULT_TARGET, help=f"zoo name, HF folder or .gguf file (default {DEFAULT_TARGET})")
@@ -389,6 +458,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_options(p, BenchConfig, taken={"target", "draft"})
     p.add_argument("--out", type=Path, default=None)
     p.set_defaults(func=cmd_bench)
+
+
+def _pair_parser(sub) -> None:
+    from pairing.leaderboard import PairConfig
+    from recipes.options import add_options
 
     p = sub.add_parser("pair", help="rank candidate drafts for a target: alpha, cost, predicted/measured speedup")
     taken: set[str] = set()
@@ -399,6 +473,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, required=True)
     p.set_defaults(func=cmd_pair)
 
+
+def _derive_parser(sub) -> None:
     p = sub.add_parser("derive", help="make a draft from a subset of a model's layers (HF folder)")
     p.add_argument("--from", dest="source", required=True, help="zoo name or HF folder")
     p.add_argument("--layers", default=None, help="layer indices, e.g. 0,1,2,3 or 0-3")
@@ -406,8 +482,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=None, help="output folder (default: in the cache)")
     p.set_defaults(func=cmd_derive)
 
+
+def _distill_parser(sub) -> None:
+    from distill.pipeline import DistillConfig
+    from recipes.options import add_options
+
     p = sub.add_parser("distill", help="distill a draft toward the target; alpha (and tokens/s) before and after")
-    taken = set()
+    taken: set[str] = set()
     _add_common(p, taken)
     add_options(p, DistillConfig, required={"draft"}, taken=taken,
                 aliases={"lora_r": ["--lora"], "early_stop_patience": ["--early-stop"]})
@@ -416,6 +497,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, required=True)
     p.set_defaults(func=cmd_distill)
 
+
+def _gen_prompts_parser(sub) -> None:
     p = sub.add_parser("gen-prompts", help="prompts the target writes itself (pre-query template), deduplicated")
     p.add_argument("--target", required=True, help="an instruct model with a chat template: zoo name, HF folder, .gguf")
     p.add_argument("--n", type=int, required=True, help="prompts to keep, shared evenly across the domains")
@@ -432,14 +515,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, required=True, help="a datasets folder; a rerun resumes it")
     p.set_defaults(func=cmd_gen_prompts)
 
+
+def _gen_data_parser(sub) -> None:
+    from distill.pipeline import DistillConfig
+    from recipes.options import add_options
+
     p = sub.add_parser("gen-data", help="generate distillation data (resumable) without training")
-    taken = set()
+    taken: set[str] = set()
     _add_common(p, taken)
     add_options(p, DistillConfig, only=GEN_DATA_SETTINGS, required={"draft"}, taken=taken,
                 aliases={"gen_batch_size": ["--batch-size"]})
     _add_plain_data(p)
     p.add_argument("--out", type=Path, required=True, help="folder; a rerun resumes it (other settings are refused)")
     p.set_defaults(func=cmd_gen_data)
+
+
+def _export_parser(sub) -> None:
+    from distill.export import ExportConfig
+    from recipes.options import add_options
 
     p = sub.add_parser("export", help="export a (distilled) draft: HF folder, GGUF for llama.cpp, vLLM/SGLang lines")
     p.add_argument("--draft", required=True, help="HF folder (e.g. a distill run's best/), zoo name or derive spec")
@@ -451,6 +544,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, required=True)
     p.set_defaults(func=cmd_export)
 
+
+def _export_head_parser(sub) -> None:
     p = sub.add_parser("export-head", help="export a trained EAGLE-3 head: vLLM speculators and SGLang folders, checked")
     p.add_argument("--head", required=True, help="a head folder (config.json + model.safetensors), e.g. RUN/head/best")
     p.add_argument("--target", required=True, help="the target the head reads (zoo name, HF folder or .gguf)")
@@ -463,6 +558,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, required=True)
     p.set_defaults(func=cmd_export_head)
 
+
+def _run_parser(sub) -> None:
     p = sub.add_parser("run", help="run a recipe: pair -> distill -> validate -> export, resumable, with a report")
     p.add_argument("recipe", type=Path, help="a recipe YAML (see recipes/*.yaml)")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. distill.train.steps=200")
@@ -471,11 +568,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--restart", default=None, metavar="STAGE", help="redo STAGE and every stage after it")
     p.set_defaults(func=cmd_run)
 
+
+def _leaderboard_parser(sub) -> None:
     p = sub.add_parser("leaderboard", help="merge run folders into one acceptance-rate leaderboard (md/html/json)")
     p.add_argument("runs", nargs="+", type=Path, help="run folders, e.g. runs/*")
     p.add_argument("--out", type=Path, default=Path("leaderboard"))
     p.set_defaults(func=cmd_leaderboard)
-    return parser
 
 
 def _one_line(e: BaseException) -> str:

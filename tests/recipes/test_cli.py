@@ -82,3 +82,71 @@ def test_gen_prompts_writes_with_a_bfloat16_copy_when_asked(tmp_path: Path) -> N
             "--batch-size", "4", "--dtype", "bfloat16", "--out", str(out), env_cache=tmp_path / "cache")
     assert r.returncode == 0, r.stderr
     assert json.loads((out / "settings.json").read_text())["dtype"] == "bfloat16" and "prompts (code" in r.stdout
+
+
+# --- decode in-process: heads and the inputs it refuses ---------------------------------------------------------
+
+
+@pytest.fixture
+def tiny_pair(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Path]:
+    """A tiny target, a standalone draft with its tokenizer, and a random EAGLE-3 head on the target."""
+    from tests.pairing.test_leaderboard import WORDS, save_random_head, save_tiny
+
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
+    vocab = len(WORDS) + 3
+    target = save_tiny(tmp_path / "target", 0, 3, vocab)
+    return {"target": target, "draft": save_tiny(tmp_path / "draft", 1, 1, vocab),
+            "head": save_random_head(tmp_path / "head", target)}
+
+
+def decode(capsys, *args: str) -> tuple[int, str, str]:
+    from recipes.cli import main
+
+    code = main(["decode", "--no-chat", "--prompt", "sort the list of data", "--max-new-tokens", "12", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_line_error(capsys, *args: str) -> str:
+    code, out, err = decode(capsys, *args)
+    lines = [line for line in err.splitlines() if line.strip() and "it/s]" not in line]  # not transformers' bars
+    assert code == 2 and not out and len(lines) == 1 and lines[0].startswith("draftsmith: error:"), err
+    return lines[0]
+
+
+@pytest.mark.parametrize("how", ["head:{head}", "{head}"])
+@pytest.mark.parametrize("policy", [("--k", "3"), ("--k", "3", "--confidence", "0.5", "--siblings", "2",
+                                                   "--sibling-depth", "2")])
+def test_decode_with_a_head_equals_the_target_alone(tiny_pair, capsys, monkeypatch, how: str,
+                                                   policy: tuple[str, ...]) -> None:
+    from decode.head import HeadDraft
+
+    real, sibling_steps = HeadDraft.forward_siblings, []
+    monkeypatch.setattr(HeadDraft, "forward_siblings", lambda self, *a: sibling_steps.append(1) or real(self, *a))
+    target = ("--target", str(tiny_pair["target"]))
+    code, out, err = decode(capsys, *target, "--no-draft", "--json")
+    assert code == 0, err
+    alone = json.loads(out)
+    code, out, err = decode(capsys, *target, "--draft", how.format(head=tiny_pair["head"]), *policy, "--json")
+    assert code == 0, err
+    with_head = json.loads(out)
+    assert with_head["tokens"] == alone["tokens"] and len(alone["tokens"]) == 12
+    assert with_head["stats"]["acceptance_rate"] is not None
+    assert bool(sibling_steps) == ("--siblings" in policy)  # the random head is unsure: depth-2 sibling rounds ran
+
+
+def test_decode_sibling_depth_2_with_a_standalone_draft_is_one_line(tiny_pair, capsys) -> None:
+    line = one_line_error(capsys, "--target", str(tiny_pair["target"]), "--draft", str(tiny_pair["draft"]),
+                          "--confidence", "0.5", "--siblings", "2", "--sibling-depth", "2")
+    assert "--sibling-depth 2 needs a draft head" in line
+
+
+def test_decode_a_prompt_past_max_seq_len_is_one_line(tiny_pair, capsys) -> None:
+    line = one_line_error(capsys, "--target", str(tiny_pair["target"]), "--draft", str(tiny_pair["draft"]),
+                          "--max-seq-len", "10")
+    assert line.endswith("the prompt (5 tokens) plus --max-new-tokens 12 needs 17 positions; --max-seq-len is 10")
+
+
+def test_decode_a_head_that_does_not_fit_the_target_is_one_line(tiny_pair, capsys) -> None:
+    line = one_line_error(capsys, "--target", str(tiny_pair["draft"]), "--draft", f"head:{tiny_pair['head']}")
+    assert "head" in line and "layers" in line
