@@ -37,9 +37,9 @@ from decode.sampling import SamplingParams
 from decode.textgen import eos_ids, machine_info, versions
 from pairing.acceptance import measure_acceptance, measure_head_acceptance
 from pairing.compat import Compat, check_pair
-from pairing.cost import COST_CONTEXT, CostModel, DecoderCost, calibrate_decoder, measure_cost, speedup_curve, \
-    speedup_from_tau
+from pairing.cost import COST_CONTEXT, CostModel, DecoderCost, calibrate_decoder, measure_cost, speedup_curve
 from pairing.derive import parse_derive_spec, resolve_candidate
+from pairing.policy import PolicyChoice, choose_policy
 from pairing.reference import reference_continuations
 
 MAX_K = 16
@@ -176,15 +176,11 @@ def _breakdown(row: dict, val: dict) -> dict:
     }
 
 
-def _predict(taus: dict[int, float], cost: CostModel, dcost: DecoderCost | None, tokens: float) -> dict[int, float]:
-    """K -> predicted speedup: tokens per round walked on the rows (`Acceptance.tokens_per_round`, K -> tau) over
-    the decoder's round cost when calibrated, else over the isolated c and v(K)."""
-    return {K: dcost.speedup(tau, K, tokens) if dcost else speedup_from_tau(tau, K, cost.c, cost.v[K])
-            for K, tau in taus.items()}
-
-
-def _argmax(curve: dict[int, float]) -> int:
-    return max(curve, key=lambda k: (curve[k], -k))
+def _choose(taus: dict[int, float], cost: CostModel, dcost: DecoderCost | None, tokens: float) -> PolicyChoice:
+    """The best K for tokens per round walked on the rows (`Acceptance.tokens_per_round`, K -> tau) over the
+    decoder's round cost when calibrated, else over the isolated c and v(K) (`pairing.policy.choose_policy`)."""
+    return choose_policy(dcost or cost, taus=taus, tokens=tokens, max_k=MAX_K,
+                         evidence="the rows walked as the decoder walks them")
 
 
 def run_pair(target_spec: str, out: Path, cfg: PairConfig, *, prompts: str = "code,chat",
@@ -334,7 +330,7 @@ def _decoder_cost(target: Loaded, cand: Candidate, d_runner, cost: CostModel, ta
         return cost, None
     if cand.head is not None:  # a head's step is only timed inside the decoder: calibrate at c = 0.1 first
         cost = replace(cost, draft_step_s=0.1 * cost.target_step_s)
-    k0 = _argmax(_predict(taus, cost, None, timing.mean_tokens[None]))
+    k0 = _choose(taus, cost, None, timing.mean_tokens[None]).k
     dcost = calibrate_decoder(timing.runner, d_runner, timing.calib_prompts, k=k0, isolated=cost,
                               max_new_tokens=min(cfg.calibrate_tokens, cfg.max_new_tokens),
                               eos_ids=eos_ids(target), device=device, progress=progress)
@@ -353,15 +349,15 @@ def _rank(target: Loaded, cand: Candidate, timing: _Timing, cfg: PairConfig, dev
     cost = _isolated_cost(timing, None if cand.head is not None else d_runner, device)
     cost, dcost = _decoder_cost(target, cand, d_runner, cost, taus, timing, cfg, device, progress)
     del d_runner
-    curve = _predict(taus, cost, dcost, timing.mean_tokens[None])
-    by_domain = {d: _predict(t, cost, dcost, timing.mean_tokens[d]) for d, t in taus_by_domain.items()}
-    return _row(cand, taus, taus_by_domain, cost, dcost, curve, by_domain)
+    choice = _choose(taus, cost, dcost, timing.mean_tokens[None])
+    by_domain = {d: _choose(t, cost, dcost, timing.mean_tokens[d]) for d, t in taus_by_domain.items()}
+    return _row(cand, taus, taus_by_domain, cost, dcost, choice, by_domain)
 
 
 def _row(cand: Candidate, taus: dict[int, float], taus_by_domain: dict[str, dict[int, float]], cost: CostModel,
-         dcost: DecoderCost | None, curve: dict[int, float], by_domain: dict[str, dict[int, float]]) -> dict:
-    """The leaderboard row: `curve` is K -> predicted speedup, `by_domain` the same per domain."""
-    acc, k = cand.acc, _argmax(curve)
+         dcost: DecoderCost | None, choice: PolicyChoice, by_domain: dict[str, PolicyChoice]) -> dict:
+    """The leaderboard row: `choice` is the best K with the predicted curve, `by_domain` the same per domain."""
+    acc, k, curve = cand.acc, choice.k, choice.curve
     return {
         "draft": cand.spec,
         "params": _params_million(cand.head if cand.head is not None else cand.loaded.model),
@@ -391,8 +387,8 @@ def _row(cand: Candidate, taus: dict[int, float], taus_by_domain: dict[str, dict
         "predicted_speedup": curve[k],
         "predicted_speedup_by_k": {str(K): x for K, x in curve.items()},
         "predicted_speedup_iid": speedup_curve(acc.alpha, cost.c, cost.v)[k],
-        "best_k_by_domain": {d: _argmax(c) for d, c in by_domain.items()},
-        "predicted_speedup_by_domain": {d: c[_argmax(c)] for d, c in by_domain.items()},
+        "best_k_by_domain": {d: c.k for d, c in by_domain.items()},
+        "predicted_speedup_by_domain": {d: c.predicted for d, c in by_domain.items()},
         "measured_speedup": None,
         "validation": None,
     }
@@ -433,7 +429,7 @@ def _validate_in_decoder(target: Loaded, t_runner, cand: Candidate, val_prompts:
     row["prediction_breakdown"] = _breakdown(row, val)
     if len(vals) > 1:
         measured = {K: v["measured_speedup"] for K, v in vals.items()}
-        mk = _argmax(measured)
+        mk = max(measured, key=lambda K: (measured[K], -K))  # the measured best, ties to the smaller K
         row["validation_by_k"] = {str(K): v for K, v in vals.items()}
         row["measured_speedup_by_k"] = {str(K): x for K, x in measured.items()}
         row["prediction_error_by_k"] = {

@@ -4,6 +4,8 @@
     .venv/bin/draftsmith models pull smollm2-135m-instruct
     .venv/bin/draftsmith decode --target T --draft D|head:PATH --prompt "..." [--k 4 | --dynamic-k] [--json]
     .venv/bin/draftsmith bench --target T --draft D [--prompts code] [--k 3,5] --out bench.json
+    .venv/bin/draftsmith grid --target T --draft head:RUN/distill/head/best --k 1,2,3 --confidence 0,0.6 \
+        --siblings 0,3 [--sibling-depth 1,2] [--quant int8,none] --out grid.json
     .venv/bin/draftsmith pair --target T --candidates D1,D2,derive:T:keep=8 --suite code,chat --validate 1 --out DIR
     .venv/bin/draftsmith derive --from T --keep 8 --out DIR
     .venv/bin/draftsmith distill --target T --draft derive:T:keep=4 --loss fkl --steps 150 --out DIR
@@ -170,6 +172,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
           f"alpha {fmt(report['alpha'])}")
     print(f"speedup vs target-only {fmt(report['speedup_vs_target_only'])}  vs HF generate "
           f"{fmt(report['speedup_vs_hf_generate'])}  vs HF assisted {fmt(report['speedup_vs_hf_assisted'])}")
+    if args.out:
+        print(f"wrote {args.out}")
+    return 0
+
+
+def cmd_grid(args: argparse.Namespace) -> int:
+    from pairing.grid import GridConfig, run_grid
+
+    result = run_grid(args.target, args.draft, _config(GridConfig, args), out=args.out)
+    base = result["tok_per_s"]["target_only"]
+    print(f"{'target alone':34s} {base:7.2f} tok/s")
+    for name in result["policies"]:
+        st = result["stats"][name]
+        print(f"{name:34s} {result['tok_per_s'][name]:7.2f} tok/s  {result['speedup_vs_target_only'][name]:.2f}x  "
+              f"tau {st['mean_tau']:.2f}  greedy-equal {result['greedy_equal'][name]}")
     if args.out:
         print(f"wrote {args.out}")
     return 0
@@ -411,7 +428,7 @@ GEN_DATA_SETTINGS = {"draft", "data", "mix", "max_new_tokens", "data_temperature
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="draftsmith", description="Make speculative decoding pay off.")
     sub = parser.add_subparsers(dest="verb", required=True)
-    for add_verb in (_models_parser, _decode_parser, _bench_parser, _pair_parser, _derive_parser, _distill_parser,
+    for add_verb in (_models_parser, _decode_parser, _bench_parser, _grid_parser, _pair_parser, _derive_parser, _distill_parser,
                      _gen_prompts_parser, _gen_data_parser, _export_parser, _export_head_parser, _run_parser,
                      _leaderboard_parser):
         add_verb(sub)
@@ -458,6 +475,19 @@ def _bench_parser(sub) -> None:
     add_options(p, BenchConfig, taken={"target", "draft"})
     p.add_argument("--out", type=Path, default=None)
     p.set_defaults(func=cmd_bench)
+
+
+def _grid_parser(sub) -> None:
+    from pairing.grid import GridConfig
+    from recipes.options import add_options
+
+    p = sub.add_parser("grid", help="time one draft at a grid of K, stop thresholds and siblings beside the target "
+                                    "alone, in one interleaved run (choose on dev prompts)")
+    p.add_argument("--target", default=DEFAULT_TARGET, help=f"zoo name, HF folder or .gguf file (default {DEFAULT_TARGET})")
+    p.add_argument("--draft", required=True, help="zoo name, HF folder, .gguf, derive:MODEL:keep=N or head:FOLDER")
+    add_options(p, GridConfig, taken={"target", "draft"})
+    p.add_argument("--out", type=Path, default=None)
+    p.set_defaults(func=cmd_grid)
 
 
 def _pair_parser(sub) -> None:

@@ -16,7 +16,7 @@ depth-1 agreement, resumable); `out/head.json`: this run's result. Every step re
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 
@@ -26,7 +26,7 @@ from decode.io import atomic_write_json, read_json
 from decode.loading import load
 from decode.prompts import load_prompts
 from distill.heads.data import HeadDataConfig, build_head_data, load_head_data
-from distill.heads.train import HeadTrainConfig, train_head
+from distill.heads.train import HeadTrainConfig, prompt_key, train_head
 
 HEAD = "head"  # distill.draft's value that trains a head instead of distilling a standalone draft
 HEAD_RESULT = "head.json"
@@ -57,6 +57,10 @@ class HeadRunConfig:
     eval_every: int = 50  # steps between held-out evaluations
     label_temperature: float = 1.0  # the target's distribution the head learns, at this temperature (< 1 sharpens)
     train_dtype: str = "float32"  # matmuls of training in bfloat16 (autocast; weights and optimizer stay float32)
+    intermediate_size: int | None = None  # the head's MLP width (null: the target's)
+    extra_data: list[str] = field(default_factory=list)  # head data folders (distill.heads.data) trained on too
+    prompt_stride: int = 1  # train on every S-th distinct prompt's rows (with rows_per_prompt: what diversity buys)
+    rows_per_prompt: int = 0  # train on at most N rows (samples) per prompt (0 = all)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -73,6 +77,11 @@ class HeadRunConfig:
             raise ValueError(f"label_temperature must be > 0, got {self.label_temperature}")
         if self.lr <= 0 or self.epochs <= 0 or self.train_minutes < 0 or self.temperature < 0:
             raise ValueError("lr and epochs must be > 0, train_minutes and temperature >= 0")
+        if self.prompt_stride < 1 or self.rows_per_prompt < 0:
+            raise ValueError(f"prompt_stride must be >= 1 and rows_per_prompt >= 0, got {self.prompt_stride}, "
+                             f"{self.rows_per_prompt}")
+        if self.intermediate_size is not None and self.intermediate_size < 1:
+            raise ValueError(f"intermediate_size must be >= 1 (or null), got {self.intermediate_size}")
         if self.budget_minutes < 0:
             raise ValueError(f"budget_minutes must be >= 0, got {self.budget_minutes}")
 
@@ -114,7 +123,12 @@ def run_head(target_spec: str, out: Path, cfg: HeadRunConfig, *, prompts: str = 
         samples=1, max_new_tokens=cfg.max_new_tokens, temperature=0.0, batch_size=cfg.gen_batch_size,
         aux_layers=aux), progress=progress)
     data_seconds = time.perf_counter() - t0
-    rows = [r for folder in folders for r in load_head_data(folder)]
+    for extra in cfg.extra_data:
+        if not any(Path(extra).expanduser().glob("shard-*.safetensors")):
+            raise DraftsmithError(f"head.extra_data: no head data in {extra} (shard-*.safetensors)")
+        folders.append(Path(extra).expanduser())
+    rows = thin_rows([r for folder in folders for r in load_head_data(folder)], cfg.prompt_stride,
+                     cfg.rows_per_prompt)
     generation_s = sum(d["generate_seconds"] + d["feature_seconds"] for d in (data, written, held) if d)
     if cfg.written_prompts:
         generation_s += read_json(out / "prompts" / "stats.json", what="prompt statistics")["seconds_this_run"]
@@ -129,7 +143,8 @@ def run_head(target_spec: str, out: Path, cfg: HeadRunConfig, *, prompts: str = 
                          HeadTrainConfig(draft_vocab_size=cfg.draft_vocab_size, ttt_steps=cfg.ttt_steps, lr=cfg.lr,
                                          epochs=cfg.epochs, rows_per_step=cfg.rows_per_step,
                                          eval_every=cfg.eval_every, max_minutes=train_minutes, seed=cfg.seed,
-                                         dtype=cfg.train_dtype, label_temperature=cfg.label_temperature),
+                                         dtype=cfg.train_dtype, label_temperature=cfg.label_temperature,
+                                         intermediate_size=cfg.intermediate_size),
                          aux_layers=aux, progress=progress)
     evals = summary["evals"]
     best = next((e for e in evals if e["step"] == summary["best_step"]), evals[-1])
@@ -145,6 +160,16 @@ def run_head(target_spec: str, out: Path, cfg: HeadRunConfig, *, prompts: str = 
     }
     atomic_write_json(out / HEAD_RESULT, result)
     return result
+
+
+def thin_rows(rows: list[dict], stride: int = 1, per_prompt: int = 0) -> list[dict]:
+    """Every `stride`-th distinct prompt (in order of first appearance) with at most `per_prompt` of its rows
+    (0 = all), in their order."""
+    groups: dict[bytes, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(prompt_key(r), []).append(r)
+    keep = {id(r) for g in list(groups.values())[::stride] for r in (g[:per_prompt] if per_prompt else g)}
+    return [r for r in rows if id(r) in keep]
 
 
 def held_rows(folder: Path) -> list[dict] | None:

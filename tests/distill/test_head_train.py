@@ -288,3 +288,16 @@ def load_prompts_folder(path):
     return load_prompts(path)
 
 
+
+
+def test_thin_rows_keeps_every_sth_prompt_and_at_most_n_rows_each() -> None:
+    from distill.heads.pipeline import thin_rows
+
+    rows = [{"tokens": torch.tensor([p, 9, s]), "prompt_len": 1, "tag": (p, s)} for p in (1, 2, 3, 4) for s in (5, 6, 7)]
+    rows = rows[::2] + rows[1::2]  # prompts interleaved: first appearance decides the order
+    assert thin_rows(rows) == rows
+    kept = [r["tag"] for r in thin_rows(rows, stride=2, per_prompt=2)]
+    firsts = list(dict.fromkeys(r["tag"][0] for r in rows))[::2]
+    assert {p for p, _ in kept} == set(firsts)
+    for p in firsts:  # the first two rows of each kept prompt, in their order
+        assert [t for t in kept if t[0] == p] == [r["tag"] for r in rows if r["tag"][0] == p][:2]

@@ -150,3 +150,25 @@ def test_decode_a_prompt_past_max_seq_len_is_one_line(tiny_pair, capsys) -> None
 def test_decode_a_head_that_does_not_fit_the_target_is_one_line(tiny_pair, capsys) -> None:
     line = one_line_error(capsys, "--target", str(tiny_pair["draft"]), "--draft", f"head:{tiny_pair['head']}")
     assert "head" in line and "layers" in line
+
+
+def test_grid_times_a_head_at_every_policy_in_one_run(tiny_pair, capsys, tmp_path: Path) -> None:
+    """`draftsmith grid` (what scripts/head_run.py's bench did): every policy beside the target alone, one run."""
+    from recipes.cli import main
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "sort the list of data", "domain": "code"}) + "\n")
+    out = tmp_path / "grid.json"
+    code = main(["grid", "--target", str(tiny_pair["target"]), "--draft", f"head:{tiny_pair['head']}",
+                 "--prompts", str(prompts), "--max-new-tokens", "8", "--k", "1,2", "--confidence", "0,0.5",
+                 "--siblings", "0,2", "--sibling-depth", "1,2", "--quant", "none,int8", "--out", str(out)])
+    printed, err = capsys.readouterr()
+    assert code == 0, err
+    result = json.loads(out.read_text())
+    names = ["K=1", "K=1 stop<0.5 siblings=2", "K=2", "K=2 stop<0.5", "K=2 stop<0.5 siblings=2",
+             "K=2 stop<0.5 siblings=2 children"]
+    assert list(result["policies"]) == [f"{n} {q}" for q in ("none", "int8") for n in names]
+    assert all(result["greedy_equal"].values()) and "target alone" in printed and "K=2 stop<0.5 int8" in printed
+    code = main(["grid", "--target", str(tiny_pair["target"]), "--draft", str(tiny_pair["draft"]), "--k", "0"])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip() and "it/s]" not in line]
+    assert code == 2 and len(lines) == 1 and "k must list integers >= 1" in lines[0]
