@@ -13,6 +13,7 @@ machine hits all modes alike. `greedy_equal` checks, per prompt, speculative == 
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,19 +67,23 @@ def _summary(tokens: int, seconds: float, per_prompt: list[dict]) -> dict:
 def side_by_side(
     target: Runner, drafts: dict[str, Runner | None], prompts: list[list[int]], *, k: int, max_new_tokens: int,
     eos_ids: list[int], desc: str | None = None, device: str | torch.device = "cpu",
-    policies: dict[str, KPolicy] | None = None,
+    policies: dict[str, KPolicy] | None = None, rotate: int = 0, warmup: bool = True,
 ) -> dict[str, tuple[Stats, list[list[int]]]]:
     """Our decoder on the same prompts with each draft (None = target only), interleaved per prompt so that
-    drift on a noisy machine hits every mode alike; a short warm-up first. Each draft runs `policies[name]` where
-    given (K, stop threshold, siblings: one `KPolicy`), else fixed rounds of `k`. Returns name -> (merged stats,
-    tokens)."""
+    drift on a noisy machine hits every mode alike; a short warm-up first. Which decoder goes first rotates from
+    prompt to prompt (prompt i starts at the (i + `rotate`)-th), so none always runs on a cache another has just
+    warmed. Each draft runs `policies[name]` where given (K, stop threshold, siblings: one `KPolicy`), else fixed
+    rounds of `k`. Returns name -> (merged stats, tokens)."""
     policies = {name: (policies or {}).get(name) or KPolicy(k=k, k_max=max(16, k)) for name in drafts}
-    for name, d in drafts.items():
-        generate(target, prompts[0][:16], draft=d, max_new_tokens=4, policy=policies[name], device=device)  # warm-up
-    out: dict[str, tuple[Stats, list[list[int]]]] = {name: (Stats(), []) for name in drafts}
-    for ids in tqdm(prompts, desc=desc, unit="prompt", disable=desc is None):
+    names = list(drafts)
+    if warmup:
         for name, d in drafts.items():
-            res = generate(target, list(ids), draft=d, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
+            generate(target, prompts[0][:16], draft=d, max_new_tokens=4, policy=policies[name], device=device)
+    out: dict[str, tuple[Stats, list[list[int]]]] = {name: (Stats(), []) for name in drafts}
+    for i, ids in enumerate(tqdm(prompts, desc=desc, unit="prompt", disable=desc is None)):
+        start = (i + rotate) % len(names)
+        for name in names[start:] + names[:start]:
+            res = generate(target, list(ids), draft=drafts[name], max_new_tokens=max_new_tokens, eos_ids=eos_ids,
                            policy=policies[name], device=device)
             stats, toks = out[name]
             out[name] = (stats.merge(res.stats), toks + [res.tokens])
@@ -120,6 +125,7 @@ class Validation:
     stats: dict[str, Stats]
     greedy_equal: dict[str, bool | None]
     ks: dict[str, int] = field(default_factory=dict)  # drafts timed at another K than `k`
+    repeats: list[dict[str, Stats]] = field(default_factory=list)  # each repeat's stats (stats merges them)
 
     @property
     def drafts(self) -> list[str]:
@@ -130,13 +136,23 @@ class Validation:
         return {n: st.tokens_per_s for n, st in self.stats.items()}
 
     def speedup(self, name: str) -> float:
-        """tokens/s with draft `name` / tokens/s of the target alone (0 if the baseline produced nothing)."""
-        base = self.stats["target_only"].tokens_per_s
-        return self.stats[name].tokens_per_s / base if base else 0.0
+        """tokens/s with draft `name` / tokens/s of the target alone: the median over the repeats (over all the
+        timing when there were none recorded); 0 if the baseline produced nothing."""
+        ratios = self.repeat_speedups(name)
+        return statistics.median(ratios) if ratios else _ratio(self.stats, name)
+
+    def repeat_speedups(self, name: str) -> list[float]:
+        """The speedup of draft `name` in each repeat, in the order they ran."""
+        return [_ratio(r, name) for r in self.repeats]
 
     @property
     def speedup_vs_target_only(self) -> dict[str, float]:
         return {n: self.speedup(n) for n in self.drafts}
+
+    @property
+    def speedup_range(self) -> dict[str, list[float]]:
+        """[min, max] of each draft's speedup over the repeats."""
+        return {n: [min(r), max(r)] for n in self.drafts for r in [self.repeat_speedups(n) or [self.speedup(n)]]}
 
     def to_dict(self) -> dict:
         """JSON form: the raw stats plus the flat views reports and leaderboards read."""
@@ -149,22 +165,29 @@ class Validation:
             "mean_tau": {n: st.mean_tau for n, st in self.stats.items()},
             "acceptance_rate": {n: st.acceptance_rate for n, st in self.stats.items()},
             "speedup_vs_target_only": self.speedup_vs_target_only,
+            "speedup_range": self.speedup_range,
+            "speedup_repeats": {n: self.repeat_speedups(n) for n in self.drafts},
+            "speedup_definition": "median over the repeats of (tokens/s with the draft / tokens/s of the target "
+                                  "alone), each repeat timing every decoder on every prompt, interleaved, the "
+                                  "decoder that goes first rotating from prompt to prompt",
             "greedy_equal": self.greedy_equal,
             "stats": {n: st.to_dict() for n, st in self.stats.items()},
+            "repeats": [{n: st.to_dict() for n, st in r.items()} for r in self.repeats],
             "tau_definition": "tokens emitted per target forward, including the bonus/corrected token",
         }
 
     @classmethod
     def from_dict(cls, d: dict) -> "Validation":
         stats = {n: Stats.from_dict(s) for n, s in d["stats"].items()}
+        repeats = [{n: Stats.from_dict(s) for n, s in r.items()} for r in d.get("repeats") or []]
         return cls(d["k"], list(d["prompts"]), d["max_new_tokens"], d["device"], stats, dict(d["greedy_equal"]),
-                   dict(d.get("ks") or {}))
+                   dict(d.get("ks") or {}), repeats)
 
 
 def validate_drafts(
     target: Runner, drafts: dict[str, Runner], prompts: list[list[int]], *, k: int, max_new_tokens: int,
     eos_ids: list[int], names: list[str] | None = None, greedy: bool = True, desc: str | None = "validate",
-    device: str | torch.device = "cpu", policies: dict[str, KPolicy] | None = None,
+    device: str | torch.device = "cpu", policies: dict[str, KPolicy] | None = None, repeats: int = 1,
 ) -> Validation:
     """The measured speedup: target alone and with each draft on the same prompts, side by side in one run.
 
@@ -177,13 +200,33 @@ def validate_drafts(
         raise DraftsmithError("'target_only' is the baseline's name; give the drafts other names")
     if not prompts:
         raise DraftsmithError("validation needs at least one prompt")
-    runs = side_by_side(target, {"target_only": None, **drafts}, prompts, k=k, max_new_tokens=max_new_tokens,
-                        eos_ids=eos_ids, desc=desc, device=device, policies=policies)
-    reference = runs["target_only"][1]
-    equal = {n: (toks == reference if greedy else None) for n, (_, toks) in runs.items() if n != "target_only"}
-    return Validation(k, names or [str(i) for i in range(len(prompts))], max_new_tokens, str(device),
-                      {n: st for n, (st, _) in runs.items()}, equal,
-                      {n: p.k for n, p in (policies or {}).items() if p.k != k})
+    if repeats < 1:
+        raise DraftsmithError(f"repeats must be >= 1, got {repeats}")
+    names = names or [str(i) for i in range(len(prompts))]
+    repeats_stats, equal = [], {n: (True if greedy else None) for n in drafts}
+    for r in range(repeats):
+        runs = side_by_side(target, {"target_only": None, **drafts}, prompts, k=k, max_new_tokens=max_new_tokens,
+                            eos_ids=eos_ids, desc=desc if repeats == 1 else f"{desc} {r + 1}/{repeats}" if desc else None,
+                            device=device, policies=policies, rotate=r, warmup=r == 0)
+        reference = runs["target_only"][1]
+        if greedy:
+            equal = {n: equal[n] and runs[n][1] == reference for n in drafts}
+        repeats_stats.append({n: st for n, (st, _) in runs.items()})
+    merged = {n: _merge(r[n] for r in repeats_stats) for n in repeats_stats[0]}
+    return Validation(k, names, max_new_tokens, str(device), merged, equal,
+                      {n: p.k for n, p in (policies or {}).items() if p.k != k}, repeats_stats)
+
+
+def _merge(stats) -> Stats:
+    out = Stats()
+    for st in stats:
+        out = out.merge(st)
+    return out
+
+
+def _ratio(stats: dict[str, Stats], name: str) -> float:
+    base = stats["target_only"].tokens_per_s
+    return stats[name].tokens_per_s / base if base else 0.0
 
 
 @dataclass

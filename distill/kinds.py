@@ -10,7 +10,7 @@ Every kind answers the same questions, and the runner asks them without knowing 
 - `train(ctx)`: make the draft (distil a standalone model; or data, held-out references and training of a head),
   keeping its best checkpoint by held-out agreement and resuming an interrupted run;
 - `validation(ctx)`: the drafts to time beside the target alone (`pairing.validate.DraftUnderTest`), with the
-  evidence that chooses their round policy, and the prompts to time them on;
+  evidence (measured on dev prompts) that chooses their round policy;
 - `export(ctx)`: the engine formats it can be written to, at the K validation chose.
 Decoding needs no kind: every draft runs as a `decode` runner (a head as `decode.head.HeadDraft`, which declares
 the target features it reads), opened by `pairing.validate.open_draft`.
@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 from decode.errors import DraftsmithError
 from decode.io import read_json
-from decode.prompts import Prompt, load_prompts
+from decode.prompts import Prompt, load_prompts, load_test_prompts
 from distill.heads.pipeline import HEAD, HeadRunConfig, head_result, held_rows, run_head
 from distill.pipeline import DistillConfig, run_distill, split_prompts
 from pairing.leaderboard import HEAD_PREFIX
@@ -52,12 +52,21 @@ class RunContext:
     folders: dict[str, Path]  # stage -> its folder: pair, data, distill, validate, export
     has_data_stage: bool = False  # the recipe has a data section: distill trains on its rows
     wandb: str = "disabled"
+    test_prompts: str = ""  # the recipe's test_prompts ("" = the built-in test split of `prompts`)
     config: dict = dataclasses.field(default_factory=dict)  # the resolved recipe (for wandb)
 
     def held_out(self) -> list[Prompt]:
-        """The prompts never trained on: the first `distill.eval_per_domain` of every domain."""
+        """The dev prompts: never trained on, used to choose (a checkpoint, K): the first
+        `distill.eval_per_domain` of every domain."""
         prompts = load_prompts(self.prompts, limit_per_domain=self.limit_per_domain)
         return split_prompts(prompts, self.distill.eval_per_domain)[1]
+
+    def test(self) -> tuple[list[Prompt], str]:
+        """The test prompts (never trained on, never used to choose) and where they come from: `test_prompts`,
+        else the built-in test split of `prompts` ([] for a prompt file without `test_prompts`)."""
+        if self.test_prompts:
+            return load_test_prompts(self.test_prompts) or load_prompts(self.test_prompts), self.test_prompts
+        return load_test_prompts(self.prompts), f"the built-in test split of {self.prompts}"
 
     def leaderboard(self) -> dict | None:
         return read_json(self.folders["pair"] / "leaderboard.json", missing_ok=True, what="leaderboard")
@@ -72,7 +81,7 @@ class DraftKind(Protocol):
     def settings(self, recipe: dict) -> dict: ...
     def data_draft(self, ctx: RunContext) -> str: ...
     def train(self, ctx: RunContext) -> dict: ...
-    def validation(self, ctx: RunContext) -> tuple[list[DraftUnderTest], list[Prompt]]: ...
+    def validation(self, ctx: RunContext) -> list[DraftUnderTest]: ...
     def export(self, ctx: RunContext) -> dict: ...
 
 
@@ -144,7 +153,7 @@ class Standalone:
         return {"draft": draft, "alpha_before": result["alpha_before"], "alpha_after": result["alpha_after"],
                 "alpha_gain": result["alpha_gain"], "skipped_steps": result["skipped_steps"]}
 
-    def validation(self, ctx: RunContext) -> tuple[list[DraftUnderTest], list[Prompt]]:
+    def validation(self, ctx: RunContext) -> list[DraftUnderTest]:
         """The un-distilled draft beside the distilled one (when distillation ran), the latter choosing K from its
         held-out alpha; without distillation the draft alone, at the alpha the leaderboard measured."""
         folder = ctx.folders["distill"]
@@ -159,7 +168,7 @@ class Standalone:
         drafts = [DraftUnderTest("draft_before", draft, alpha=alpha, chooses=not tuned.is_dir())]
         if distilled and tuned.is_dir():
             drafts.append(DraftUnderTest("draft_after", str(tuned), alpha=alpha, chooses=True))
-        return drafts, ctx.held_out()
+        return drafts
 
     def export(self, ctx: RunContext) -> dict:
         from distill.export import export
@@ -206,7 +215,7 @@ class Head:
             raise DraftsmithError(f"{stage}: no trained head here; run the distill stage first")
         return head
 
-    def validation(self, ctx: RunContext) -> tuple[list[DraftUnderTest], list[Prompt]]:
+    def validation(self, ctx: RunContext) -> list[DraftUnderTest]:
         """The head beside the pair stage's best standalone draft (at that draft's best K), the head choosing its
         policy by walking its rounds on the held-out references."""
         head = self._trained(ctx, "validate")
@@ -216,7 +225,7 @@ class Head:
         drafts.append(DraftUnderTest("draft_after", HEAD_PREFIX + head["head"], label="head",
                                      rates=head["agreement_after"], held=held_rows(ctx.folders["distill"]),
                                      chooses=True))
-        return drafts, ctx.held_out()
+        return drafts
 
     def export(self, ctx: RunContext) -> dict:
         from distill.export.heads import export_head

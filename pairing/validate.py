@@ -42,8 +42,9 @@ from pairing.policy import PolicyChoice, choose_policy, taus_from_alpha, taus_fr
 class ValidateConfig:
     """The validate stage's settings: the target alone and each draft, same prompts, same run."""
 
-    prompts_per_domain: int = 2  # held-out prompts per domain
+    prompts_per_domain: int = 2  # test prompts timed per domain
     max_new_tokens: int = 64  # tokens decoded per prompt
+    repeats: int = 3  # interleaved repeats (the decoder going first rotates); speedups are their median and range
     k: int = 0  # draft tokens per round; 0 = the best predicted from the measured cost and the draft's acceptance
     max_k: int = 8  # largest K considered when k = 0
     draft_quant: str | None = "int8"  # int8 | null: draft weights on CPU (exactness is unaffected)
@@ -53,7 +54,7 @@ class ValidateConfig:
     sibling_depth: int = 1  # 2: also predict those rounds with the head's next token after each sibling (2m + 1 rows)
 
     def __post_init__(self) -> None:
-        for name in ("prompts_per_domain", "max_new_tokens", "max_k"):
+        for name in ("prompts_per_domain", "max_new_tokens", "max_k", "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.k < 0:
@@ -114,6 +115,7 @@ class ValidationResult:
     quant: dict[str, str | None]
     cost: dict = field(default_factory=dict)  # cost_ratio, verify_cost, decoder_cost (the chooser's)
     kind: str = "standalone"
+    roles: dict = field(default_factory=dict)  # which prompts chose the policy, which were timed
 
     @property
     def k(self) -> int:
@@ -140,6 +142,7 @@ class ValidationResult:
             "alpha": chooser.alpha if chooser.alpha is not None else (chooser.rates or [None])[0],
             "cost_ratio": self.cost.get("cost_ratio"), "verify_cost": self.cost.get("verify_cost", {}),
             "decoder_cost": self.cost.get("decoder_cost"),
+            "prompt_roles": self.roles, "in_sample": self.roles.get("timed_split", "").startswith("dev"),
             "machine": machine_info(), "versions": versions(),
         }
         tps = self.validation.tok_per_s
@@ -192,28 +195,37 @@ def _max_len(ids: list[list[int]], drafts: list[DraftUnderTest], cfg: ValidateCo
     return max(max(len(i) for i in ids) + cfg.max_new_tokens, COST_CONTEXT) + most_k + 2
 
 
-def validate(target_spec: str, drafts: list[DraftUnderTest], prompts: list[Prompt], cfg: ValidateConfig, *,
-             out: Path, kind: str = "standalone", device: str = "cpu") -> ValidationResult:
-    """Time the target alone and every draft on the first `cfg.prompts_per_domain` prompts of each domain,
-    interleaved in one run; write `out` (bench.json); refuse (after writing) a run that is not greedy-equal."""
+def validate(target_spec: str, drafts: list[DraftUnderTest], dev: list[Prompt], test: list[Prompt],
+             cfg: ValidateConfig, *, out: Path, kind: str = "standalone", test_source: str = "test",
+             device: str = "cpu") -> ValidationResult:
+    """Time the target alone and every draft on the first `cfg.prompts_per_domain` `test` prompts of each domain,
+    `cfg.repeats` times interleaved; choose the round policy on `dev` prompts only (a head's calibration decode);
+    write `out` (bench.json, with which prompts did what); refuse (after writing) a run that is not greedy-equal.
+    Without test prompts the dev prompts are timed, and the result says the speedup is in-sample."""
     if sum(d.chooses for d in drafts) != 1:
         raise ValueError("exactly one draft chooses the round policy")
+    if not dev:
+        raise DraftsmithError("validate: no held-out (dev) prompts to choose the round policy on")
     torch.set_grad_enabled(False)
     target = load(target_spec, device=device)
-    prompts = first_per_domain(prompts, cfg.prompts_per_domain)
-    ids = [prompt_ids(target.tokenizer, p.prompt) for p in prompts]
-    max_len = _max_len(ids, drafts, cfg)
+    dev = first_per_domain(dev, cfg.prompts_per_domain)
+    timed = first_per_domain(test or dev, cfg.prompts_per_domain)
+    ids = [prompt_ids(target.tokenizer, p.prompt) for p in timed]
+    dev_ids = [prompt_ids(target.tokenizer, p.prompt) for p in dev]
+    max_len = _max_len(ids + dev_ids, drafts, cfg)
     t_run = make_runner(target.model, max_len)
     opened = {d.name: open_draft(d.spec, target, max_len, cfg.draft_quant, device) for d in drafts}
     chooser = next(d for d in drafts if d.chooses)
     eos = eos_ids(target)
-    choice, cost = _choose(chooser, opened[chooser.name], t_run, ids, cfg, eos, device)
+    choice, cost = _choose(chooser, opened[chooser.name], t_run, dev_ids, cfg, eos, device)
     policies = {d.name: (KPolicy(k=d.k, k_max=max(16, d.k)) if d.k else choice.policy) for d in drafts}
     val = validate_drafts(t_run, {n: o.runner for n, o in opened.items()}, ids, k=choice.k, policies=policies,
-                          max_new_tokens=cfg.max_new_tokens, eos_ids=eos, names=[p.id for p in prompts],
-                          device=device)
+                          max_new_tokens=cfg.max_new_tokens, eos_ids=eos, names=[p.id for p in timed],
+                          device=device, repeats=cfg.repeats)
+    roles = {"chosen_on": [p.id for p in dev], "timed_on": [p.id for p in timed],
+             "timed_split": test_source if test else "dev (no test prompts for this source: in-sample)"}
     result = ValidationResult(target_spec, drafts, val, policies, choice, {n: o.quant for n, o in opened.items()},
-                              cost, kind)
+                              cost, kind, roles)
     atomic_write_json(out, result.to_dict())
     if not result.greedy_equal:
         raise DraftsmithError("validate: speculative output differs from the target's greedy output "

@@ -50,6 +50,9 @@ class Recipe:
     pair: PairConfig
     prompts: str = "code,json,summarize,chat"  # built-in suite names, or a .jsonl/.csv/.parquet file or datasets folder
     limit_per_domain: int | None = None  # keep the first N prompts of each domain (held-out ones included)
+    test_prompts: str = ""  # the prompts speedups are reported on (never trained on, never used to choose): a
+    # file or suite names; "" = the built-in test split of `prompts` (none for a file: validate then times the
+    # held-out dev prompts and says so)
     device: str = "cpu"  # cpu | cuda: where models run (training: where accelerate puts it)
     data: DataConfig = field(default_factory=DataConfig)  # prompts and answers the target writes (n > 0)
     distill: DistillConfig = field(default_factory=DistillConfig)
@@ -192,6 +195,8 @@ def _check_models(recipe: Recipe) -> None:
     if is_model_spec(recipe.distill.draft):
         check_model_spec(recipe.distill.draft, "distill.draft")
     check_prompts(recipe.prompts, "prompts")
+    if recipe.test_prompts:
+        check_prompts(recipe.test_prompts, "test_prompts")
 
 
 def check_prompts(source: str, key: str) -> None:

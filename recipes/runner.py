@@ -73,6 +73,8 @@ def _diff(old: Any, new: Any, prefix: str = "") -> list[str]:
 def stage_settings(recipe: Recipe, stage: str, state: dict) -> dict:
     """What a stage's result depends on: if this changes, the stage's output is stale."""
     base = {"target": recipe.target, "prompts": recipe.prompts, "limit_per_domain": recipe.limit_per_domain}
+    if stage == "validate" and recipe.test_prompts:
+        base["test_prompts"] = recipe.test_prompts
     if stage == "pair":
         return {**base, "pair": asdict(recipe.pair)}
     if stage == "data":
@@ -118,7 +120,7 @@ def context(recipe: Recipe, run: RunFolder) -> RunContext:
                       head=recipe.head, export_cfg=recipe.export,
                       validate_prompts_per_domain=recipe.validate.prompts_per_domain,
                       folders={stage: run.path(stage) for stage in STAGE_DIRS}, has_data_stage=bool(recipe.data.n),
-                      wandb=recipe.distill.train.wandb, config=recipe.to_dict())
+                      wandb=recipe.distill.train.wandb, config=recipe.to_dict(), test_prompts=recipe.test_prompts)
 
 
 # --- stages -----------------------------------------------------------------------------------------
@@ -137,12 +139,15 @@ def stage_distill(recipe: Recipe, run: RunFolder) -> dict:
 
 
 def stage_validate(recipe: Recipe, run: RunFolder) -> dict:
-    kind = kind_for(recipe.distill.draft)
-    drafts, prompts = kind.validation(context(recipe, run))
-    result = validate(recipe.target, drafts, prompts, recipe.validate, out=run.path("validate") / "bench.json",
-                      kind=kind.name, device=recipe.device)
+    kind, ctx = kind_for(recipe.distill.draft), context(recipe, run)
+    test, source = ctx.test()
+    result = validate(recipe.target, kind.validation(ctx), ctx.held_out(), test, recipe.validate,
+                      out=run.path("validate") / "bench.json", kind=kind.name, test_source=source,
+                      device=recipe.device)
     return {"k": result.k, "policy": result.to_dict()["policies"],
-            "speedup_vs_target_only": result.validation.speedup_vs_target_only, "greedy_equal": True}
+            "speedup_vs_target_only": result.validation.speedup_vs_target_only,
+            "speedup_range": result.validation.speedup_range, "timed_split": result.roles["timed_split"],
+            "greedy_equal": True}
 
 
 def stage_export(recipe: Recipe, run: RunFolder) -> dict:

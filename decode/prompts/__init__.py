@@ -77,6 +77,21 @@ def load_prompts(source: str | Path, *, limit_per_domain: int | None = None) -> 
     return prompts if limit_per_domain is None else first_per_domain(prompts, limit_per_domain)
 
 
+def load_test_prompts(source: str | Path) -> list[Prompt]:
+    """The test split of `source`: prompts kept for reporting speedups, never trained on and never used to choose
+    anything (a checkpoint, K, a threshold, a recipe setting). Built-in suites each have one
+    (``decode/prompts/test/<suite>.jsonl``, 8 prompts a domain, none of them in the suite itself); for any
+    other source it is a file of its own (``test_prompts:`` in a recipe), so this returns [] there."""
+    if isinstance(source, Path):
+        return []
+    names = [part.strip() for part in source.split(",") if part.strip()]
+    if not names or not all(name in SUITES for name in names):
+        return []
+    return [p for name in dict.fromkeys(names) for p in _to_prompts(_read_jsonl(_HERE / "test" / f"{name}.jsonl"),
+                                                                     _HERE / "test" / f"{name}.jsonl",
+                                                                     default_domain=name)]
+
+
 def first_per_domain(prompts: list[Prompt], n: int) -> list[Prompt]:
     """The first `n` prompts of every domain, in their order."""
     seen: dict[str, int] = {}
@@ -211,4 +226,5 @@ def _first_line(error: BaseException) -> str:
     return lines[0] if lines else type(error).__name__
 
 
-__all__ = ["DEFAULT_DOMAIN", "SUITES", "Prompt", "chat_messages", "load_prompts", "load_suite", "suite_path"]
+__all__ = ["DEFAULT_DOMAIN", "SUITES", "Prompt", "chat_messages", "load_prompts", "load_suite", "load_test_prompts",
+           "suite_path"]

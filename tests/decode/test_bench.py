@@ -92,3 +92,32 @@ def test_validate_drafts_is_one_typed_result_that_round_trips(target_model) -> N
                                     ({"x": wrong}, [], "at least one prompt")):
         with pytest.raises(DraftsmithError, match=needle):
             validate_drafts(target, drafts, prompts, k=2, max_new_tokens=4, eos_ids=[EOS], desc=None)
+
+
+def test_repeats_rotate_who_goes_first_and_report_the_median_and_range(target_model, monkeypatch) -> None:
+    """Three repeats: within each, the decoder that runs first moves from prompt to prompt (and from repeat to
+    repeat), every repeat's tokens are checked, and the speedup is the median of the repeats' ratios."""
+    import statistics
+
+    import decode.bench as bench
+    from decode.bench import Validation, validate_drafts
+
+    order, real = [], bench.generate
+    monkeypatch.setattr(bench, "generate", lambda t, ids, **kw: order.append(kw.get("draft")) or real(t, ids, **kw))
+    target = make_runner(target_model, 64)
+    drafts = {"same": make_runner(target_model, 64), "other": make_runner(helpers.tiny_llama(1, V, eos_id=EOS), 64)}
+    val = validate_drafts(target, drafts, PROMPTS, k=2, max_new_tokens=N_NEW, eos_ids=[EOS], desc=None, repeats=3)
+    timed = order[3:]  # after the warm-up of the three decoders
+    assert len(timed) == 3 * len(PROMPTS) * 3
+    firsts = [timed[i * 3] for i in range(3 * len(PROMPTS))]  # the first decoder of every (repeat, prompt)
+    who = {None: "target_only", drafts["same"]: "same", drafts["other"]: "other"}
+    assert [who[f] for f in firsts] == ["target_only", "same", "other", "same", "other", "target_only",
+                                        "other", "target_only", "same"]
+    assert len(val.repeats) == 3 and val.greedy_equal == {"same": True, "other": True}
+    for name in drafts:
+        ratios = val.repeat_speedups(name)
+        assert ratios == [r[name].tokens_per_s / r["target_only"].tokens_per_s for r in val.repeats]
+        assert val.speedup(name) == statistics.median(ratios)
+        assert val.speedup_range[name] == [min(ratios), max(ratios)]
+    assert val.stats["same"].new_tokens == sum(r["same"].new_tokens for r in val.repeats)
+    assert Validation.from_dict(val.to_dict()) == val

@@ -285,3 +285,18 @@ def test_dataset_dict_without_train_split(tmp_path: Path) -> None:
 @pytest.mark.parametrize("limit", [0, -1])
 def test_bad_limit(limit: int) -> None:
     assert "limit_per_domain" in _error("code", limit_per_domain=limit)
+
+
+def test_built_in_suites_have_a_disjoint_test_split() -> None:
+    from decode.prompts import SUITES, load_prompts, load_test_prompts, load_suite
+
+    test = load_test_prompts(",".join(SUITES))
+    assert [p.domain for p in test] == [d for d in SUITES for _ in range(8)]
+    assert len({p.id for p in test}) == len(test)
+    for name in SUITES:
+        suite = load_suite(name)
+        assert not {p.id for p in suite} & {p.id for p in test}
+        assert not {p.prompt for p in suite} & {p.prompt for p in test}  # never trained on, never chosen on
+    assert load_test_prompts("code,chat") == [p for p in test if p.domain in ("code", "chat")]
+    assert load_test_prompts(Path("some.jsonl")) == [] and load_test_prompts("prompts.jsonl") == []
+    assert not {p.id for p in load_prompts(",".join(SUITES))} & {p.id for p in test}

@@ -80,6 +80,9 @@ def test_a_recipe_run_fills_the_run_folder(whole: Path) -> None:
     assert set(bench["tok_per_s"]) == {"target_only", "draft_before", "draft_after"}
     assert bench["greedy_equal"] == {"draft_before": True, "draft_after": True}
     assert bench["k_reason"].startswith("best predicted") and bench["predicted_speedup"] > 0  # K's prediction kept
+    # a prompt file without test_prompts has no test split: the held-out prompts are timed, and the result says so
+    assert bench["in_sample"] and bench["prompt_roles"]["timed_on"] == bench["prompt_roles"]["chosen_on"]
+    assert len(bench["repeats"]) == 3 and set(bench["speedup_range"]) == {"draft_before", "draft_after"}
     report = (whole / "report.md").read_text()
     for needle in ("Pairing leaderboard", "Distillation", "alpha before", "tok/s", "vs target alone", "Export"):
         assert needle in report, needle
@@ -221,8 +224,12 @@ def test_a_head_recipe_runs_every_stage(world: dict) -> None:
     times it beside the target alone and the pair stage's best standalone draft (greedy-equal), export writes
     the vLLM and SGLang folders; the report and the cross-run leaderboard show the head."""
     target = save_tiny(world["root"] / "target8", 0, 8)  # aux layers [2, 4, 5]
+    test = world["root"] / "test-prompts.jsonl"  # timed only: never trained on, never used to choose
+    test.write_text("".join(json.dumps({"id": f"t{i}", "prompt": p, "domain": d}) + "\n" for i, (d, p) in
+                            enumerate([("code", "sort the list of data"), ("chat", "print this code for a list")])))
     recipe = {
         "name": "tiny-head", "target": str(target), "prompts": str(world["root"] / "prompts.jsonl"),
+        "test_prompts": str(test),
         "pair": {"candidates": [f"derive:{target}:keep=2"], "prompts_per_domain": 2, "max_new_tokens": 8,
                  "draft_quant": None, "calibrate_prompts": 0},
         "distill": {"draft": "head", "eval_per_domain": 2},
@@ -244,6 +251,9 @@ def test_a_head_recipe_runs_every_stage(world: dict) -> None:
     assert set(bench["tok_per_s"]) == {"target_only", "draft_before", "draft_after"}
     assert bench["greedy_equal"] == {"draft_before": True, "draft_after": True}
     assert bench["draft"] == f"derive:{target}:keep=2" and "best predicted" in bench["k_reason"]
+    roles = bench["prompt_roles"]
+    assert bench["prompts"] == roles["timed_on"] == ["t0", "t1"] and not bench["in_sample"]
+    assert roles["chosen_on"] and not set(roles["chosen_on"]) & set(roles["timed_on"])
     board = json.loads((out / "pairing" / "leaderboard.json").read_text())
     standalone_k = board["candidates"][0]["best_k"]  # the standalone draft runs at the pair stage's best K
     assert bench.get("ks", {}).get("draft_before", bench["k"]) == standalone_k
