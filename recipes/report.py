@@ -23,7 +23,9 @@ from pairing.leaderboard import png_bytes, table_rows
 
 _STYLE = ("<style>body{font-family:sans-serif;margin:2em;max-width:70em}table{border-collapse:collapse}"
           "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}td:first-child{text-align:left}"
-          "pre{background:#f4f4f4;padding:.6em;white-space:pre-wrap}</style>")
+          "pre{background:#f4f4f4;padding:.6em;white-space:pre-wrap}"
+          ".verdict{border:2px solid #2a7;background:#effaf3;padding:.6em 1em;font-size:1.1em;margin:1em 0}"
+          ".verdict.no{border-color:#c33;background:#fdf0f0}.table{overflow-x:auto}img{max-width:100%}</style>")
 
 
 def fmt(v: Any, nd: int = 3) -> str:
@@ -45,6 +47,10 @@ class Doc:
     def h(self, text: str) -> None:
         self.blocks.append(("h", text))
 
+    def verdict(self, text: str, pays: bool) -> None:
+        """The run's answer in one paragraph, above everything else."""
+        self.blocks.append(("verdict", text, pays))
+
     def p(self, text: str) -> None:
         self.blocks.append(("p", text))
 
@@ -65,6 +71,8 @@ class Doc:
                 out += [f"## {b[1]}", ""]
             elif b[0] == "p":
                 out += [b[1], ""]
+            elif b[0] == "verdict":
+                out += [f"**Verdict: {b[1]}**", ""]
             elif b[0] == "code":
                 out += ["```", b[1], "```", ""]
             elif b[0] == "table":
@@ -83,12 +91,14 @@ class Doc:
                 out.append(f"<h2>{e(b[1])}</h2>")
             elif b[0] == "p":
                 out.append(f"<p>{e(b[1])}</p>")
+            elif b[0] == "verdict":
+                out.append(f'<div class="verdict{"" if b[2] else " no"}"><b>Verdict:</b> {e(b[1])}</div>')
             elif b[0] == "code":
                 out.append(f"<pre>{e(b[1])}</pre>")
             elif b[0] == "table":
                 head = "".join(f"<th>{e(h)}</th>" for h in b[1])
                 rows = "".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in r) + "</tr>" for r in b[2])
-                out.append(f"<table><tr>{head}</tr>{rows}</table>")
+                out.append(f'<div class="table"><table><tr>{head}</tr>{rows}</table></div>')
             else:
                 data = base64.b64encode(self.images[b[1]]).decode()
                 out.append(f'<figure><img alt="{e(b[1])}" src="data:image/png;base64,{data}"></figure>')
@@ -266,15 +276,63 @@ def _distill(doc: Doc, run: Path) -> None:
 _DECODERS = {"target_only": "target alone", "draft_before": "un-distilled draft", "draft_after": "distilled draft"}
 
 
+def _policy_words(b: dict, name: str) -> str:
+    """How draft `name` ran: its K, and where its rounds stop early or branch (bench.json's policies)."""
+    p = (b.get("policies") or {}).get(name) or {"k": (b.get("ks") or {}).get(name, b.get("k"))}
+    words = f"K = {p['k']}"
+    if p.get("siblings"):
+        words += (f", its {p['siblings']} most probable first tokens side by side below probability "
+                  f"{p['confidence']}" + (" (each with its next token)" if p.get("sibling_depth") == 2 else ""))
+    elif p.get("confidence"):
+        words += f", rounds stopping below probability {p['confidence']}"
+    return words
+
+
+def verdict(run: Path) -> tuple[str, bool] | None:
+    """(which draft to serve, where, at which K, and its measured speedup with range; or, in plain words, that
+    none pays; whether one pays), from validate/bench.json and export/export.json; None before validate."""
+    b = read_json(run / "validate" / "bench.json", missing_ok=True, what="bench result")
+    if not b or not b.get("speedup_vs_target_only"):
+        return None
+    labels = {**_DECODERS, **(b.get("labels") or {})}
+    speed, rng = b["speedup_vs_target_only"], b.get("speedup_range") or {}
+    best = max(speed, key=lambda n: speed[n])
+    lo, hi = rng.get(best, [speed[best], speed[best]])
+    where = (f"median of {len(b.get('repeats') or [0])} repeats, range {lo:.2f}x-{hi:.2f}x, on "
+             f"{len(b['prompts'])} " + ("held-out dev prompts it was chosen on (in-sample)" if b.get("in_sample")
+                                        else "test prompts never used to train or choose") + ", greedy-equal")
+    if speed[best] < 1.0:
+        return (f"no draft beats the target alone here: best {speed[best]:.2f}x ({labels.get(best, best)}; {where})"
+                " — don't serve one.", False)
+    text = (f"serve the {labels.get(best, best)} with draftsmith's decoder at {_policy_words(b, best)}: "
+            f"{speed[best]:.2f}x the target alone ({where}).")
+    e = read_json(run / "export" / "export.json", missing_ok=True, what="export result") or {}
+    engines = [lc for lc in (((e.get("llama_cpp") or {}).get("runs") or {}).values() if _head_export(e)
+               else (e.get("llama_cpp") or {}).values()) if lc and lc.get("speedup_vs_target_only")]
+    if engines:
+        top = max(engines, key=lambda lc: lc["speedup_vs_target_only"])
+        x = top["speedup_vs_target_only"]
+        text += (f" In llama.cpp (llama-server) it measured {x:.2f}x at K = {top.get('draft_max')}"
+                 + (": don't use it there on this machine." if x < 1 else "."))
+    if e.get("serving"):
+        text += " vLLM / SGLang lines are in the export section (not measured here)."
+    return text, True
+
+
 def _validation(doc: Doc, run: Path) -> None:
     b = read_json(run / "validate" / "bench.json", missing_ok=True, what="bench result")
-    if not b:
+    if not b or "stats" not in b:  # no result, or only its summary (the verdict reads that)
         return
     val = Validation.from_dict(b)  # the typed result of decode.bench.validate_drafts; the rest is the stage's context
     doc.h("Validation: tokens/s of our decoder")
     labels = {**_DECODERS, **(b.get("labels") or {})}
-    doc.p(f"{len(val.prompts)} held-out prompts x {val.max_new_tokens} new tokens, greedy, all decoders interleaved "
-          f"in one run on {b['machine']['cpu']} ({b['machine']['cpu_count']} cores). K = {val.k} ({b['k_reason']})"
+    split = ("held-out prompts" if "prompt_roles" not in b else
+             "held-out dev prompts (in-sample: no test split)" if b.get("in_sample") else "test prompts")
+    doc.p(f"{len(val.prompts)} {split} x {val.max_new_tokens} new tokens, greedy, all decoders interleaved "
+          f"in one run" + (f" of {len(val.repeats)} repeats (the decoder going first rotating; speedups are their "
+                            f"median, with the range)" if len(val.repeats) > 1 else "")
+          + f" on {b['machine']['cpu']} ({b['machine']['cpu_count']} cores). "
+          f"K = {val.k} ({b['k_reason']})"
           + "".join(f", {labels.get(n, n)} at K = {K}" for n, K in val.ks.items())
           + "; "
           f"draft weights {b['draft_quant'] or 'float32'}"
@@ -292,11 +350,13 @@ def _validation(doc: Doc, run: Path) -> None:
                      + (", each with its next token" if b.get("sibling_depth") == 2 else ""))
             elif name == "draft_after" and b.get("confidence"):  # the head's rounds stop early below this
                 K = f"{K}, stops below p {b['confidence']}"
-            rows.append([label, "-" if name == "target_only" else K, tps[name],
-                         "1.00x" if name == "target_only" else f"{val.speedup(name):.2f}x",
+            lo, hi = val.speedup_range.get(name, [None, None])
+            ratio = "1.00x" if name == "target_only" else f"{val.speedup(name):.2f}x" + (
+                f" ({lo:.2f}-{hi:.2f})" if len(val.repeats) > 1 else "")
+            rows.append([label, "-" if name == "target_only" else K, tps[name], ratio,
                          st.mean_tau, st.acceptance_rate,
                          "-" if name == "target_only" else fmt(val.greedy_equal[name])])
-    doc.table(["decoder", "K", "tok/s", "vs target alone", "mean tau", "accepted/drafted", "greedy equal"], rows)
+    doc.table(["decoder", "K", "tok/s", "vs target alone (range)", "mean tau", "accepted/drafted", "greedy equal"], rows)
     if "draft_after" in val.stats and "draft_before" in val.stats:
         what = "Head vs standalone draft" if b.get("kind") == "head" else "Distilled vs un-distilled draft"
         doc.p(f"{what}: {tps['draft_after'] / tps['draft_before']:.2f}x tokens/s.")
@@ -327,7 +387,7 @@ def _export(doc: Doc, run: Path) -> None:
             doc.table(["K", "accepted/drafted", "tok/s", "vs target alone", "greedy text equal"],
                       [[k, f"{r['accepted']}/{r['drafted']}", r["tokens_per_s"], f"{r['speedup_vs_target_only']:.2f}x",
                         f"{r['greedy_equal']['equal']}/{r['greedy_equal']['prompts']}"] for k, r in lc["runs"].items()])
-        doc.p(f"Serving lines, K = {e.get('k')}:")
+        doc.p(f"Serving lines, K = {e.get('k')}:" + _slow_note(run, "draft_after"))
         for name, line in (e.get("serving") or {}).items():
             doc.code(f"# {name}\n{line}")
         return
@@ -345,11 +405,19 @@ def _export(doc: Doc, run: Path) -> None:
     for t, lc in (e.get("llama_cpp") or {}).items():
         doc.p(f"llama.cpp (llama-server, {t} draft, K = {lc.get('draft_max')}): "
               f"{llama_cpp_result(lc, e.get('llama_cpp_target_only'))}.")
-    doc.p(f"Serving lines, K = {e.get('best_k')} ({e.get('best_k_source')}):")
+    doc.p(f"Serving lines, K = {e.get('best_k')} ({e.get('best_k_source')}):" + _slow_note(run, "draft_after"))
     for name, line in (e.get("serving") or {}).items():
         doc.code(f"# {name}\n{line}")
     for w in e.get("warnings") or []:
         doc.p(f"Warning: {w}")
+
+
+def _slow_note(run: Path, name: str) -> str:
+    """A warning beside serving lines for a draft measured slower than the target alone."""
+    b = read_json(run / "validate" / "bench.json", missing_ok=True, what="bench result") or {}
+    x = (b.get("speedup_vs_target_only") or {}).get(name)
+    return (f" this draft measured {x:.2f}x the target alone in validation: serving it would slow decoding down."
+            if x is not None and x < 1 else "")
 
 
 def _head_export(e: dict) -> bool:
@@ -400,6 +468,9 @@ def write_report(run: Path) -> Path:
     name = run.name
     doc = Doc(f"draftsmith run: {name}")
     state = (read_json(run / "state.json", missing_ok=True, what="run state") or {}).get("stages", {})
+    said = verdict(run)
+    if said:
+        doc.verdict(*said)
     _stages(doc, state)
     _pairing(doc, run)
     _data(doc, run)

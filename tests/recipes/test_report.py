@@ -114,3 +114,41 @@ def test_a_head_paragraph_names_the_rows_the_target_wrote_and_the_bfloat16_parts
     assert _dtypes({"gen_dtype": "bfloat16", "train_dtype": "bfloat16"}) == (
         " (data written and training's matmuls in bfloat16)")
     assert _dtypes({}) == ""
+
+
+def _bench(before: float, after: float, **extra) -> dict:
+    return {"k": 2, "speedup_vs_target_only": {"draft_before": before, "draft_after": after},
+            "speedup_range": {"draft_before": [before - 0.02, before + 0.01], "draft_after": [after - 0.03, after + 0.02]},
+            "repeats": [{}, {}, {}], "prompts": ["a", "b", "c", "d"], "in_sample": False,
+            "policies": {"draft_before": {"k": 2}, "draft_after": {"k": 2, "confidence": 0.6, "siblings": 3}},
+            **extra}
+
+
+def test_the_report_opens_with_a_verdict_that_says_when_nothing_pays(tmp_path: Path) -> None:
+    run = write_run_folder(tmp_path / "slow", candidates={"d1": 0.4}, distilled=("d1", 0.4, 0.5),
+                           bench=_bench(0.85, 0.97),
+                           export={"best_k": 2, "best_k_source": "chosen", "serving": {"vLLM": "vllm serve T"}})
+    md = write_report(run).read_text()
+    first = md.split("\n## ")[0]  # above every section and table
+    assert ("**Verdict: no draft beats the target alone here: best 0.97x (distilled draft; median of 3 repeats, "
+            "range 0.94x-0.99x, on 4 test prompts never used to train or choose, greedy-equal) — don't serve one.**"
+            in first)
+    assert md.index("**Verdict:") < md.index("|")  # above the first table
+    assert "measured 0.97x the target alone in validation: serving it would slow decoding down" in md
+    page = (run / "report.html").read_text()
+    assert page.index('class="verdict no"') < page.index("<table")
+
+
+def test_a_paying_draft_gets_where_and_how_to_serve_it(tmp_path: Path) -> None:
+    lc = {"speedup_vs_target_only": 0.6, "draft_max": 2, "accepted": 5, "drafted": 9, "prompts": 2}
+    run = write_run_folder(tmp_path / "fast", candidates={"d1": 0.4}, distilled=("d1", 0.4, 0.5),
+                           bench=_bench(1.1, 1.34),
+                           export={"best_k": 2, "best_k_source": "chosen", "serving": {"vLLM": "vllm serve T"},
+                                   "llama_cpp": {"q8_0": lc}})
+    md = write_report(run).read_text()
+    first = md.split("\n## ")[0]
+    assert ("Verdict: serve the distilled draft with draftsmith's decoder at K = 2, its 3 most probable first tokens "
+            "side by side below probability 0.6: 1.34x the target alone (median of 3 repeats, range 1.31x-1.36x"
+            in first)
+    assert "In llama.cpp (llama-server) it measured 0.60x at K = 2: don't use it there on this machine." in first
+    assert "serving it would slow" not in md
