@@ -10,7 +10,7 @@ without a proposer): left-padded, one Hugging Face forward per token for the who
 dropped. `TargetVocab` fits a model's logits to another model's vocabulary (`decode.sampling.fit_vocab`: cut,
 or padded with -inf), so a draft never samples a token its target cannot score.
 
-Llama-family models (`decode.model.lean_supported`) decode through `BatchLM`, LeanLM's block for B rows at
+Llama-family models (`decode.lean.lean_supported`) decode through `BatchLM`, LeanLM's block for B rows at
 once: one preallocated (B, Hkv, S, D) KV cache per layer, a key mask for the left pads, rows compacted out of
 the batch only when a quarter of it has finished (a copy of the cache each time). It can also keep, for every
 token it feeds, what a draft head trains on (`decode_batch(..., capture=aux_layers)`): the residual stream
@@ -26,7 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from decode.model import Runner, _linear, _rms_norm, _rotate_half, grouped_attention, lean_parts, lean_supported
+from decode.attention import grouped_attention, rms_norm, rotate_half
+from decode.kernels import linear
+from decode.lean import lean_parts, lean_supported
+from decode.runner import Runner
 from decode.sampling import SamplingParams, fit_vocab, greedy_token, sample, to_probs
 
 
@@ -113,25 +116,25 @@ class BatchLM(nn.Module):
             if i in self.capture:
                 seen[i] = x
             H, Hkv, D = layer.n_heads, layer.n_kv, layer.head_dim
-            h = _rms_norm(x, layer.norm_in, layer.eps)
-            q = _linear(h, layer.q).view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
-            k = _linear(h, layer.k).view(B, T, Hkv, D).transpose(1, 2)
-            v = _linear(h, layer.v).view(B, T, Hkv, D).transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
-            self.k[i, :, :, start:end] = k * cos + _rotate_half(k) * sin
+            h = rms_norm(x, layer.norm_in, layer.eps)
+            q = linear(h, layer.q).view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
+            k = linear(h, layer.k).view(B, T, Hkv, D).transpose(1, 2)
+            v = linear(h, layer.v).view(B, T, Hkv, D).transpose(1, 2)
+            q = q * cos + rotate_half(q) * sin
+            self.k[i, :, :, start:end] = k * cos + rotate_half(k) * sin
             self.v[i, :, :, start:end] = v
             o = _attend(q, self.k[i], self.v[i], end, mask)
-            x = x + _linear(o.transpose(1, 2).reshape(B, T, H * D), layer.o)
-            h = _rms_norm(x, layer.norm_post, layer.eps)
-            x = x + _linear(F.silu(_linear(h, layer.gate)) * _linear(h, layer.up), layer.down)
-        h = _rms_norm(x, self.norm, self.eps)
+            x = x + linear(o.transpose(1, 2).reshape(B, T, H * D), layer.o)
+            h = rms_norm(x, layer.norm_post, layer.eps)
+            x = x + linear(F.silu(linear(h, layer.gate)) * linear(h, layer.up), layer.down)
+        h = rms_norm(x, self.norm, self.eps)
         if self.capture:
             self.features[:, start:end] = torch.cat([seen[i] for i in self.capture], dim=-1).half()
             self.final[:, start:end] = h.half()
         return h
 
     def logits(self, h: Tensor) -> Tensor:
-        logits = _linear(h, self.lm_head)
+        logits = linear(h, self.lm_head)
         return logits if logits.dtype == torch.float64 else logits.float()
 
 

@@ -21,12 +21,15 @@ import torch
 from tqdm import tqdm
 
 from decode.errors import DraftsmithError
-from decode.loading import Loaded
 from decode.io import atomic_write_json
+from decode.loading import Loaded, eos_ids
+from decode.machine import machine_info, versions
+from decode.pair import Pair, load_pair
 from decode.prompts import Prompt, load_prompts
-from decode.model import Runner, draft_quant as effective_quant
+from decode.quant import draft_quant as effective_quant
+from decode.runner import Runner
 from decode.speculative import KPolicy, Stats, generate
-from decode.textgen import Pair, eos_ids, load_pair, machine_info, prompt_ids, versions
+from decode.textgen import prompt_ids
 
 DEFAULT_PROMPTS = "code"
 DEFAULT_N_PROMPTS = 4

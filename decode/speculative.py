@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from decode.model import Runner
+from decode.runner import Runner
 from decode.sampling import (
     SamplingParams, fit_vocab, greedy_token, sample, to_probs, verify, verify_candidates, verify_candidates_greedy,
     verify_greedy,

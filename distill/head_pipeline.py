@@ -26,10 +26,12 @@ from decode.bench import validate_drafts
 from decode.errors import DraftsmithError
 from decode.head import HeadDraft, head_quant, load_head
 from decode.io import atomic_write_json, read_json
-from decode.loading import load
-from decode.model import draft_quant, make_runner
+from decode.loading import eos_ids, load
+from decode.machine import machine_info, versions
 from decode.prompts import Prompt, load_prompts
-from decode.textgen import eos_ids, machine_info, prompt_ids, versions
+from decode.quant import draft_quant
+from decode.runner import make_runner
+from decode.textgen import prompt_ids
 from distill.head_data import HeadDataConfig, build_head_data, load_head_data
 from distill.head_train import HeadTrainConfig, depth_records, train_head
 from pairing.cost import COST_CONTEXT, calibrate_decoder, measure_cost

@@ -18,11 +18,13 @@ import torch
 from decode.bench import validate_drafts
 from decode.errors import DraftsmithError
 from decode.io import atomic_write_json
-from decode.loading import load
-from decode.model import draft_quant, make_runner
+from decode.loading import eos_ids, load
+from decode.machine import machine_info, versions
 from decode.prompts import Prompt, first_per_domain
+from decode.quant import draft_quant
+from decode.runner import make_runner
 from decode.speculative import check_siblings
-from decode.textgen import eos_ids, machine_info, prompt_ids, versions
+from decode.textgen import prompt_ids
 from pairing.cost import COST_CONTEXT, best_k, measure_cost, speedup_curve
 from pairing.derive import resolve_candidate
 

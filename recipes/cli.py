@@ -81,7 +81,8 @@ def _policy(args: argparse.Namespace):
 
 
 def cmd_decode(args: argparse.Namespace) -> int:
-    from decode.textgen import decode_text, load_pair
+    from decode.pair import load_pair
+    from decode.textgen import decode_text
 
     sampling, policy = _sampling(args), _policy(args)
     quant = None if args.draft_quant == "none" else args.draft_quant

@@ -23,10 +23,11 @@ from decode.batch import GEN_DTYPES
 from decode.bench import validate_drafts
 from decode.head import HeadDraft, load_head
 from decode.io import atomic_write_json
-from decode.loading import load
-from decode.model import make_runner
+from decode.loading import eos_ids, load
+from decode.machine import machine_info, versions
 from decode.prompts import load_prompts
-from decode.textgen import eos_ids, machine_info, prompt_ids, versions
+from decode.runner import make_runner
+from decode.textgen import prompt_ids
 from distill.head_data import HeadDataConfig, build_head_data, load_head_data
 from distill.head_pipeline import aux_layers_for
 from distill.head_train import HeadTrainConfig, prompt_key, train_head

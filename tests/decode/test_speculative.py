@@ -5,7 +5,8 @@ import itertools
 import pytest
 import torch
 
-from decode.model import LeanLM, make_runner
+from decode.lean import LeanLM
+from decode.runner import make_runner
 from decode.sampling import SamplingParams
 from decode.speculative import KPolicy, Stats, generate
 from tests import helpers

@@ -11,8 +11,9 @@ import torch
 from decode.head import HeadDraft, load_head
 from decode.loading import Loaded
 from distill.head_data import HeadDataConfig, build_head_data, load_head_data, target_features
+from decode.attention import grouped_attention
 from decode.head import ttt_logits, ttt_mask
-from decode.model import dense, grouped_attention
+from decode.kernels import dense
 from distill.head_train import HeadTrainConfig, soft_cross_entropy, train_head
 from tests import helpers
 from tests.decode.test_head import random_head, target_hf
@@ -295,7 +296,7 @@ def test_walking_depth_records_gives_the_decoders_own_rounds(K, threshold, sibli
     """At temperature 0 the walk over the head's teacher-forced records is the decoder's count: the same number
     of tokens, the same drafts and draft steps in every round (stopping early, sibling rounds and their children
     included), the same tau."""
-    from decode.model import make_runner
+    from decode.runner import make_runner
     from decode.speculative import KPolicy, RoundClock, generate
     from distill.head_train import depth_records
     from pairing.depth import round_walk

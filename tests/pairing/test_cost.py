@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from decode.model import make_runner
+from decode.runner import make_runner
 from pairing.cost import CostModel, best_k, expected_tau, measure_cost, predicted_speedup, speedup_curve
 from tests import helpers
 
