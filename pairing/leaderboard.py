@@ -106,6 +106,8 @@ def load_head_candidate(spec: str, target: Loaded) -> Eagle3Head:
                               "e.g. RUN/head/best)")
     try:
         head = load_head(path, target.model.get_input_embeddings())
+    except DraftsmithError:  # an unreadable config.json says so itself (a ValueError too, not a misfit)
+        raise
     except (ValueError, KeyError, TypeError, RuntimeError) as e:
         raise DraftsmithError(f"{spec}: this head does not fit {target.name}: {str(e).splitlines()[0]}") from None
     n_layers = target.model.config.num_hidden_layers
