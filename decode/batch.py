@@ -10,7 +10,7 @@ without a proposer): left-padded, one Hugging Face forward per token for the who
 dropped. `TargetVocab` fits a model's logits to another model's vocabulary (`decode.sampling.fit_vocab`: cut,
 or padded with -inf), so a draft never samples a token its target cannot score.
 
-Llama-family models (`decode.model.lean_supported`) decode through `BatchLM`, LeanLM's block for B rows at
+Llama-family models (`decode.lean.lean_supported`) decode through `BatchLM`, LeanLM's block for B rows at
 once: one preallocated (B, Hkv, S, D) KV cache per layer, a key mask for the left pads, rows compacted out of
 the batch only when a quarter of it has finished (a copy of the cache each time). It can also keep, for every
 token it feeds, what a draft head trains on (`decode_batch(..., capture=aux_layers)`): the residual stream
@@ -26,7 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from decode.model import Runner, _linear, _rms_norm, _rotate_half, grouped_attention, lean_parts, lean_supported
+from decode.attention import grouped_attention, rms_norm, rotate_half
+from decode.kernels import linear
+from decode.lean import lean_parts, lean_supported
+from decode.runner import Runner
 from decode.sampling import SamplingParams, fit_vocab, greedy_token, sample, to_probs
 
 
@@ -113,25 +116,25 @@ class BatchLM(nn.Module):
             if i in self.capture:
                 seen[i] = x
             H, Hkv, D = layer.n_heads, layer.n_kv, layer.head_dim
-            h = _rms_norm(x, layer.norm_in, layer.eps)
-            q = _linear(h, layer.q).view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
-            k = _linear(h, layer.k).view(B, T, Hkv, D).transpose(1, 2)
-            v = _linear(h, layer.v).view(B, T, Hkv, D).transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
-            self.k[i, :, :, start:end] = k * cos + _rotate_half(k) * sin
+            h = rms_norm(x, layer.norm_in, layer.eps)
+            q = linear(h, layer.q).view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
+            k = linear(h, layer.k).view(B, T, Hkv, D).transpose(1, 2)
+            v = linear(h, layer.v).view(B, T, Hkv, D).transpose(1, 2)
+            q = q * cos + rotate_half(q) * sin
+            self.k[i, :, :, start:end] = k * cos + rotate_half(k) * sin
             self.v[i, :, :, start:end] = v
             o = _attend(q, self.k[i], self.v[i], end, mask)
-            x = x + _linear(o.transpose(1, 2).reshape(B, T, H * D), layer.o)
-            h = _rms_norm(x, layer.norm_post, layer.eps)
-            x = x + _linear(F.silu(_linear(h, layer.gate)) * _linear(h, layer.up), layer.down)
-        h = _rms_norm(x, self.norm, self.eps)
+            x = x + linear(o.transpose(1, 2).reshape(B, T, H * D), layer.o)
+            h = rms_norm(x, layer.norm_post, layer.eps)
+            x = x + linear(F.silu(linear(h, layer.gate)) * linear(h, layer.up), layer.down)
+        h = rms_norm(x, self.norm, self.eps)
         if self.capture:
             self.features[:, start:end] = torch.cat([seen[i] for i in self.capture], dim=-1).half()
             self.final[:, start:end] = h.half()
         return h
 
     def logits(self, h: Tensor) -> Tensor:
-        logits = _linear(h, self.lm_head)
+        logits = linear(h, self.lm_head)
         return logits if logits.dtype == torch.float64 else logits.float()
 
 
@@ -166,6 +169,128 @@ def _pick(logits: Tensor, sampling: SamplingParams, generator) -> int:
     return int(sample(to_probs(logits, sampling), generator))
 
 
+class _BatchDecode:
+    """One `decode_batch` call as it goes: the BatchLM over the rows still in the batch (batch row j holds prompt
+    rows[j]) with their key layout, and per prompt what it has given so far (tokens, captured data, top-k)."""
+
+    def __init__(self, model, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingParams,
+                 eos_ids, generators: list, vocab_size: int | None, capture: tuple[int, ...], topk: int) -> None:
+        self.model, self.prompts, self.max_new_tokens, self.sampling = model, prompts, max_new_tokens, sampling
+        self.generators, self.vocab_size, self.capture, self.topk = generators, vocab_size, capture, topk
+        self.stop = set(eos_ids)
+        self.device = next(model.parameters()).device
+        B = len(prompts)
+        self.P = max(len(p) for p in prompts)
+        self.out = BatchOutput([[] for _ in range(B)])
+        if capture:
+            self.out.features, self.out.final, self.out.next = [None] * B, [None] * B, [None] * B
+        self.nxt_new: list[list[int]] = [[] for _ in range(B)]  # with capture: the greedy token after each new one
+        self.kept_v: list[list[Tensor]] = [[] for _ in range(B)]
+        self.kept_i: list[list[Tensor]] = [[] for _ in range(B)]
+        self.rows = list(range(B))  # batch row j holds prompt rows[j]
+        self.alive = [True] * B  # prompt b still samples
+        self.fed = [False] * B  # prompt b's data is taken (captured rows leave one feed after their last token)
+        self.col = self.P  # the cache column the next token goes to
+
+    def prefill(self) -> Tensor:
+        """Every distinct prompt read once, left-padded to P (samples of one prompt share its prefill, whose cache
+        is then copied) -> the logits (B, V) each row's first new token comes from."""
+        prompts, P, device = self.prompts, self.P, self.device
+        B, S = len(prompts), P + self.max_new_tokens
+        distinct: dict[tuple[int, ...], int] = {}
+        src = torch.tensor([distinct.setdefault(tuple(p), len(distinct)) for p in prompts], device=device)  # (B,)
+        firsts = [list(p) for p in distinct]
+        U = len(firsts)
+        self.lm = lm = BatchLM(self.model, U, S, self.capture)
+        pad_u = torch.tensor([P - len(p) for p in firsts], device=device)  # (U,): left padding to P
+        cols = torch.arange(S, device=device)
+        valid_u = cols[None, :] >= pad_u[:, None]  # (U, S): a row's keys start at its first real token
+        positions_u = (cols[None, :] - pad_u[:, None]).clamp(min=0)  # (U, S)
+        ids = torch.zeros(U, P, dtype=torch.long)
+        for u, p in enumerate(firsts):
+            ids[u, P - len(p):] = torch.tensor(p)
+        eye = torch.eye(P, dtype=torch.bool, device=device)
+        causal = torch.ones(P, P, dtype=torch.bool, device=device).tril()
+        mask = (valid_u[:, None, None, :P] & causal) | eye  # pads see themselves
+        h = lm(ids.to(device), 0, positions_u[:, :P], mask)
+        logits = lm.logits(h[:, -1])[src]  # (B, V)
+        self.nxt_prompt = [None] * B
+        if self.capture:  # the greedy next token at every prompt position, a distinct prompt at a time (U x P x V)
+            per_prompt = [lm.logits(h[u, pad_u[u]:]).argmax(-1).int().cpu() for u in range(U)]
+            self.nxt_prompt = [per_prompt[int(u)] for u in src]
+        if U < B:
+            lm.select(src)
+        self.pad, self.valid, self.positions = pad_u[src], valid_u[src], positions_u[src]
+        return logits
+
+    def sample(self, logits: Tensor) -> list[int]:
+        """Each live row's next token from its logits (B', V); a finished row's data is taken once its last
+        token was fed. -> the token each batch row feeds next (a finished row rides along with its last one)."""
+        out = self.out
+        if self.vocab_size is not None:
+            logits = fit_vocab(logits, self.vocab_size)
+        feed = []
+        if self.capture:
+            greedy_next = logits.argmax(-1).tolist()
+        if self.topk:
+            top = torch.log_softmax(logits.float(), dim=-1).topk(min(self.topk, logits.shape[-1]), dim=-1)
+            top_v, top_i = top.values.cpu(), top.indices.to(torch.int32).cpu()
+        for j, b in enumerate(self.rows):
+            if self.capture and not self.fed[b] and len(out.tokens[b]) > 0:
+                self.nxt_new[b].append(greedy_next[j])
+            if self.alive[b]:
+                if self.topk:
+                    self.kept_v[b].append(top_v[j])
+                    self.kept_i[b].append(top_i[j])
+                tok = _pick(logits[j], self.sampling, self.generators[b])
+                out.tokens[b].append(tok)
+                self.alive[b] = tok not in self.stop and len(out.tokens[b]) < self.max_new_tokens
+                feed.append(tok)
+            else:
+                if self.capture and not self.fed[b]:  # its final token was fed last step: its data is complete
+                    self._take_capture(j, b)
+                feed.append(out.tokens[b][-1])  # a finished row rides along until the batch is compacted
+        return feed
+
+    def _take_capture(self, j: int, b: int) -> None:
+        """Prompt b's captured data (batch row j) over its prompt and new tokens."""
+        n = len(self.prompts[b]) + len(self.out.tokens[b])
+        j0 = int(self.pad[j])
+        self.out.features[b] = self.lm.features[j, j0 : j0 + n].cpu()
+        self.out.final[b] = self.lm.final[j, j0 : j0 + n].cpu()
+        self.out.next[b] = torch.cat([self.nxt_prompt[b], torch.tensor(self.nxt_new[b], dtype=torch.int32)])
+        self.fed[b] = True
+
+    def waiting(self) -> list[bool]:
+        """Which batch rows need another step: to sample, or (with capture) to have their last token fed."""
+        return [not self.fed[b] for b in self.rows] if self.capture else [self.alive[b] for b in self.rows]
+
+    def compact(self, waiting: list[bool], feed: list[int]) -> list[int]:
+        """The finished rows leave the batch and the cache (a copy of it) -> the waiting rows' feed."""
+        keep = [j for j, w in enumerate(waiting) if w]
+        sel = torch.tensor(keep, device=self.device)
+        self.lm.select(sel)
+        self.rows = [self.rows[j] for j in keep]
+        self.valid, self.positions = self.valid[sel], self.positions[sel]
+        self.pad = self.pad[sel]
+        return [feed[j] for j in keep]
+
+    def step(self, feed: list[int]) -> Tensor:
+        """One token per batch row at the next cache column -> the logits of the next (B', V)."""
+        col = self.col
+        tokens = torch.tensor(feed, device=self.device)[:, None]
+        mask = self.valid[:, None, None, : col + 1]
+        h = self.lm(tokens, col, self.positions[:, col : col + 1], mask)
+        self.col += 1
+        return self.lm.logits(h[:, -1])
+
+    def output(self) -> BatchOutput:
+        if self.topk:
+            self.out.topk_values = [torch.stack(v) for v in self.kept_v]
+            self.out.topk_indices = [torch.stack(i) for i in self.kept_i]
+        return self.out
+
+
 @torch.inference_mode()
 def decode_batch(
     model,
@@ -185,93 +310,17 @@ def decode_batch(
     keeps, for every new token, the k largest log-probabilities (temperature 1) of the logits it was drawn
     from: the teacher's top-k cache of distillation, with no second pass."""
     generators = _check_call(prompts, max_new_tokens, sampling, generators)
-    B, P = len(prompts), max(len(p) for p in prompts)
-    S = P + max_new_tokens
-    device = next(model.parameters()).device
-    # samples of one prompt share its prefill: the distinct prompts are read once, then their cache is copied
-    distinct: dict[tuple[int, ...], int] = {}
-    src = torch.tensor([distinct.setdefault(tuple(p), len(distinct)) for p in prompts], device=device)  # (B,)
-    firsts = [list(p) for p in distinct]
-    U = len(firsts)
-    lm = BatchLM(model, U, S, capture)
-    pad_u = torch.tensor([P - len(p) for p in firsts], device=device)  # (U,): left padding to P
-    cols = torch.arange(S, device=device)
-    valid_u = cols[None, :] >= pad_u[:, None]  # (U, S): a row's keys start at its first real token
-    positions_u = (cols[None, :] - pad_u[:, None]).clamp(min=0)  # (U, S)
-    ids = torch.zeros(U, P, dtype=torch.long)
-    for u, p in enumerate(firsts):
-        ids[u, P - len(p):] = torch.tensor(p)
-    eye = torch.eye(P, dtype=torch.bool, device=device)
-    causal = torch.ones(P, P, dtype=torch.bool, device=device).tril()
-    mask = (valid_u[:, None, None, :P] & causal) | eye  # pads see themselves
-    h = lm(ids.to(device), 0, positions_u[:, :P], mask)
-    logits = lm.logits(h[:, -1])[src]  # (B, V)
-    nxt_prompt = [None] * B
-    if capture:  # the greedy next token at every prompt position, a distinct prompt at a time (U x P x V is large)
-        per_prompt = [lm.logits(h[u, pad_u[u]:]).argmax(-1).int().cpu() for u in range(U)]
-        nxt_prompt = [per_prompt[int(u)] for u in src]
-    if U < B:
-        lm.select(src)
-    pad, valid, positions = pad_u[src], valid_u[src], positions_u[src]
-    out = BatchOutput([[] for _ in range(B)])
-    if capture:
-        out.features, out.final, out.next = [None] * B, [None] * B, [None] * B
-        nxt_new: list[list[int]] = [[] for _ in range(B)]
-    stop = set(eos_ids)
-    kept_v: list[list[Tensor]] = [[] for _ in range(B)]
-    kept_i: list[list[Tensor]] = [[] for _ in range(B)]
-    rows = list(range(B))  # batch row j holds prompt rows[j]
-    alive = [True] * B  # prompt b still samples
-    fed = [False] * B  # prompt b's data is taken (captured rows leave one feed after their last token)
-    col = P
+    run = _BatchDecode(model, prompts, max_new_tokens, sampling, eos_ids, generators, vocab_size, capture, topk)
+    logits = run.prefill()
     while True:
-        if vocab_size is not None:
-            logits = fit_vocab(logits, vocab_size)
-        feed = []
-        if capture:
-            greedy_next = logits.argmax(-1).tolist()
-        if topk:
-            top = torch.log_softmax(logits.float(), dim=-1).topk(min(topk, logits.shape[-1]), dim=-1)
-            top_v, top_i = top.values.cpu(), top.indices.to(torch.int32).cpu()
-        for j, b in enumerate(rows):
-            if capture and not fed[b] and len(out.tokens[b]) > 0:
-                nxt_new[b].append(greedy_next[j])
-            if alive[b]:
-                if topk:
-                    kept_v[b].append(top_v[j])
-                    kept_i[b].append(top_i[j])
-                tok = _pick(logits[j], sampling, generators[b])
-                out.tokens[b].append(tok)
-                alive[b] = tok not in stop and len(out.tokens[b]) < max_new_tokens
-                feed.append(tok)
-            else:
-                if capture and not fed[b]:  # its final token was fed last step: its data is complete
-                    n = len(prompts[b]) + len(out.tokens[b])
-                    j0 = int(pad[j])
-                    out.features[b] = lm.features[j, j0 : j0 + n].cpu()
-                    out.final[b] = lm.final[j, j0 : j0 + n].cpu()
-                    out.next[b] = torch.cat([nxt_prompt[b], torch.tensor(nxt_new[b], dtype=torch.int32)])
-                    fed[b] = True
-                feed.append(out.tokens[b][-1])  # a finished row rides along until the batch is compacted
-        waiting = [not fed[b] for b in rows] if capture else [alive[b] for b in rows]
+        feed = run.sample(logits)
+        waiting = run.waiting()
         if not any(waiting):
             break
-        if sum(waiting) <= 0.75 * len(rows):  # compact: the finished rows leave the batch and the cache
-            keep = [j for j, w in enumerate(waiting) if w]
-            sel = torch.tensor(keep, device=device)
-            lm.select(sel)
-            rows, feed = [rows[j] for j in keep], [feed[j] for j in keep]
-            valid, positions = valid[sel], positions[sel]
-            pad = pad[sel]
-        tokens = torch.tensor(feed, device=device)[:, None]
-        mask = valid[:, None, None, : col + 1]
-        h = lm(tokens, col, positions[:, col : col + 1], mask)
-        logits = lm.logits(h[:, -1])
-        col += 1
-    if topk:
-        out.topk_values = [torch.stack(v) for v in kept_v]
-        out.topk_indices = [torch.stack(i) for i in kept_i]
-    return out
+        if sum(waiting) <= 0.75 * len(waiting):  # compact: the finished rows leave the batch and the cache
+            feed = run.compact(waiting, feed)
+        logits = run.step(feed)
+    return run.output()
 
 
 @torch.inference_mode()

@@ -22,12 +22,15 @@ import torch
 from tqdm import tqdm
 
 from decode.errors import DraftsmithError
-from decode.loading import Loaded
 from decode.io import atomic_write_json
+from decode.loading import Loaded, eos_ids
+from decode.machine import machine_info, versions
+from decode.pair import Pair, load_pair
 from decode.prompts import Prompt, load_prompts
-from decode.model import Runner, draft_quant as effective_quant
+from decode.quant import draft_quant as effective_quant
+from decode.runner import Runner
 from decode.speculative import KPolicy, Stats, generate
-from decode.textgen import Pair, eos_ids, load_pair, machine_info, prompt_ids, versions
+from decode.textgen import prompt_ids
 
 DEFAULT_PROMPTS = "code"
 DEFAULT_N_PROMPTS = 4
@@ -251,6 +254,73 @@ class BenchConfig:
             raise ValueError(f"draft_quant must be int8 or null, got {self.draft_quant!r}")
 
 
+def _run_mode(pair: Pair, mode: str, ids: list[int], n_new: int,
+              eos: list[int]) -> tuple[list[int], float, Stats | None]:
+    """One prompt in one bench mode -> (new ids, seconds, our decoder's stats or None for transformers)."""
+    if mode.startswith("hf_"):
+        toks, secs = _hf_generate(pair, ids, n_new, eos, assisted=mode == "hf_assisted")
+        return toks, secs, None
+    speculative = mode.startswith("speculative")
+    k = int(mode.removeprefix("speculative_k")) if speculative else 1
+    res = generate(pair.target_runner, ids, draft=pair.draft_runner if speculative else None,
+                   max_new_tokens=n_new, policy=KPolicy(k=k, k_max=max(16, k)), eos_ids=eos)
+    return res.tokens, res.stats.seconds, res.stats
+
+
+def _time_modes(pair: Pair, items: list[Prompt], encoded: list[list[int]], modes: list[str], max_new_tokens: int,
+                eos: list[int], progress: bool) -> tuple[dict[str, list[dict]], dict[str, Stats]]:
+    """Every mode on every prompt, interleaved per prompt after a warm-up -> (mode -> per-prompt runs, mode ->
+    merged stats of our decoder's modes)."""
+    for mode in modes:  # warm-up: first calls pay one-off costs (allocator, kernel selection)
+        _run_mode(pair, mode, encoded[0][:16], 4, eos)
+
+    results: dict[str, list[dict]] = {m: [] for m in modes}
+    stats: dict[str, Stats] = {}
+    bar = tqdm(total=len(items) * len(modes), desc="bench", unit="run", disable=not progress)
+    for p, ids in zip(items, encoded):
+        for mode in modes:
+            bar.set_postfix_str(f"{p.id} {mode}")
+            toks, secs, st = _run_mode(pair, mode, ids, max_new_tokens, eos)
+            results[mode].append({"id": p.id, "tokens": len(toks), "seconds": secs, "ids": toks})
+            if st is not None:
+                stats[mode] = stats[mode].merge(st) if mode in stats else st
+            bar.update(1)
+    bar.close()
+    return results, stats
+
+
+def _mode_reports(modes: list[str], results: dict[str, list[dict]], stats: dict[str, Stats]) -> dict[str, dict]:
+    """Each mode's totals and per-prompt runs; the speculative modes also their K, tau and acceptance."""
+    report_modes: dict[str, dict] = {}
+    for mode in modes:
+        rows = results[mode]
+        entry = _summary(sum(r["tokens"] for r in rows), sum(r["seconds"] for r in rows),
+                         [{k: v for k, v in r.items() if k != "ids"} for r in rows])
+        if mode.startswith("speculative"):
+            st = stats[mode]
+            entry.update(k=int(mode.removeprefix("speculative_k")), mean_tau=st.mean_tau, alpha=st.acceptance_rate,
+                         tau_hist={str(t): c for t, c in st.tau_hist.items()}, drafted=st.drafted, accepted=st.accepted)
+        report_modes[mode] = entry
+    return report_modes
+
+
+def _greedy_checks(items: list[Prompt], encoded: list[list[int]], results: dict[str, list[dict]],
+                   spec_modes: list[str], hf_modes: bool) -> list[dict]:
+    """Per prompt: speculative == target-only == HF greedy (target-only against itself without the HF modes)."""
+    ref = results["hf_generate"] if hf_modes else results["target_only"]
+    per_prompt = []
+    for i, p in enumerate(items):
+        row = {"id": p.id, "prompt_tokens": len(encoded[i]),
+               "target_only_eq_hf": results["target_only"][i]["ids"] == ref[i]["ids"]}
+        for m in spec_modes:
+            row[f"{m}_eq_target_only"] = results[m][i]["ids"] == results["target_only"][i]["ids"]
+        if hf_modes:
+            row["hf_assisted_eq_hf"] = results["hf_assisted"][i]["ids"] == ref[i]["ids"]
+        row["greedy_equal"] = row["target_only_eq_hf"] and all(row[f"{m}_eq_target_only"] for m in spec_modes)
+        per_prompt.append(row)
+    return per_prompt
+
+
 def run_bench(target: str, draft: str, cfg: BenchConfig | None = None, *, out: Path | None = None,
               progress: bool = True) -> dict:
     """Time every mode on the same prompts; returns (and writes to `out`) the JSON report."""
@@ -266,57 +336,11 @@ def run_bench(target: str, draft: str, cfg: BenchConfig | None = None, *, out: P
     encoded = [prompt_ids(tok, p.prompt) for p in items]
 
     modes = ["target_only", *[f"speculative_k{k}" for k in ks]] + (["hf_generate", "hf_assisted"] if hf_modes else [])
-
-    def run(mode: str, ids: list[int], n_new: int) -> tuple[list[int], float, Stats | None]:
-        if mode.startswith("hf_"):
-            toks, secs = _hf_generate(pair, ids, n_new, eos, assisted=mode == "hf_assisted")
-            return toks, secs, None
-        speculative = mode.startswith("speculative")
-        k = int(mode.removeprefix("speculative_k")) if speculative else 1
-        res = generate(pair.target_runner, ids, draft=pair.draft_runner if speculative else None,
-                       max_new_tokens=n_new, policy=KPolicy(k=k, k_max=max(16, k)), eos_ids=eos)
-        return res.tokens, res.stats.seconds, res.stats
-
-    for mode in modes:  # warm-up: first calls pay one-off costs (allocator, kernel selection)
-        run(mode, encoded[0][:16], 4)
-
-    results: dict[str, list[dict]] = {m: [] for m in modes}
-    stats: dict[str, Stats] = {}
-    bar = tqdm(total=len(items) * len(modes), desc="bench", unit="run", disable=not progress)
-    for p, ids in zip(items, encoded):
-        for mode in modes:
-            bar.set_postfix_str(f"{p.id} {mode}")
-            toks, secs, st = run(mode, ids, max_new_tokens)
-            results[mode].append({"id": p.id, "tokens": len(toks), "seconds": secs, "ids": toks})
-            if st is not None:
-                stats[mode] = stats[mode].merge(st) if mode in stats else st
-            bar.update(1)
-    bar.close()
-
-    report_modes: dict[str, dict] = {}
-    for mode in modes:
-        rows = results[mode]
-        entry = _summary(sum(r["tokens"] for r in rows), sum(r["seconds"] for r in rows),
-                         [{k: v for k, v in r.items() if k != "ids"} for r in rows])
-        if mode.startswith("speculative"):
-            st = stats[mode]
-            entry.update(k=int(mode.removeprefix("speculative_k")), mean_tau=st.mean_tau, alpha=st.acceptance_rate,
-                         tau_hist={str(t): c for t, c in st.tau_hist.items()}, drafted=st.drafted, accepted=st.accepted)
-        report_modes[mode] = entry
-
+    results, stats = _time_modes(pair, items, encoded, modes, max_new_tokens, eos, progress)
+    report_modes = _mode_reports(modes, results, stats)
     spec_modes = [m for m in modes if m.startswith("speculative")]
     best = max(spec_modes, key=lambda m: report_modes[m]["tok_per_s"])
-    ref = results["hf_generate"] if hf_modes else results["target_only"]
-    per_prompt = []
-    for i, p in enumerate(items):
-        row = {"id": p.id, "prompt_tokens": len(encoded[i]),
-               "target_only_eq_hf": results["target_only"][i]["ids"] == ref[i]["ids"]}
-        for m in spec_modes:
-            row[f"{m}_eq_target_only"] = results[m][i]["ids"] == results["target_only"][i]["ids"]
-        if hf_modes:
-            row["hf_assisted_eq_hf"] = results["hf_assisted"][i]["ids"] == ref[i]["ids"]
-        row["greedy_equal"] = row["target_only_eq_hf"] and all(row[f"{m}_eq_target_only"] for m in spec_modes)
-        per_prompt.append(row)
+    per_prompt = _greedy_checks(items, encoded, results, spec_modes, hf_modes)
 
     tps = {m: report_modes[m]["tok_per_s"] for m in modes}
     ratio = lambda a, b: tps[a] / tps[b] if tps.get(b) else None  # noqa: E731

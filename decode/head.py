@@ -28,9 +28,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from decode.attention import grouped_attention, rms_norm, rotate_half
 from decode.io import atomic_path, atomic_write_json, read_json
+from decode.kernels import linear
 from decode.kv_cache import KVCache
-from decode.model import _linear, _rms_norm, _rotate_half, grouped_attention, quantize_linears_int8
+from decode.quant import quantize_linears_int8
 
 
 def default_aux_layers(n_layers: int) -> tuple[int, int, int]:
@@ -113,7 +115,7 @@ class RMSNorm(nn.Module):
         self.weight, self.eps = nn.Parameter(torch.ones(n)), eps
 
     def forward(self, x: Tensor) -> Tensor:
-        return _rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -128,14 +130,14 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, pos: int, mask: Tensor | None) -> Tensor:
         T, H, Hkv, D = x.shape[0], self.n_heads, self.n_kv, self.head_dim
-        q = _linear(x, self.q_proj).reshape(T, H, D).transpose(0, 1)  # (H, T, D)
-        k = _linear(x, self.k_proj).reshape(T, Hkv, D).transpose(0, 1)  # (Hkv, T, D)
-        v = _linear(x, self.v_proj).reshape(T, Hkv, D).transpose(0, 1)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q = linear(x, self.q_proj).reshape(T, H, D).transpose(0, 1)  # (H, T, D)
+        k = linear(x, self.k_proj).reshape(T, Hkv, D).transpose(0, 1)  # (Hkv, T, D)
+        v = linear(x, self.v_proj).reshape(T, Hkv, D).transpose(0, 1)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
         keys, values = cache.update(0, pos, k, v)  # (Hkv, pos+T, D)
         o = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, enable_gqa=Hkv != H)[0]
-        return _linear(o.transpose(0, 1).reshape(T, H * D), self.o_proj)  # (T, H)
+        return linear(o.transpose(0, 1).reshape(T, H * D), self.o_proj)  # (T, H)
 
 
 class MLP(nn.Module):
@@ -146,7 +148,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return _linear(F.silu(_linear(x, self.gate_proj)) * _linear(x, self.up_proj), self.down_proj)
+        return linear(F.silu(linear(x, self.gate_proj)) * linear(x, self.up_proj), self.down_proj)
 
 
 class MidLayer(nn.Module):
@@ -213,7 +215,7 @@ class Eagle3Head(nn.Module):
 
     def project(self, features: Tensor) -> Tensor:
         """The target's features (T, 3H) -> g (T, H)."""
-        return _linear(features.to(self.embed.dtype), self.fc)
+        return linear(features.to(self.embed.dtype), self.fc)
 
     def forward(self, g: Tensor, tokens: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, pos: int,
                 mask: Tensor | None = None, keep: int | None = None) -> tuple[Tensor, Tensor]:
@@ -225,7 +227,7 @@ class Eagle3Head(nn.Module):
         if keep == 0:
             dtype = torch.float64 if h.dtype == torch.float64 else torch.float32
             return h.new_zeros((0, self.config.vocab_size), dtype=dtype), h
-        logits = _linear(self.norm(h if keep is None else h[h.shape[0] - keep :]), self.lm_head)  # (keep or T, N)
+        logits = linear(self.norm(h if keep is None else h[h.shape[0] - keep :]), self.lm_head)  # (keep or T, N)
         logits = logits if logits.dtype == torch.float64 else logits.float()
         return self.to_target_vocab(logits), h
 
@@ -241,7 +243,7 @@ def _qkv(head: Eagle3Head, emb: Tensor, g: Tensor, cos: Tensor, sin: Tensor) -> 
     q = layer.self_attn.q_proj(x).view(B, E, c.num_attention_heads, D).transpose(1, 2)
     k = layer.self_attn.k_proj(x).view(B, E, c.num_key_value_heads, D).transpose(1, 2)
     v = layer.self_attn.v_proj(x).view(B, E, c.num_key_value_heads, D).transpose(1, 2)
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
 
 
 def ttt_mask(E: int, j: int, device=None) -> Tensor:

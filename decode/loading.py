@@ -6,7 +6,8 @@
     m = load("path/to/model.gguf")            # a GGUF file (converted once, cached)
 
 Every model is loaded from a plain safetensors folder, so a load takes seconds: GGUF files are
-dequantised once into the cache (`<cache>/hf/gguf-<key>/`), keyed by their size and first MiB.
+dequantised once into the cache (`<cache>/hf/gguf-<key>/`), keyed by their size and first MiB. `eos_ids(m)`:
+every id that ends a loaded model's reply.
 """
 
 from __future__ import annotations
@@ -100,3 +101,14 @@ def load(spec: str | Path, *, dtype: torch.dtype = torch.float32, device: str | 
     except (OSError, ValueError) as e:  # unreadable or incomplete folder, unknown architecture
         raise DraftsmithError(f"{path}: cannot load model: {str(e).splitlines()[0]}") from None
     return Loaded(model=model.to(device).eval(), tokenizer=tokenizer, path=path, name=_display_name(str(spec)))
+
+
+def eos_ids(loaded: Loaded) -> list[int]:
+    """Every id that ends a reply: the tokenizer's EOS and the generation config's (chat models add one)."""
+    ids: set[int] = set()
+    for value in (loaded.tokenizer.eos_token_id, getattr(loaded.model.generation_config, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(int(v) for v in value)
+    return sorted(ids)

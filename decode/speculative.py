@@ -25,17 +25,24 @@ A draft head (`decode.head.HeadDraft`, `reads_target`) reads the target instead 
 target keeps its hidden states at the head's layers, and after each target forward the accepted rows go to
 the head (`observe`); the head then drafts as any draft does, feeding itself past them. The first round of a
 one-token prompt drafts nothing (the target has not read a token yet).
+
+In code, top to bottom: `generate` checks the call, `prefill`s both caches (a `DecodeState`: seq, d_len, k),
+then loops `play_round` (a `chain_round`, whose draft phase is `draft_chain`, or a `sibling_round`, whose draft
+phase is `draft_siblings`; each drafts, verifies, accepts and returns a `Round`) and `finish_round` (stats, the
+budget and EOS cut, the next K). Each round function runs alone on a `DecodeState` and `RoundSettings`.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from decode.model import Runner
+from decode.errors import DraftsmithError
+from decode.runner import HFRunner, Runner
 from decode.sampling import (
     SamplingParams, fit_vocab, greedy_token, sample, to_probs, verify, verify_candidates, verify_candidates_greedy,
     verify_greedy,
@@ -45,13 +52,13 @@ from decode.sampling import (
 def check_siblings(m: int) -> None:
     """Sibling rounds propose m = 0 (none) or m >= 2 first tokens: one is a plain round."""
     if m == 1 or m < 0:
-        raise ValueError(f"siblings must be 0 (never) or >= 2, got {m}")
+        raise DraftsmithError(f"siblings must be 0 (never) or >= 2, got {m}")
 
 
 def check_sibling_depth(depth: int, siblings: int) -> None:
     """Sibling rounds go 1 deep (the siblings) or 2 (each with the draft's next token); 2 needs siblings."""
     if depth not in (1, 2) or (depth == 2 and not siblings):
-        raise ValueError(f"sibling_depth must be 1, or 2 with siblings >= 2, got {depth}")
+        raise DraftsmithError(f"sibling_depth must be 1, or 2 with siblings >= 2, got {depth}")
 
 
 @dataclass(frozen=True)
@@ -78,12 +85,12 @@ class KPolicy:
 
     def __post_init__(self) -> None:
         if not 1 <= self.k_min <= self.k <= self.k_max:
-            raise ValueError(f"need 1 <= k_min <= k <= k_max, got {self.k_min}, {self.k}, {self.k_max}")
+            raise DraftsmithError(f"need 1 <= k_min <= k <= k_max, got {self.k_min}, {self.k}, {self.k_max}")
         if self.confidence is not None and not 0.0 <= self.confidence < 1.0:
-            raise ValueError(f"confidence must be in [0, 1), got {self.confidence}")
+            raise DraftsmithError(f"confidence must be in [0, 1), got {self.confidence}")
         check_siblings(self.siblings)
         if self.siblings and self.confidence is None:
-            raise ValueError(f"siblings ({self.siblings}) needs a confidence threshold to branch below")
+            raise DraftsmithError(f"siblings ({self.siblings}) needs a confidence threshold to branch below")
         check_sibling_depth(self.sibling_depth, self.siblings)
 
     def next_k(self, k: int, n_accepted: int, proposed: int) -> int:
@@ -173,8 +180,274 @@ class Result:
     stats: Stats
 
 
-def _ids(tokens: list[int], device: torch.device) -> Tensor:
+def _ids(tokens: list[int], device: torch.device | str) -> Tensor:
     return torch.tensor(tokens, dtype=torch.long, device=device)
+
+
+def _no_mark() -> float | None:
+    return None
+
+
+@dataclass
+class DecodeState:
+    """Where a decode stands between rounds. `seq` is every token so far; the target cache holds seq[:-1] (the
+    last token is fed next round), the draft cache seq[:d_len]; `k` is the policy's K for the next round."""
+
+    seq: list[int]
+    d_len: int
+    k: int = 0
+
+    def advance(self, emitted: list[int]) -> None:
+        """Append a round's tokens; the draft cache rolls back to the accepted prefix."""
+        self.seq.extend(emitted)
+        self.d_len = min(self.d_len, len(self.seq) - 1)
+
+
+@dataclass(frozen=True)
+class RoundSettings:
+    """What every round of one `generate` call reads. `mark` is the clock: with a `RoundClock` it synchronises
+    the device (CUDA) and returns the time; without one it does nothing and returns None."""
+
+    sampling: SamplingParams = SamplingParams()
+    policy: KPolicy = KPolicy()
+    generator: torch.Generator | None = None
+    device: torch.device | str = "cpu"
+    mark: Callable[[], float | None] = _no_mark
+
+
+@dataclass
+class Round:
+    """What one round did: `emitted` is the accepted drafts and the target's own next token (before the budget and
+    EOS cut), `accepted` of the `drafted` tokens proposed in `steps` draft steps; `t_draft` and `t_verify` are the
+    clock's marks after drafting and after the target's forward (None without a clock)."""
+
+    emitted: list[int]
+    accepted: int
+    drafted: int
+    steps: int
+    t_draft: float | None = None
+    t_verify: float | None = None
+
+
+@dataclass
+class DraftStep:
+    """One draft forward's last row: `logits` over the target's vocabulary, `q` the law a token is sampled from
+    (None at temperature 0), `top` the draft's top probability (None when greedy and no threshold reads it)."""
+
+    logits: Tensor
+    q: Tensor | None
+    top: float | None
+
+
+def _head(draft: Runner | None):
+    """The draft if it is a head that reads the target's features (`reads_target`), else None."""
+    return draft if getattr(draft, "reads_target", False) else None
+
+
+def prefill(target: Runner, draft: Runner | None, prompt_ids: list[int], device: torch.device | str) -> DecodeState:
+    """Both caches take the prompt but its last token (a head reads the target's features of them instead; the
+    target must already keep the head's layers)."""
+    seq = list(prompt_ids)
+    if len(seq) > 1:
+        target.forward(_ids(seq[:-1], device), 0, keep=1)
+        head = _head(draft)
+        if head is not None:
+            head.observe(target.last_hidden, _ids(seq[:-1], device), 0)
+        elif draft is not None:
+            draft.forward(_ids(seq[:-1], device), 0, keep=1)
+    return DecodeState(seq, len(seq) - 1)
+
+
+def draft_step(draft: Runner, feed: list[int], st: DecodeState, how: RoundSettings, vocab: int) -> DraftStep:
+    """Feed the draft `feed` after its cache (seq[:d_len]) and read its next-token row."""
+    logits = fit_vocab(draft.forward(_ids(feed, how.device), st.d_len, keep=1)[-1], vocab)
+    st.d_len += len(feed)
+    q = None if how.sampling.greedy else to_probs(logits, how.sampling)
+    if q is not None:
+        top = float(q.max())
+    else:
+        top = None if how.policy.confidence is None else float(torch.softmax(logits.float(), -1).max())
+    return DraftStep(logits, q, top)
+
+
+def draft_chain(
+    draft: Runner, st: DecodeState, K: int, how: RoundSettings, vocab: int, first: DraftStep | None = None,
+) -> tuple[list[int], list[Tensor]]:
+    """The draft phase of a chain round: up to K tokens one by one (greedy, or sampled from q), stopping after the
+    first one the draft gave a top probability below `policy.confidence`. `first`: the round's first draft step,
+    already taken. -> (tokens, their q's; none when greedy)."""
+    drafts: list[int] = []
+    qs: list[Tensor] = []
+    feed = st.seq[st.d_len:]
+    for depth in range(K):
+        step = first if depth == 0 and first is not None else draft_step(draft, feed, st, how, vocab)
+        if step.q is None:
+            tok = int(greedy_token(step.logits))
+        else:
+            qs.append(step.q)
+            tok = int(sample(step.q, how.generator))
+        drafts.append(tok)
+        feed = [tok]
+        if how.policy.confidence is not None and step.top < how.policy.confidence:
+            break
+    return drafts, qs
+
+
+def draft_siblings(
+    draft: Runner, st: DecodeState, K: int, how: RoundSettings, vocab: int, first: DraftStep | None = None,
+) -> tuple[list[int], list[int]]:
+    """The draft phase of a sibling round: the first draft step's m = `policy.siblings` most probable tokens and,
+    with sibling_depth 2 and room for two tokens (K >= 2), the draft's greedy next token after each of them (one
+    more step, `forward_siblings`). -> (siblings, children; [] at depth 1)."""
+    step = first if first is not None else draft_step(draft, st.seq[st.d_len:], st, how, vocab)
+    siblings = torch.topk(step.logits if step.q is None else step.q, how.policy.siblings).indices.tolist()
+    children: list[int] = []
+    if how.policy.sibling_depth == 2 and K >= 2:
+        nxt_logits = fit_vocab(draft.forward_siblings(_ids(siblings, how.device), st.d_len), vocab)
+        children = [int(greedy_token(row)) for row in nxt_logits]
+    return siblings, children
+
+
+def _observe(target: Runner, draft: Runner | None, fed: Tensor, pos: int, rows: slice | list[int]) -> None:
+    """A head reads the target's features of the accepted rows (of the tokens `fed` at `pos`)."""
+    head = _head(draft)
+    if head is not None:
+        head.observe(target.last_hidden[rows], fed[rows], pos)
+
+
+def chain_round(
+    target: Runner, draft: Runner | None, st: DecodeState, K: int, how: RoundSettings, first: DraftStep | None = None,
+) -> Round:
+    """One chain round: the draft proposes up to K tokens (`draft_chain`; K = 0 is a plain target step), the
+    target scores [current token, drafts] in one forward, and `verify` keeps the longest accepted prefix and adds
+    one token of the target's (corrected or bonus). The target cache then holds the sequence up to that token."""
+    V = target.vocab_size
+    drafts, qs = draft_chain(draft, st, K, how, V, first) if K > 0 else ([], [])
+    t_draft = how.mark()
+    pos = len(st.seq) - 1
+    fed = _ids([st.seq[-1], *drafts], how.device)
+    p_logits = target.forward(fed, pos)  # (len(drafts)+1, V)
+    t_verify = how.mark()
+    if how.sampling.greedy:
+        n_acc, nxt = verify_greedy(p_logits, _ids(drafts, p_logits.device))
+    else:
+        q_stack = torch.stack(qs) if qs else p_logits.new_zeros((0, V))
+        n_acc, nxt = verify(to_probs(p_logits, how.sampling), q_stack, _ids(drafts, p_logits.device), how.generator)
+    _observe(target, draft, fed, pos, slice(0, n_acc + 1))
+    return Round(drafts[:n_acc] + [nxt], n_acc, len(drafts), len(drafts), t_draft, t_verify)
+
+
+def _check_candidates(row: Tensor, candidates: list[int], how: RoundSettings) -> tuple[int, int]:
+    """Candidates checked in turn against one target row: (index of the accepted one or -1, the token)."""
+    cands = _ids(candidates, row.device)
+    if how.sampling.greedy:
+        return verify_candidates_greedy(row, cands)
+    return verify_candidates(to_probs(row, how.sampling), cands, how.generator)
+
+
+def _next_token(row: Tensor, how: RoundSettings) -> int:
+    return int(greedy_token(row) if how.sampling.greedy else sample(to_probs(row, how.sampling), how.generator))
+
+
+def sibling_round(
+    target: Runner, draft: Runner, st: DecodeState, K: int, how: RoundSettings, first: DraftStep | None = None,
+) -> Round:
+    """One sibling round: the draft's m most probable first tokens (and with sibling_depth 2 a child each:
+    `draft_siblings`), verified as the tree [current, c_1..c_m, e_1..e_m] in one target forward. The candidates are
+    checked in turn; an accepted c_i's KV moves next to the current token's (`keep_path`), and its row checks its
+    child the same way (a candidate list of one) or gives the bonus token. Emits 1 to 3 tokens."""
+    siblings, children = draft_siblings(draft, st, K, how, target.vocab_size, first)
+    t_draft = how.mark()
+    pos, m = len(st.seq) - 1, len(siblings)
+    fed = _ids([st.seq[-1], *siblings, *children], how.device)
+    p_logits = target.forward_tree(fed, pos, [-1] + [0] * m + list(range(1, len(children) + 1)))
+    t_verify = how.mark()
+    i, nxt = _check_candidates(p_logits[0], siblings, how)
+    accepted: list[int] = []
+    rows: slice | list[int] = slice(0, 1)  # the target rows of the accepted path
+    if i >= 0:  # sibling i stands: its row gives the next token; its KV moves next to the root's
+        row, accepted, j = i + 1, [nxt], 0
+        rows = [0, row]
+        if children:  # its row checks its child; an accepted child's row goes on
+            j, nxt = _check_candidates(p_logits[row], children[i : i + 1], how)
+            if j == 0:
+                row = 1 + m + i
+                rows, accepted = [0, 1 + i, row], [accepted[0], nxt]
+        target.keep_path(pos, rows)
+        if j == 0:  # the last accepted row gives the bonus token
+            nxt = _next_token(p_logits[row], how)
+    _observe(target, draft, fed, pos, rows)
+    return Round(accepted + [nxt], len(accepted), m + len(children), 2 if children else 1, t_draft, t_verify)
+
+
+def play_round(target: Runner, draft: Runner | None, st: DecodeState, K: int, how: RoundSettings) -> Round:
+    """One round drafting up to K tokens: a sibling round where the policy has siblings and the draft's first step
+    falls below its threshold, else a chain round (going on from that first step)."""
+    if K > 0 and how.policy.siblings:
+        first = draft_step(draft, st.seq[st.d_len:], st, how, target.vocab_size)
+        if first.top < how.policy.confidence:
+            return sibling_round(target, draft, st, K, how, first)
+        return chain_round(target, draft, st, K, how, first)
+    return chain_round(target, draft, st, K, how)
+
+
+def finish_round(st: DecodeState, r: Round, stats: Stats, policy: KPolicy, room: int, eos: set[int]) -> bool:
+    """A round's bookkeeping: its counts into `stats`; its tokens cut to the `room` left in the budget and after
+    the first EOS, then appended (the draft cache rolls back to the accepted prefix); K for the next round.
+    -> whether an EOS ended the decode."""
+    stats.tau_hist[r.accepted + 1] = stats.tau_hist.get(r.accepted + 1, 0) + 1
+    stats.drafted += r.drafted
+    stats.accepted += r.accepted
+    emitted, stop = r.emitted[:room], False
+    for i, t in enumerate(emitted):
+        if t in eos:
+            emitted, stop = emitted[: i + 1], True
+            break
+    st.advance(emitted)
+    if r.drafted:
+        st.k = policy.next_k(st.k, r.accepted, r.steps)
+    return stop
+
+
+def _round_size(st: DecodeState, room: int, head) -> int:
+    """Never draft past the budget; a head needs the target's features of one token."""
+    return 0 if head is not None and len(st.seq) < 2 else min(st.k, room - 1)
+
+
+def _check_call(target: Runner, draft: Runner | None, prompt_ids: list[int], max_new_tokens: int,
+                sampling: SamplingParams, policy: KPolicy, generator: torch.Generator | None) -> None:
+    if not prompt_ids:
+        raise DraftsmithError("the prompt must hold at least one token")
+    if max_new_tokens < 1:
+        raise DraftsmithError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    need = len(prompt_ids) + max_new_tokens  # the last position ever fed is below this
+    for name, m in (("target", target), ("draft", draft)):
+        if m is not None and m.max_seq_len < need:
+            raise DraftsmithError(f"{name} cache holds {m.max_seq_len} positions, this call needs {need}")
+    if not sampling.greedy and generator is None:
+        raise DraftsmithError("sampling at temperature > 0 needs an explicit torch.Generator")
+    if draft is not None and policy.siblings and not hasattr(target, "forward_tree"):
+        if isinstance(target, HFRunner):
+            raise DraftsmithError(
+                f"sibling rounds need the lean runner (it verifies trees: forward_tree); this target "
+                f"({target.model.config.model_type}) is served by the generic runner (HFRunner), so use siblings 0")
+        raise DraftsmithError(f"sibling rounds need a target runner that verifies trees (forward_tree): "
+                              f"{type(target).__name__} does not")
+    if draft is not None and policy.sibling_depth == 2 and not hasattr(draft, "forward_siblings"):
+        raise DraftsmithError(f"sibling_depth 2 needs a draft that drafts after several candidates at once "
+                              f"(forward_siblings): {type(draft).__name__} does not")
+
+
+def _clock_mark(clock: RoundClock | None, device: torch.device) -> Callable[[], float | None]:
+    if clock is None:
+        return _no_mark
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def mark() -> float:
+        sync()
+        return time.perf_counter()
+
+    return mark
 
 
 @torch.inference_mode()
@@ -193,157 +466,31 @@ def generate(
 ) -> Result:
     """Decode up to `max_new_tokens` after `prompt_ids`; speculative when `draft` is given. `clock` (a
     `RoundClock`) records what each round's parts cost."""
-    if not prompt_ids:
-        raise ValueError("the prompt must hold at least one token")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    _check_call(target, draft, prompt_ids, max_new_tokens, sampling, policy, generator)
     device = torch.device(device)
-    sync = torch.cuda.synchronize if clock is not None and device.type == "cuda" else (lambda: None)
-    need = len(prompt_ids) + max_new_tokens  # the last position ever fed is below this
-    for name, m in (("target", target), ("draft", draft)):
-        if m is not None and m.max_seq_len < need:
-            raise ValueError(f"{name} cache holds {m.max_seq_len} positions, this call needs {need}")
-    if not sampling.greedy and generator is None:
-        raise ValueError("sampling at temperature > 0 needs an explicit torch.Generator")
-    if draft is not None and policy.siblings and not hasattr(target, "forward_tree"):
-        raise ValueError(f"sibling rounds need a target runner that verifies trees (forward_tree): "
-                         f"{type(target).__name__} does not")
-    if draft is not None and policy.sibling_depth == 2 and not hasattr(draft, "forward_siblings"):
-        raise ValueError(f"sibling_depth 2 needs a draft that drafts after several candidates at once "
-                         f"(forward_siblings): {type(draft).__name__} does not")
-    V = target.vocab_size
-    eos = set(eos_ids)
-    stats = Stats()
-    t0 = time.perf_counter()
-
-    head = draft if getattr(draft, "reads_target", False) else None  # a draft head: it reads the target
-    if head is not None:
+    how = RoundSettings(sampling, policy, generator, device, _clock_mark(clock, device))
+    eos, stats, t0 = set(eos_ids), Stats(), time.perf_counter()
+    head = _head(draft)
+    if head is not None:  # the target keeps the features the head reads
         captured, target.capture_layers = getattr(target, "capture_layers", ()), head.capture_layers
-    seq = list(prompt_ids)
-    if len(seq) > 1:  # prefill: both caches take seq[:-1]
-        target.forward(_ids(seq[:-1], device), 0, keep=1)
-        if head is not None:
-            head.observe(target.last_hidden, _ids(seq[:-1], device), 0)
-        elif draft is not None:
-            draft.forward(_ids(seq[:-1], device), 0, keep=1)
-    d_len = len(seq) - 1
-    sync()
+    st = prefill(target, draft, prompt_ids, device)
+    st.k = policy.k if draft is not None else 0
+    how.mark()  # with a clock on CUDA: the prefill is done
     stats.prefill_seconds = time.perf_counter() - t0
     if clock is not None:
         clock.prefill_s.append(stats.prefill_seconds)
-
-    k = policy.k if draft is not None else 0
-    n_new = 0
-    while n_new < max_new_tokens:
+    while (room := max_new_tokens - (len(st.seq) - len(prompt_ids))) > 0:
         t_round = time.perf_counter()
-        K = min(k, max_new_tokens - n_new - 1)  # never draft past the budget
-        if head is not None and len(seq) < 2:
-            K = 0  # a head needs the target's features of one token
-        # -- draft phase: propose up to K tokens (or, in a sibling round, the first draft's top m) --
-        drafts: list[int] = []
-        qs: list[Tensor] = []
-        siblings: list[int] = []
-        children: list[int] = []  # sibling_depth 2: the draft's next token after each sibling
-        if K > 0:
-            feed = seq[d_len:]
-            for depth in range(K):
-                logits = fit_vocab(draft.forward(_ids(feed, device), d_len, keep=1)[-1], V)
-                d_len += len(feed)
-                q = None if sampling.greedy else to_probs(logits, sampling)
-                if q is not None:
-                    top = float(q.max())
-                else:
-                    top = None if policy.confidence is None else float(torch.softmax(logits.float(), -1).max())
-                if depth == 0 and policy.siblings and top < policy.confidence:
-                    siblings = torch.topk(logits if q is None else q, policy.siblings).indices.tolist()
-                    if policy.sibling_depth == 2 and K >= 2:
-                        nxt_logits = fit_vocab(draft.forward_siblings(_ids(siblings, device), d_len), V)
-                        children = [int(greedy_token(row)) for row in nxt_logits]
-                    break
-                if q is None:
-                    tok = int(greedy_token(logits))
-                else:
-                    qs.append(q)
-                    tok = int(sample(q, generator))
-                drafts.append(tok)
-                feed = [tok]
-                if policy.confidence is not None and top < policy.confidence:
-                    break
-        # -- verify phase: one target forward over [current token, drafts] (or the tree [current, siblings]) --
+        r = play_round(target, draft, st, _round_size(st, room, head), how)
+        stop = finish_round(st, r, stats, policy, room, eos)
         if clock is not None:
-            sync()
-            t_draft = time.perf_counter()
-        pos = len(seq) - 1
-        m = len(siblings)
-        if siblings:
-            fed = _ids([seq[-1], *siblings, *children], device)
-            p_logits = target.forward_tree(fed, pos, [-1] + [0] * m + list(range(1, len(children) + 1)))
-        else:
-            fed = _ids([seq[-1], *drafts], device)
-            p_logits = target.forward(fed, pos)  # (len(drafts)+1, V)
-        if clock is not None:
-            sync()
-            t_verify = time.perf_counter()
-        steps = (2 if children else 1) if siblings else len(drafts)  # draft steps this round
-        rows = None  # the target rows of the accepted path, where it is not rows 0..n_acc
-        if siblings:
-            cands = _ids(siblings, p_logits.device)
-            if sampling.greedy:
-                i, tok = verify_candidates_greedy(p_logits[0], cands)
-            else:
-                i, tok = verify_candidates(to_probs(p_logits[0], sampling), cands, generator)
-            n_acc, nxt = 0, tok
-            if i >= 0:  # sibling i stands: its row gives the next token; its KV moves next to the root's
-                row = i + 1
-                rows, n_acc, drafts = [0, row], 1, [tok]
-                j = 0
-                if children:  # its row checks its child (a candidate list of one); an accepted child's row goes on
-                    child = _ids(children[i : i + 1], p_logits.device)
-                    j, nxt = (verify_candidates_greedy(p_logits[row], child) if sampling.greedy
-                              else verify_candidates(to_probs(p_logits[row], sampling), child, generator))
-                    if j == 0:
-                        row = 1 + m + i
-                        rows, n_acc, drafts = [0, 1 + i, row], 2, [tok, nxt]
-                target.keep_path(pos, rows)
-                if j == 0:  # the last accepted row gives the bonus token
-                    nxt = int(greedy_token(p_logits[row]) if sampling.greedy
-                              else sample(to_probs(p_logits[row], sampling), generator))
-        elif sampling.greedy:
-            n_acc, nxt = verify_greedy(p_logits, _ids(drafts, p_logits.device))
-        else:
-            q_stack = torch.stack(qs) if qs else p_logits.new_zeros((0, V))
-            n_acc, nxt = verify(to_probs(p_logits, sampling), q_stack, _ids(drafts, p_logits.device), generator)
-        if head is not None:  # the accepted rows' features go to the head
-            if rows is None:
-                head.observe(target.last_hidden[: n_acc + 1], fed[: n_acc + 1], pos)
-            else:
-                head.observe(target.last_hidden[rows], fed[rows], pos)
-        stats.tau_hist[n_acc + 1] = stats.tau_hist.get(n_acc + 1, 0) + 1
-        proposed = m + len(children) or len(drafts)
-        stats.drafted += proposed
-        stats.accepted += n_acc
-        emitted = drafts[:n_acc] + [nxt]
-        emitted = emitted[: max_new_tokens - n_new]
-        stop = False
-        for i, t in enumerate(emitted):
-            if t in eos:
-                emitted, stop = emitted[: i + 1], True
-                break
-        seq.extend(emitted)
-        n_new += len(emitted)
-        d_len = min(d_len, len(seq) - 1)  # draft cache: roll back to the accepted prefix
-        if proposed:
-            k = policy.next_k(k, n_acc, steps)
-        if clock is not None:
-            sync()
-            end = time.perf_counter()
-            clock.rounds.append((proposed, t_draft - t_round, t_verify - t_draft, end - t_round, steps))
+            end = how.mark()
+            clock.rounds.append((r.drafted, r.t_draft - t_round, r.t_verify - r.t_draft, end - t_round, r.steps))
         if stop:
             break
-
     if head is not None:
         target.capture_layers = captured
     stats.tau_hist = dict(sorted(stats.tau_hist.items()))
-    stats.new_tokens = n_new
+    stats.new_tokens = len(st.seq) - len(prompt_ids)
     stats.seconds = time.perf_counter() - t0
-    return Result(seq[len(prompt_ids) :], stats)
+    return Result(st.seq[len(prompt_ids) :], stats)

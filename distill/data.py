@@ -52,13 +52,16 @@ from tqdm.auto import tqdm
 from decode.batch import TargetVocab, decode_batch, generate_batch
 from decode.errors import DraftsmithError
 from decode.io import atomic_path, atomic_write_json, folder_identity, read_json
-from decode.loading import Loaded
-from decode.model import draft_quant, lean_supported, make_runner
+from decode.lean import lean_supported
+from decode.loading import Loaded, eos_ids
+from decode.pair import check_vocab
 from decode.prompts import Prompt
+from decode.quant import draft_quant
 from decode.rows import append_rows, read_partial, save_rows
+from decode.runner import make_runner
 from decode.sampling import SamplingParams
 from decode.speculative import generate
-from decode.textgen import check_vocab, eos_ids, prompt_ids
+from decode.textgen import prompt_ids
 from pairing.reference import prompt_seed
 
 FORMAT_VERSION = 1  # bump when rows or generation change meaning: old folders are then refused, not mixed in
@@ -340,7 +343,7 @@ def _row_writer(target: Loaded, draft: Loaded, ids: list[list[int]], from_draft:
     need_draft = any(i in from_draft for i in todo)
     t_runner = make_runner(target.model, max_seq_len) if need_target and (speculative or not batched) else None
     proposer = None
-    if need_target and speculative:  # int8 where it can (decode.model.draft_quant): cheaper proposals, exact text
+    if need_target and speculative:  # int8 where it can (decode.quant.draft_quant): cheaper proposals, exact text
         proposer = make_runner(draft.model, max_seq_len, quantize=draft_quant(draft.model))
     alone = None
     if need_draft and not batched:  # on-policy text comes from the draft itself, not from its int8 copy

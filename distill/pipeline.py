@@ -25,10 +25,10 @@ import torch
 from decode.bench import Validation, validate_drafts
 from decode.errors import DraftsmithError
 from decode.io import atomic_write_json
-from decode.loading import load
-from decode.model import draft_quant, make_runner
+from decode.loading import eos_ids, load
 from decode.prompts import Prompt, load_prompts
-from decode.textgen import eos_ids
+from decode.quant import draft_quant
+from decode.runner import make_runner
 from distill.data import generate_data, load_data_folder
 from distill.train import TrainConfig, train
 from pairing.derive import resolve_candidate

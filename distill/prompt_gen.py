@@ -41,10 +41,9 @@ from tqdm.auto import tqdm
 from decode.batch import GEN_DTYPES, generate_batch, writer_model
 from decode.errors import DraftsmithError
 from decode.io import atomic_dir, atomic_write_json, atomic_write_text, folder_identity, read_json
-from decode.loading import Loaded
+from decode.loading import Loaded, eos_ids
 from decode.rows import append_rows
 from decode.sampling import SamplingParams
-from decode.textgen import eos_ids
 from pairing.reference import prompt_seed
 
 FORMAT_VERSION = 1

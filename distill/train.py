@@ -66,8 +66,8 @@ from tqdm.auto import tqdm
 from decode.errors import DraftsmithError
 from decode.io import atomic_write_json
 from decode.loading import Loaded
+from decode.pair import check_vocab
 from decode.sampling import SamplingParams
-from decode.textgen import check_vocab
 from distill.checkpoint import (MARKER, list_checkpoints, load_student, restore_checkpoint, save_checkpoint, save_hf,
                                 trainable)
 from distill.data import collate, training_rows
@@ -511,7 +511,7 @@ def refresh_onpolicy(student: nn.Module, rows: list, onpolicy: list[int], round_
     them was; row i seeded from (seed, round, i)), in place; returns {round, rows} for the checkpoint, so that a
     resumed run trains on the same rows."""
     from decode.batch import generate_batch
-    from decode.textgen import eos_ids
+    from decode.loading import eos_ids
     from distill.data import target_vocab
     from pairing.reference import prompt_seed
 

@@ -32,9 +32,9 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from decode.errors import DraftsmithError
-from decode.loading import Loaded
+from decode.loading import Loaded, eos_ids
 from decode.sampling import SamplingParams, fit_vocab, greedy_token, to_probs
-from decode.textgen import eos_ids, prompt_ids
+from decode.textgen import prompt_ids
 from pairing.cost import expected_tau
 from pairing.depth import depth_rates_censored, depth_rates_from_rounds, round_matrix, tokens_per_round
 

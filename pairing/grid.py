@@ -23,11 +23,12 @@ from decode.bench import validate_drafts
 from decode.errors import DraftsmithError
 from decode.head import HeadDraft
 from decode.io import atomic_write_json
-from decode.loading import load
-from decode.model import make_runner
+from decode.loading import eos_ids, load
+from decode.runner import make_runner
 from decode.prompts import first_per_domain, load_prompts
 from decode.speculative import KPolicy
-from decode.textgen import eos_ids, machine_info, prompt_ids, versions
+from decode.machine import machine_info, versions
+from decode.textgen import prompt_ids
 from pairing.validate import open_draft
 
 QUANTS = ("int8", "none")

@@ -30,11 +30,12 @@ from decode.bench import hf_side_by_side, validate_drafts
 from decode.errors import DraftsmithError
 from decode.head import Eagle3Head, HeadDraft, head_quant, load_head
 from decode.io import atomic_write_bytes, atomic_write_json, atomic_write_text
-from decode.loading import Loaded, load
-from decode.model import draft_quant, make_runner
+from decode.loading import Loaded, eos_ids, load
+from decode.machine import machine_info, versions
 from decode.prompts import Prompt, load_prompts
+from decode.quant import draft_quant
+from decode.runner import make_runner
 from decode.sampling import SamplingParams
-from decode.textgen import eos_ids, machine_info, versions
 from pairing.acceptance import measure_acceptance, measure_head_acceptance
 from pairing.compat import Compat, check_pair
 from pairing.cost import COST_CONTEXT, CostModel, DecoderCost, calibrate_decoder, measure_cost, speedup_curve
@@ -105,6 +106,8 @@ def load_head_candidate(spec: str, target: Loaded) -> Eagle3Head:
                               "e.g. RUN/head/best)")
     try:
         head = load_head(path, target.model.get_input_embeddings())
+    except DraftsmithError:  # an unreadable config.json says so itself (a ValueError too, not a misfit)
+        raise
     except (ValueError, KeyError, TypeError, RuntimeError) as e:
         raise DraftsmithError(f"{spec}: this head does not fit {target.name}: {str(e).splitlines()[0]}") from None
     n_layers = target.model.config.num_hidden_layers

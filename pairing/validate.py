@@ -26,11 +26,13 @@ from decode.bench import Validation, validate_drafts
 from decode.errors import DraftsmithError
 from decode.head import HeadDraft, head_quant
 from decode.io import atomic_write_json
-from decode.loading import Loaded, load
-from decode.model import draft_quant, make_runner
+from decode.loading import Loaded, eos_ids, load
+from decode.quant import draft_quant
+from decode.runner import make_runner
 from decode.prompts import Prompt, first_per_domain
 from decode.speculative import KPolicy, check_siblings
-from decode.textgen import eos_ids, machine_info, prompt_ids, versions
+from decode.machine import machine_info, versions
+from decode.textgen import prompt_ids
 from pairing.cost import COST_CONTEXT, calibrate_decoder, measure_cost
 from pairing.derive import resolve_candidate
 from pairing.head_rounds import depth_records

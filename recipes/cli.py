@@ -106,7 +106,7 @@ def _decode_pair(args: argparse.Namespace, policy):
     a one-line error, before any decoding, for what the decoder cannot run."""
     from dataclasses import replace
 
-    from decode.textgen import load_pair
+    from decode.pair import load_pair
 
     draft = None if args.no_draft else args.draft
     head = _head_spec(draft)

@@ -72,7 +72,7 @@ def main() -> None:
         runs.append({"setting": setting, **json.loads(out.strip().splitlines()[-1])})
         print(json.dumps(runs[-1]), flush=True)
     from decode.io import atomic_write_json
-    from decode.textgen import machine_info, versions
+    from decode.machine import machine_info, versions
 
     def med(setting: str, key: str) -> float:
         return statistics.median(r[key] for r in runs if r["setting"] == setting)

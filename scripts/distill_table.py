@@ -44,8 +44,8 @@ sys.path.insert(0, str(ROOT))
 from decode.errors import DraftsmithError  # noqa: E402
 from decode.io import atomic_write_json, atomic_write_text  # noqa: E402
 from decode.loading import load  # noqa: E402
+from decode.machine import machine_info, versions  # noqa: E402
 from decode.prompts import load_prompts  # noqa: E402
-from decode.textgen import machine_info, versions  # noqa: E402
 from distill.data import generate_data  # noqa: E402
 from distill.pipeline import split_prompts  # noqa: E402
 from distill.train import TrainConfig, train  # noqa: E402

@@ -20,8 +20,9 @@ from pathlib import Path
 from decode.allocator import keep_freed_memory
 from decode.io import atomic_write_json
 from decode.loading import load
+from decode.machine import machine_info, versions
 from decode.prompts import load_prompts
-from decode.textgen import machine_info, versions
+from decode.machine import machine_info, versions
 from distill.heads.data import HeadDataConfig, build_head_data
 from distill.heads.pipeline import aux_layers_for
 

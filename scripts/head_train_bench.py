@@ -26,7 +26,7 @@ import torch
 from decode.allocator import keep_freed_memory
 from decode.io import atomic_write_json
 from decode.loading import load
-from decode.textgen import machine_info, versions
+from decode.machine import machine_info, versions
 from distill.heads.train import HeadTrainConfig, train_head
 
 

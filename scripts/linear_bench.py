@@ -22,8 +22,8 @@ import torch
 
 from decode.io import atomic_write_json
 from decode.loading import load
-from decode.model import make_runner
-from decode.textgen import machine_info, versions
+from decode.machine import machine_info, versions
+from decode.runner import make_runner
 
 LAYOUTS = ("dnn", "xw", "wx")
 

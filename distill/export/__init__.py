@@ -33,8 +33,9 @@ from decode import zoo
 from decode.errors import DraftsmithError
 from decode.io import atomic_write_json, atomic_write_text, read_json
 from decode.loading import Loaded, load
+from decode.machine import versions
 from decode.prompts import load_suite
-from decode.textgen import prompt_ids, versions
+from decode.textgen import prompt_ids
 from distill.export.gguf import GGUF_TOL, GGUF_TYPES, export_gguf, prepare_vocab
 from distill.export.hf import export_hf
 from distill.export.model_card import model_card, serving_lines

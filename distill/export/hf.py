@@ -15,8 +15,7 @@ from typing import Any
 import torch
 
 from decode.io import atomic_dir
-from decode.loading import Loaded
-from decode.textgen import eos_ids
+from decode.loading import Loaded, eos_ids
 from distill.export.gguf import logits_diff
 
 HF_RELOAD_TOL = 1e-5  # the same float32 weights, read back: any difference is a bug

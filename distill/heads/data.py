@@ -32,11 +32,11 @@ from tqdm.auto import tqdm
 from decode.batch import GEN_DTYPES, decode_batch, generate_batch, writer_model
 from decode.errors import DraftsmithError
 from decode.io import atomic_path, atomic_write_json, read_json
-from decode.loading import Loaded
-from decode.model import lean_supported
+from decode.lean import lean_supported
+from decode.loading import Loaded, eos_ids
 from decode.prompts import Prompt
 from decode.sampling import SamplingParams
-from decode.textgen import eos_ids, prompt_ids
+from decode.textgen import prompt_ids
 
 
 @dataclass

@@ -42,8 +42,8 @@ from decode.batch import GEN_DTYPES
 from decode.errors import DraftsmithError
 from decode.head import Eagle3Head, HeadConfig, save_head, ttt_hidden, vocab_map
 from decode.io import atomic_dir, atomic_write_json, read_json
+from decode.kernels import dense
 from decode.loading import Loaded
-from decode.model import dense
 
 
 @dataclass

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from decode.batch import TargetVocab, decode_batch, generate_batch
-from decode.model import make_runner
+from decode.runner import make_runner
 from decode.sampling import SamplingParams, fit_vocab
 from decode.speculative import generate
 from tests import helpers

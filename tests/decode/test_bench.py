@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from decode.bench import side_by_side
-from decode.model import make_runner
+from decode.runner import make_runner
 from decode.speculative import KPolicy, Stats, generate
 from tests import helpers
 

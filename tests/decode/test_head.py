@@ -11,7 +11,8 @@ import torch
 
 import decode.speculative
 from decode.head import Eagle3Head, HeadConfig, HeadDraft, default_aux_layers, load_head, save_head, vocab_map
-from decode.model import LeanLM, make_runner
+from decode.lean import LeanLM
+from decode.runner import make_runner
 from decode.sampling import SamplingParams, sample, to_probs, verify
 from decode.speculative import KPolicy, generate
 from tests import helpers

@@ -18,6 +18,8 @@ import torch
 from decode import loading, zoo
 from decode.errors import DraftsmithError
 from decode.gguf_check import check_gguf, gguf_chat_template
+from decode.loading import eos_ids
+from tests import helpers
 
 CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
 
@@ -207,3 +209,16 @@ def test_pull_and_load_smollm2() -> None:
     with torch.no_grad():
         out = loaded.model.generate(ids, max_new_tokens=8, do_sample=False)
     assert "Paris" in loaded.tokenizer.decode(out[0, ids.shape[1] :])
+
+
+EOS_WORDS = ["<u>", "</u>", "<a>", "a", "b", "c", "<eos>", "[UNK]"]
+
+
+def test_eos_ids_join_the_tokenizer_and_the_generation_config(tmp_path: Path) -> None:
+    tok = helpers.word_tokenizer(EOS_WORDS, eos="<eos>")
+    loaded = helpers.tiny_loaded(0, tmp_path / "m", tok, eos_id=6)
+    assert eos_ids(loaded) == [6]
+    loaded.model.generation_config.eos_token_id = [2, 6]  # a chat model's end-of-turn besides the EOS
+    assert eos_ids(loaded) == [2, 6]
+    loaded.model.generation_config.eos_token_id = None
+    assert eos_ids(loaded) == [6]

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from decode import zoo
-from decode.loading import load
-from decode.model import make_runner
+from decode.loading import eos_ids, load
 from decode.prompts import load_suite
+from decode.runner import make_runner
 from decode.speculative import KPolicy, generate
-from decode.textgen import eos_ids, prompt_ids
+from decode.textgen import prompt_ids
 
 pytestmark = pytest.mark.integration
 

@@ -9,7 +9,8 @@ import torch
 
 import decode.speculative
 from decode.head import HeadDraft
-from decode.model import HFRunner, LeanLM, make_runner
+from decode.lean import LeanLM
+from decode.runner import HFRunner, make_runner
 from decode.sampling import SamplingParams, candidate_acceptance, verify_candidates, verify_candidates_greedy
 from decode.speculative import KPolicy, RoundClock, generate
 from tests.decode.test_head import law_pair, mimic_head, random_head, target_hf

@@ -5,7 +5,9 @@ import itertools
 import pytest
 import torch
 
-from decode.model import LeanLM, make_runner
+from decode.errors import DraftsmithError
+from decode.lean import LeanLM
+from decode.runner import make_runner
 from decode.sampling import SamplingParams
 from decode.speculative import KPolicy, Stats, generate
 from tests import helpers
@@ -224,3 +226,23 @@ def test_bad_arguments() -> None:
         generate(target, [1], max_new_tokens=4, sampling=SamplingParams(1.0))
     with pytest.raises(ValueError):
         KPolicy(k=0)
+
+
+def test_bad_arguments_are_one_line_draftsmith_errors() -> None:
+    """What the user gives wrong (prompt, budget, cache, sampling, policy) is the project's error, in one line."""
+    target = make_runner(tiny_hf(40), 16)
+    calls = {
+        "at least one token": lambda: generate(target, [], max_new_tokens=4),
+        "max_new_tokens must be >= 1, got 0": lambda: generate(target, [1], max_new_tokens=0),
+        "target cache holds 16 positions, this call needs 20": lambda: generate(target, [1] * 10, max_new_tokens=10),
+        "Generator": lambda: generate(target, [1], max_new_tokens=4, sampling=SamplingParams(1.0)),
+        "k_min <= k": lambda: KPolicy(k=0),
+        "confidence must be": lambda: KPolicy(confidence=1.0),
+        "siblings must be 0": lambda: KPolicy(confidence=0.5, siblings=1),
+        "needs a confidence threshold": lambda: KPolicy(siblings=2),
+        "sibling_depth must be": lambda: KPolicy(sibling_depth=2),
+    }
+    for needle, call in calls.items():
+        with pytest.raises(DraftsmithError, match=needle) as e:
+            call()
+        assert "\n" not in str(e.value), needle

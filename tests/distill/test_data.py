@@ -13,8 +13,8 @@ import torch
 import distill.data as data_mod
 from decode.errors import DraftsmithError
 from decode.loading import Loaded
-from decode.model import make_runner
 from decode.prompts import Prompt
+from decode.runner import make_runner
 from decode.sampling import SamplingParams
 from decode.speculative import generate
 from distill.data import draft_prompts, generate_batch, generate_data

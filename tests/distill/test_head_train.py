@@ -11,8 +11,9 @@ import torch
 from decode.head import HeadDraft, load_head
 from decode.loading import Loaded
 from distill.heads.data import HeadDataConfig, build_head_data, load_head_data, target_features
+from decode.attention import grouped_attention
 from decode.head import ttt_logits, ttt_mask
-from decode.model import dense, grouped_attention
+from decode.kernels import dense
 from distill.heads.train import HeadTrainConfig, soft_cross_entropy, train_head
 from tests import helpers
 from tests.decode.test_head import random_head, target_hf

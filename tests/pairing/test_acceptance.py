@@ -208,7 +208,7 @@ def greedy_refs(target, prompts: list[list[int]], budget: int) -> datasets.Datas
     """The target's own greedy continuations (what `reference_continuations` stores), budget recorded."""
     import json
 
-    from decode.model import make_runner
+    from decode.runner import make_runner
     from decode.speculative import generate
 
     run = make_runner(target, 64)
@@ -222,7 +222,7 @@ def greedy_refs(target, prompts: list[list[int]], budget: int) -> datasets.Datas
 
 
 def test_rows_predict_the_decoders_rounds_exactly_at_temperature_zero() -> None:
-    from decode.model import make_runner
+    from decode.runner import make_runner
     from decode.speculative import KPolicy, generate
 
     target, draft = tiny(0), tiny(0, layers=1)  # the draft: the target's first layer, so it half agrees
@@ -258,7 +258,7 @@ def test_head_matrices_predict_the_decoders_rounds_exactly_at_temperature_zero()
     import json
 
     from decode.head import HeadDraft
-    from decode.model import make_runner
+    from decode.runner import make_runner
     from decode.speculative import KPolicy, generate
     from pairing.acceptance import HEAD, measure_head_acceptance
     from tests.decode.test_head import mimic_head, target_hf

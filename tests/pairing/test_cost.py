@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from decode.model import make_runner
+from decode.runner import make_runner
 from pairing.cost import CostModel, expected_tau, measure_cost, predicted_speedup, speedup_curve
 from pairing.policy import choose_policy, taus_from_alpha
 from tests import helpers

@@ -17,7 +17,7 @@ def test_walking_depth_records_gives_the_decoders_own_rounds(K, threshold, sibli
     """At temperature 0 the walk over the head's teacher-forced records is the decoder's count: the same number
     of tokens, the same drafts and draft steps in every round (stopping early, sibling rounds and their children
     included), the same tau."""
-    from decode.model import make_runner
+    from decode.runner import make_runner
     from decode.speculative import KPolicy, RoundClock, generate
     from pairing.head_rounds import depth_records
     from pairing.depth import round_walk

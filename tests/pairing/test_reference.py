@@ -11,7 +11,7 @@ import pairing.reference as reference
 from decode.errors import DraftsmithError
 from decode.loading import Loaded
 from decode.prompts import Prompt
-from decode.model import make_runner
+from decode.runner import make_runner
 from decode.sampling import SamplingParams
 from decode.speculative import generate
 from pairing.reference import prompt_seed, reference_continuations, reference_key

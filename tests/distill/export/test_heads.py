@@ -14,7 +14,7 @@ from transformers import LlamaConfig
 from decode.errors import DraftsmithError
 from decode.head import Eagle3Head, HeadConfig, HeadDraft, rope_tables, vocab_map
 from decode.kv_cache import KVCache
-from decode.model import make_runner
+from decode.runner import make_runner
 from decode.speculative import KPolicy, generate
 from distill.export.heads import (check_llama_cpp_input_contract, check_sglang_contract, check_speculators_contract,
                                   export_llama_cpp_input, export_sglang, export_speculators, refuse_pairing)

@@ -1,0 +1,116 @@
+"""The Linear kernels the runners call at inference, and the timing that picks between them.
+
+`linear(x, layer)` runs an nn.Linear on oneDNN's kernel over a prepacked copy of its weight where that applies
+(`dnn_usable`: the CPU, float32 or bfloat16, outside autograd and torch.compile), else in the faster of two BLAS
+layouts on this machine, timed once per (weight shape, rows). `dense(x, weight)` is the same kernel for a bare
+weight (a head's training labels). DRAFTSMITH_LINEAR=auto|xw|wx|dnn fixes a layout.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+LAYOUTS = ("auto", "xw", "wx", "dnn")
+_CHOICE: dict[tuple, bool] = {}  # (dtype, weight shape, rows, no bias) -> compute as W @ x^T (CPU only)
+_PACKED: dict[int, tuple[weakref.ref, int, Tensor]] = {}  # id(weight) -> (the weight, its version, packed copy)
+
+
+def _layout_setting() -> str:
+    value = os.environ.get("DRAFTSMITH_LINEAR", "auto")
+    if value not in LAYOUTS:
+        raise ValueError(f"DRAFTSMITH_LINEAR must be one of {', '.join(LAYOUTS)}, got {value!r}")
+    return value
+
+
+def _time(fn, reps: int = 5) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def dnn_usable(weight: Tensor) -> bool:
+    """Whether a Linear with this weight runs on oneDNN's prepacked kernel (`linear`): on the CPU, in float32 or
+    bfloat16, outside autograd and torch.compile, where the build has oneDNN, unless DRAFTSMITH_LINEAR names
+    another layout."""
+    return dnn_layout(weight) and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+
+
+def dnn_layout(weight: Tensor) -> bool:
+    """`dnn_usable` without the autograd and torch.compile conditions: whether this weight's layout is oneDNN's."""
+    return (_layout_setting() in ("auto", "dnn") and weight.device.type == "cpu"
+            and weight.dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available())
+
+
+def _packed(weight: Tensor) -> Tensor:
+    """oneDNN's own blocked copy of a weight, made once and made again if the weight changes in place (an
+    optimizer step bumps its version): a snapshot that never goes stale."""
+    key, version = id(weight), weight._version
+    hit = _PACKED.get(key)
+    new = hit is None or hit[0]() is not weight
+    if new:  # forget its copy when the weight goes
+        weakref.finalize(weight, _PACKED.pop, key, None)
+    if new or hit[1] != version:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+        hit = _PACKED[key] = (weakref.ref(weight), version, packed)
+    return hit[2]
+
+
+def _weight_first(x: Tensor, layer: nn.Linear) -> bool:
+    """Whether a Linear on these few rows runs faster as (W @ x^T)^T than as x @ W^T on this CPU: decided once
+    per (weight shape, rows) by timing both (the best of 5). BLAS libraries differ: on some CPUs (MKL on the
+    AVX-512 EPYCs measured here) W @ x^T streams the weight once for a few rows, where x @ W^T costs ~T times one
+    row; on others (this project's Intel Xeon runners) it is the other way round, 2x slower at 2 rows."""
+    setting = _layout_setting()
+    # small weights (test models) are not timed: microsecond timings are noise, and a choice that differed from
+    # process to process would change rounding between a run and its resumption
+    if setting not in ("auto", "dnn") or x.device.type != "cpu" or x.shape[0] > 16 or layer.weight.numel() < 1 << 16:
+        return setting == "wx"
+    key = (x.dtype, tuple(layer.weight.shape), x.shape[0], layer.bias is None)
+    if key not in _CHOICE:
+        probe = torch.randn_like(x)
+        w, b = layer.weight.detach(), None if layer.bias is None else layer.bias.detach()
+        wx = _time(lambda: torch.mm(w, probe.t()))
+        xw = _time(lambda: F.linear(probe, w, b))
+        _CHOICE[key] = wx < 0.9 * xw  # the plain layout unless the other is clearly faster
+    return _CHOICE[key]
+
+
+def _dnn_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    rows = x.reshape(-1, x.shape[-1]).contiguous()  # (..., d) as rows: batched decoding (BatchLM) too
+    y = torch.ops.mkldnn._linear_pointwise(rows, _packed(weight), bias, "none", [], "")
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def dense(x: Tensor, weight: Tensor) -> Tensor:
+    """x @ weight.T outside autograd (the labels a head trains on): oneDNN's kernel where `dnn_usable`, 2.2x
+    MKL's float32 sgemm on the AMD EPYC here at (1632, 576) x (576, 8192); F.linear otherwise."""
+    if dnn_usable(weight) and x.dtype == weight.dtype:
+        return _dnn_linear(x, weight)
+    return F.linear(x, weight)
+
+
+def linear(x: Tensor, layer: nn.Module) -> Tensor:
+    """A Linear layer at inference. On the CPU in float32 or bfloat16 (`dnn_usable`): oneDNN's kernel over a
+    prepacked copy of the weight, whose cost hardly grows from 1 to 8 rows (MKL's sgemm on few rows is 1.3-2x one
+    row) and which streams the weight faster even for one row. Otherwise the faster of two BLAS layouts on this machine
+    (`_weight_first`); DRAFTSMITH_LINEAR=xw|wx|dnn fixes one. Other layer types (the int8 draft's quantised
+    Linear) run as they are."""
+    if type(layer) is not nn.Linear:
+        return layer(x)
+    if dnn_usable(layer.weight) and x.dtype == layer.weight.dtype:
+        return _dnn_linear(x, layer.weight, layer.bias)
+    if x.dim() != 2 or not _weight_first(x, layer):  # batched rows (training): the plain layout
+        return F.linear(x, layer.weight, layer.bias)
+    if layer.bias is None:
+        return torch.mm(layer.weight, x.t()).t()
+    return torch.addmm(layer.bias[:, None], layer.weight, x.t()).t()

@@ -1,0 +1,49 @@
+"""The Linear kernels: the layouts the lean runner picks between (two BLAS layouts, oneDNN's prepacked kernel)
+compute the same numbers; a bad DRAFTSMITH_LINEAR is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def test_both_linear_layouts_give_the_same_numbers_and_a_bad_setting_is_refused(monkeypatch) -> None:
+    import decode.kernels as dk
+
+    layer = torch.nn.Linear(320, 256, bias=True).double()  # large enough (>= 2^16 weights) to be timed on auto
+    x = torch.randn(3, 320, dtype=torch.float64)
+    ref = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    for setting in ("xw", "wx", "auto"):
+        monkeypatch.setenv("DRAFTSMITH_LINEAR", setting)
+        torch.testing.assert_close(dk.linear(x, layer), ref, rtol=1e-12, atol=1e-12)
+    monkeypatch.setenv("DRAFTSMITH_LINEAR", "fast")
+    with pytest.raises(ValueError, match="DRAFTSMITH_LINEAR"):
+        dk.linear(x, layer)
+
+
+def test_onednn_layout_matches_plain_follows_weight_changes_and_stays_out_of_autograd(monkeypatch) -> None:
+    import decode.kernels as dk
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch build has no oneDNN")
+    monkeypatch.setenv("DRAFTSMITH_LINEAR", "auto")
+    layer = torch.nn.Linear(96, 80, bias=True)
+    x = torch.randn(5, 96)
+    with torch.no_grad():
+        assert dk.dnn_usable(layer.weight)
+        for rows in (1, 3, 5):  # the packed kernel, against float64
+            ref = torch.nn.functional.linear(x[:rows].double(), layer.weight.double(), layer.bias.double())
+            torch.testing.assert_close(dk.linear(x[:rows], layer), ref.float(), rtol=1e-5, atol=1e-5)
+        layer.weight.mul_(-2.0)  # changed in place (as an optimizer step does): the packed copy follows
+        ref = torch.nn.functional.linear(x.double(), layer.weight.double(), layer.bias.double()).float()
+        torch.testing.assert_close(dk.linear(x, layer), ref, rtol=1e-5, atol=1e-5)
+        layer.weight = torch.nn.Parameter(torch.randn(80, 96))  # replaced: a new copy
+        torch.testing.assert_close(dk.linear(x, layer), torch.nn.functional.linear(x, layer.weight, layer.bias),
+                                   rtol=1e-5, atol=1e-5)
+    assert not dk.dnn_usable(layer.weight)  # autograd on: the plain layout, which has a backward
+    dk.linear(x, layer).sum().backward()
+    assert layer.weight.grad is not None
+    monkeypatch.setenv("DRAFTSMITH_LINEAR", "xw")
+    with torch.no_grad():
+        assert not dk.dnn_usable(layer.weight)
+        assert not dk.dnn_usable(layer.weight.double())

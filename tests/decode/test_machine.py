@@ -1,0 +1,24 @@
+"""machine_info and versions: where a number was measured, recorded in every result file."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import transformers
+
+from decode.allocator import allocator_setting
+from decode.machine import machine_info, versions
+
+
+def test_machine_info_and_versions_say_where_a_number_was_measured() -> None:
+    info = machine_info()
+    assert set(info) == {"platform", "cpu", "cpu_count", "torch_threads", "cuda", "allocator"}
+    assert info["allocator"] == allocator_setting()
+    assert info["cpu_count"] == os.cpu_count() and info["torch_threads"] == torch.get_num_threads()
+    assert isinstance(info["cpu"], str) and (info["cuda"] is None) == (not torch.cuda.is_available())
+    v = versions()
+    assert set(v) == {"python", "torch", "transformers", "draftsmith"}
+    assert v["python"] == sys.version.split()[0] and v["torch"] == torch.__version__
+    assert v["transformers"] == transformers.__version__ and v["draftsmith"]
