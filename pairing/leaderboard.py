@@ -478,6 +478,22 @@ def _fmt(v, nd: int = 2) -> str:
     return "-" if v is None else (f"{v:.{nd}f}" if isinstance(v, float) else str(v))
 
 
+CAVEAT_ERROR = 0.15  # a prediction further than this from the measurement (relative to it) carries a caveat
+
+
+def prediction_caveat(predicted: float | None, measured: float | None) -> str | None:
+    """Why a prediction should not be trusted as it stands, or None: it said the draft pays and the measurement
+    says it does not, or it is more than 15% off the measurement."""
+    if not predicted or not measured:
+        return None
+    if predicted > 1.0 > measured:
+        return f"predicted {predicted:.2f}x but measured {measured:.2f}x: slower than the target alone"
+    error = abs(measured - predicted) / measured
+    if error > CAVEAT_ERROR:
+        return f"predicted {predicted:.2f}x, measured {measured:.2f}x: the prediction is {100 * error:.0f}% off"
+    return None
+
+
 def table_rows(board: dict) -> tuple[list[str], list[list[str]]]:
     domains = board["settings"]["domains"]
     head = ["draft", "kind", "params (M)", "alpha", *[f"alpha {d}" for d in domains], "c", "v(best K)",
@@ -488,7 +504,9 @@ def table_rows(board: dict) -> tuple[list[str], list[list[str]]]:
             c["draft"], c["kind"], _fmt(c["params"], 1), _fmt(c["alpha"], 3),
             *[_fmt(c["alpha_by_domain"].get(d), 3) for d in domains],
             _fmt(c["cost_ratio"], 3), _fmt(c["verify_cost"][str(c["best_k"])]), str(c["best_k"]),
-            _fmt(c["predicted_speedup"]) + "x", (_fmt(c["measured_speedup"]) + "x") if c["measured_speedup"] else "-",
+            _fmt(c["predicted_speedup"]) + "x",
+            ((_fmt(c["measured_speedup"]) + "x") if c["measured_speedup"] else "-")
+            + (" (!)" if prediction_caveat(c["predicted_speedup"], c["measured_speedup"]) else ""),
             f"{100 * c['prediction_error']:.0f}%" if c.get("prediction_error") is not None else "-",
             {True: "pass", False: "fail", None: "-"}[c["llama_cpp_compatible"]],
         ])
@@ -503,6 +521,9 @@ def markdown(board: dict) -> str:
              f"machine: {board['machine']['cpu']} ({board['machine']['cpu_count']} cores).", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
+    caveats = [(c["draft"], prediction_caveat(c["predicted_speedup"], c["measured_speedup"]))
+               for c in board["candidates"]]
+    lines += [""] + [f"(!) `{d}`: {why}." for d, why in caveats if why]
     lines += ["", "alpha: teacher-forced mean of sum min(p, q); c: draft step / target step; v(K): target over K+1 "
               "tokens / over 1; predicted speedup: tau(K) walked on the teacher-forced rows as the decoder walks them, over the round cost timed in the decoder (docs/design.md); tau counts the bonus token."]
     for c in board["candidates"]:
@@ -593,9 +614,14 @@ def html_page(board: dict, pngs: dict[str, bytes]) -> str:
                    f"</figure>" for n, b in pngs.items())
     return (f"<!doctype html><meta charset=utf-8><title>draftsmith leaderboard: {html.escape(board['target'])}</title>"
             "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}td,th{border:1px solid #ccc;"
-            "padding:4px 8px;text-align:right}td:first-child{text-align:left}</style>"
-            f"<h1>Draft leaderboard for {html.escape(board['target'])}</h1><table><tr>{cells}</tr>{body}</table>"
-            f"<pre>{html.escape(markdown(board).split(chr(10) + chr(10), 3)[-1])}</pre>{imgs}")
+            "padding:4px 8px;text-align:right}td:first-child{text-align:left}.table{overflow-x:auto}"
+            "img{max-width:100%}.caveat{color:#a30;font-weight:bold}</style>"
+            f"<h1>Draft leaderboard for {html.escape(board['target'])}</h1>"
+            f'<div class="table"><table><tr>{cells}</tr>{body}</table></div>'
+            + "".join(f'<p class="caveat">(!) {html.escape(c["draft"])}: {html.escape(why)}.</p>'
+                      for c in board["candidates"]
+                      for why in [prediction_caveat(c["predicted_speedup"], c["measured_speedup"])] if why)
+            + f"<pre>{html.escape(markdown(board).split(chr(10) + chr(10), 3)[-1])}</pre>{imgs}")
 
 
 def write_leaderboard(board: dict, out: Path) -> None:

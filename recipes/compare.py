@@ -13,6 +13,7 @@ from pathlib import Path
 
 from decode.errors import DraftsmithError
 from decode.io import atomic_write_json, read_json
+from pairing.leaderboard import prediction_caveat
 from recipes.report import Doc, fmt
 
 COLUMNS = ["target", "draft", "kind", "alpha", "positions", "best K", "predicted", "measured (ours)", "llama.cpp",
@@ -108,7 +109,8 @@ def _table(merged: dict) -> tuple[list[str], list[list[str]]]:
         rows.append([r["target"], r["draft"], r["kind"], alpha, fmt(r["positions"]), fmt(r["best_k"]),
                      fmt(r["predicted_speedup"], 2) + ("x" if r["predicted_speedup"] else ""),
                      fmt(r["measured_speedup"], 2) + ("x" if r["measured_speedup"] else "")
-                     + (" (transformers)" if r.get("measured_with") else ""),
+                     + (" (transformers)" if r.get("measured_with") else "")
+                     + (" (!)" if prediction_caveat(r["predicted_speedup"], r["measured_speedup"]) else ""),
                      _llama_cpp_cell(r.get("llama_cpp")), r["run"]])
     return COLUMNS, rows
 
@@ -128,6 +130,10 @@ def write_merged(merged: dict, out: Path) -> Doc:
           "decoder); measured: our decoder with / without the draft; llama.cpp: llama-server with / without it, from "
           "the run's export check (K, accepted/drafted).")
     doc.table(*_table(merged))
+    for r in merged["rows"]:
+        why = prediction_caveat(r["predicted_speedup"], r["measured_speedup"])
+        if why:
+            doc.p(f"(!) {r['draft']} ({r['run']}): {why}.")
     if merged["without_results"]:
         doc.p("Folders without results yet: " + ", ".join(merged["without_results"]))
     doc.write(out, "leaderboard")

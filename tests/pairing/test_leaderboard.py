@@ -137,3 +137,13 @@ def test_a_bad_head_is_one_line(setup, tmp_path: Path, spec: str) -> None:
     cfg = PairConfig(candidates=[spec.format(other=other)], prompts_per_domain=1, max_new_tokens=4)
     with pytest.raises(DraftsmithError, match="head"):
         run_pair(str(target), tmp_path / "board", cfg, prompts=str(prompts), progress=False)
+
+
+@pytest.mark.parametrize("predicted,measured,needle", [
+    (1.2, 0.95, "slower than the target alone"), (1.5, 1.2, "25% off"), (0.8, 1.0, "20% off"),
+    (1.3, 1.2, None), (0.9, 0.85, None), (1.2, None, None)])
+def test_a_prediction_that_misleads_carries_a_caveat(predicted, measured, needle) -> None:
+    from pairing.leaderboard import prediction_caveat
+
+    why = prediction_caveat(predicted, measured)
+    assert (why is None) == (needle is None) and (needle is None or needle in why)
