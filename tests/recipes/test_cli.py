@@ -172,3 +172,22 @@ def test_grid_times_a_head_at_every_policy_in_one_run(tiny_pair, capsys, tmp_pat
     code = main(["grid", "--target", str(tiny_pair["target"]), "--draft", str(tiny_pair["draft"]), "--k", "0"])
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip() and "it/s]" not in line]
     assert code == 2 and len(lines) == 1 and "k must list integers >= 1" in lines[0]
+
+
+def test_decode_siblings_on_a_target_the_generic_runner_serves_is_one_line(tmp_path: Path, capsys,
+                                                                           monkeypatch) -> None:
+    """A target outside the lean runner (here a Llama with gelu; Gemma-3 in the zoo) runs in transformers, which
+    cannot verify a tree: siblings are a one-line error, exit 2, before any decoding."""
+    from tests import helpers
+    from tests.pairing.test_leaderboard import WORDS, tiny_tokenizer
+
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
+    vocab = len(WORDS) + 3
+    target = helpers.save_tiny(tmp_path / "gelu", tiny_tokenizer(), 0, vocab_size=vocab, eos_id=2, bos_id=1,
+                               layers=2, hidden_act="gelu")
+    draft = helpers.save_tiny(tmp_path / "draft", tiny_tokenizer(), 1, vocab_size=vocab, eos_id=2, bos_id=1, layers=1)
+    line = one_line_error(capsys, "--target", str(target), "--draft", str(draft), "--confidence", "0.5",
+                          "--siblings", "2")
+    assert "--siblings needs a target the lean runner can run" in line
+    code, out, err = decode(capsys, "--target", str(target), "--draft", str(draft), "--k", "2", "--json")
+    assert code == 0 and len(json.loads(out)["tokens"]) == 12, err  # without siblings it decodes
