@@ -6,6 +6,10 @@ is and with freed memory kept, each in its own process, one after the other, twi
 Each process: the target (SmolLM2 by default) writes `--samples` continuations of `--prompts` training prompts
 (bfloat16 copy, features kept, as the head recipe does), then a head trains `--steps` steps on them (bfloat16
 matmuls). Tokens per second of both are reported per process, and the ratios keep / system of the medians.
+Smoke run on a tiny model folder (a Llama of >= 4 layers), one process per setting:
+
+    .venv/bin/python scripts/allocator_bench.py --target TINY --prompts 4 --samples 1 --max-new-tokens 4 \
+        --steps 2 --draft-vocab 16 --settings system,keep --out /tmp/allocator
 """
 
 from __future__ import annotations
@@ -41,8 +45,8 @@ def one(args: argparse.Namespace) -> dict:
         rows = load_head_data(Path(tmp) / "data")
         t0 = time.perf_counter()
         summary = train_head(target, rows, rows[:4], Path(tmp) / "head", HeadTrainConfig(
-            ttt_steps=2, epochs=args.steps * 8 / len(rows), eval_every=10 ** 6, dtype="bfloat16"),
-            aux_layers=aux, progress=False)
+            draft_vocab_size=args.draft_vocab, ttt_steps=2, epochs=args.steps * 8 / len(rows), eval_every=10 ** 6,
+            dtype="bfloat16"), aux_layers=aux, progress=False)
         train_s = time.perf_counter() - t0
     gen_s = data["generate_seconds"] + data["feature_seconds"]
     return {"allocator": setting, "data_new_tokens": data["new_tokens"], "data_seconds": gen_s,
@@ -58,18 +62,27 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--draft-vocab", type=int, default=8192, help="ids the head can propose")
+    ap.add_argument("--settings", default="system,keep,system,keep", help="DRAFTSMITH_MALLOC of each process, in turn")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         print(json.dumps(one(args)))
         return
     runs = []
-    for setting in ("system", "keep", "system", "keep"):
+    settings = args.settings.split(",")
+    if not {"system", "keep"} <= set(settings) or not set(settings) <= {"system", "keep"}:
+        raise SystemExit(f"--settings: a list of system and keep, both present; got {args.settings!r}")
+    for setting in settings:
         env = {**os.environ, "DRAFTSMITH_MALLOC": setting}
         cmd = [sys.executable, __file__, "--child", "--target", args.target, "--prompts", str(args.prompts),
-               "--samples", str(args.samples), "--max-new-tokens", str(args.max_new_tokens), "--steps", str(args.steps)]
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
-        runs.append({"setting": setting, **json.loads(out.strip().splitlines()[-1])})
+               "--samples", str(args.samples), "--max-new-tokens", str(args.max_new_tokens), "--steps", str(args.steps),
+               "--draft-vocab", str(args.draft_vocab)]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            sys.stderr.write(proc.stderr)
+            raise SystemExit(f"the {setting} process failed (exit {proc.returncode})")
+        runs.append({"setting": setting, **json.loads(proc.stdout.strip().splitlines()[-1])})
         print(json.dumps(runs[-1]), flush=True)
     from decode.io import atomic_write_json
     from decode.machine import machine_info, versions
@@ -78,7 +91,8 @@ def main() -> None:
         return statistics.median(r[key] for r in runs if r["setting"] == setting)
 
     result = {"runs": runs, "machine": {k: v for k, v in machine_info().items() if k != "allocator"},
-              "versions": versions(), "args": {k: v for k, v in vars(args).items() if k != "child"} | {"out": str(args.out)},
+              "versions": versions(),
+              "args": {k: v for k, v in vars(args).items() if k != "child"} | {"out": str(args.out)},
               "ratio_keep_over_system": {key: med("keep", key) / med("system", key)
                                          for key in ("data_tokens_per_s", "train_tokens_per_s")}}
     atomic_write_json(args.out / "bench.json", result)

@@ -11,12 +11,19 @@ shared data-<source> folders, which the real run then reuses):
     .venv/bin/python scripts/distill_table.py --steps 2 --runs fkl-target,fkl-draft,tvd-mixed \
         --root runs/distill-table/smoke --docs runs/distill-table/smoke/distill-table
 
-Pair: target smollm2-135m-instruct, draft derive:smollm2-135m-instruct:keep=4 (its first 4 layers, own final
-norm, tied head). Everything happens in ONE process: the models are loaded once, the held-out split is the
-one `draftsmith distill` makes (the first 6 prompts of each of code, json, summarize, chat), the reference
-continuations (48 tokens, greedy) are built once (cached), the training data is generated once per source,
-and every run trains a fresh copy of the same draft (`train` deep-copies it; a fingerprint of the draft's
-weights is checked before each run) with the same TrainConfig apart from `loss`: 60 steps of 4 rows,
+A tiny run (seconds: a tiny model folder as the target, a derived 1-layer draft, a prompts file with a few
+prompts per domain; nothing is read from or written to runs/):
+
+    .venv/bin/python scripts/distill_table.py --target TINY --draft derive:TINY:keep=1 --prompts PROMPTS.jsonl \
+        --eval-per-domain 1 --max-new-tokens 4 --steps 2 --runs fkl-target,fkl-draft --earlier-target-data '' \
+        --root /tmp/dt --data-root /tmp/dt --docs /tmp/dt/distill-table
+
+Pair (by default; `--target`, `--draft`): target smollm2-135m-instruct, draft derive:smollm2-135m-instruct:keep=4
+(its first 4 layers, own final norm, tied head). Everything happens in ONE process: the models are loaded once,
+the held-out split is the one `draftsmith distill` makes (the first 6 prompts of each of code, json, summarize,
+chat), the reference continuations (48 tokens, greedy) are built once (cached), the training data is generated
+once per source, and every run trains a fresh copy of the same draft (`train` deep-copies it; a fingerprint of
+the draft's weights is checked before each run) with the same TrainConfig apart from `loss`: 60 steps of 4 rows,
 lr 5e-4, 6 warm-up steps, cosine, seed 0 (the same data order for every source).
 
 Runs are ordered so that the table is usable if it stops early (fkl/tvd on target data, fkl on draft data,
@@ -30,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -64,7 +72,7 @@ SOURCES = ("target", "draft", "mixed")
 # most informative first: the table must be usable if the run is stopped early
 ORDER = ["fkl-target", "tvd-target", "fkl-draft", "rkl-target", "jsd-target", "fkl-mixed", "tvd-draft",
          "tvd-mixed", "rkl-draft", "jsd-draft", "rkl-mixed", "jsd-mixed"]
-EARLIER_TARGET_DATA = ROOT / "runs" / "distill-smollm2" / "data"
+EARLIER_TARGET_DATA = "runs/distill-smollm2/data"  # the target's data of an earlier run, copied when it matches
 
 
 def config(loss: str, steps: int) -> TrainConfig:
@@ -90,18 +98,31 @@ def data_stats(ds) -> dict:
             "rows_from_draft": src.count("draft"), "rows_from_target": src.count("target")}
 
 
-def get_data(target, draft, train_p, data_root: Path, source: str) -> tuple[object, dict]:
+def shown(path: Path) -> str:
+    """`path` as written in the results: relative to the repository when inside it."""
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def get_data(target, draft, train_p, data_root: Path, source: str, max_new_tokens: int,
+             earlier: Path | None) -> tuple[object, dict]:
+    """The training data of `source` in data_root/data-<source> (made, reused, or copied from `earlier`, the
+    target's data of an earlier run, when `generate_data` accepts it); with what was done, for the results."""
     out = data_root / f"data-{source}"
-    info: dict = {"folder": str(out.relative_to(ROOT)) if out.is_relative_to(ROOT) else str(out)}
-    if source == "target" and not out.exists() and (EARLIER_TARGET_DATA / "dataset").is_dir():
-        shutil.copytree(EARLIER_TARGET_DATA, out)
-        info["copied_from"] = str(EARLIER_TARGET_DATA.relative_to(ROOT))
-        say(f"copied {EARLIER_TARGET_DATA} -> {out}")
+    info: dict = {"folder": shown(out)}
+    earlier = earlier if earlier is not None and (earlier / "dataset").is_dir() else None
+    if source == "target" and not out.exists() and earlier is not None:
+        shutil.copytree(earlier, out)
+        info["copied_from"] = shown(earlier)
+        say(f"copied {earlier} -> {out}")
     had_dataset = (out / "dataset").is_dir()
     t0 = time.perf_counter()
+
+    def generate():
+        return generate_data(target, draft, train_p, out, source=source, mix=MIX, max_new_tokens=max_new_tokens,
+                             temperature=DATA_TEMPERATURE, seed=0, speculative=False)
+
     try:
-        ds = generate_data(target, draft, train_p, out, source=source, mix=MIX, max_new_tokens=MAX_NEW_TOKENS,
-                           temperature=DATA_TEMPERATURE, seed=0, speculative=False)
+        ds = generate()
     except DraftsmithError as e:
         if "copied_from" not in info:
             raise
@@ -109,8 +130,7 @@ def get_data(target, draft, train_p, data_root: Path, source: str) -> tuple[obje
         shutil.rmtree(out)
         info["copy_refused"] = str(e)
         had_dataset = False
-        ds = generate_data(target, draft, train_p, out, source=source, mix=MIX, max_new_tokens=MAX_NEW_TOKENS,
-                           temperature=DATA_TEMPERATURE, seed=0, speculative=False)
+        ds = generate()
     info["reused"] = had_dataset
     info["seconds"] = time.perf_counter() - t0
     info.update(data_stats(ds))
@@ -119,15 +139,15 @@ def get_data(target, draft, train_p, data_root: Path, source: str) -> tuple[obje
         info["first_made"] = json.loads(first.read_text(encoding="utf-8"))
     elif not had_dataset or "copied_from" in info:
         atomic_write_json(first, dict(info))
-    if source == "target" and "copied_from" not in info and (EARLIER_TARGET_DATA / "dataset").is_dir():
+    if source == "target" and "copied_from" not in info and earlier is not None:
         from datasets import load_from_disk
 
-        orig = load_from_disk(str(EARLIER_TARGET_DATA / "dataset"))
+        orig = load_from_disk(str(earlier / "dataset"))
         info["identical_to_earlier_run_data"] = list(orig["continuation_ids"]) == list(ds["continuation_ids"])
     if "copied_from" in info and had_dataset:
         from datasets import load_from_disk
 
-        orig = load_from_disk(str(EARLIER_TARGET_DATA / "dataset"))
+        orig = load_from_disk(str(earlier / "dataset"))
         same = list(orig["continuation_ids"]) == list(ds["continuation_ids"])
         info["copy_accepted_identical_rows"] = same
         say(f"generate_data accepted the copied target data ({len(ds)} rows, identical rows: {same})")
@@ -177,7 +197,7 @@ def run_one(name: str, target, draft, data, refs, root: Path, steps: int, draft_
     wall = time.perf_counter() - t0
     log = read_log(out / "log.jsonl", steps)
     row = {
-        "run": name, "loss": loss, "data_source": source, "out": str(out.relative_to(ROOT)),
+        "run": name, "loss": loss, "data_source": source, "out": shown(out),
         "alpha_before": summary["alpha_before"],
         "alpha_after": log["alpha_final"],  # at the last step (not the best eval, which could be step 0)
         "alpha_gain": log["alpha_final"] - summary["alpha_before"],
@@ -223,10 +243,14 @@ def write_docs(docs: Path, meta: dict, rows: dict[str, dict]) -> None:
     docs.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(docs.with_suffix(".json"), {**meta, "runs": [rows[n] for n in ORDER if n in rows]})
     steps = meta["train_config"]["steps"]
+    settings = meta["data_settings"]
+    published = (meta["target"], meta["draft"]) == (TARGET, DRAFT)  # the pair of docs/distill-table.md
+    n_train = meta["train_prompts"]
     lines = [
         "# Distillation: loss x data source at equal budget (issue 4)",
         "",
-        f"Target `{TARGET}`, draft `{DRAFT}` (SmolLM2's first 4 layers, its final norm and tied head). "
+        f"Target `{meta['target']}`, draft `{meta['draft']}`"
+        + (" (SmolLM2's first 4 layers, its final norm and tied head)" if meta["draft"] == DRAFT else "") + ". "
         f"Cells: teacher-forced greedy α on the {meta['held_out_prompts']} held-out prompts after {steps} steps "
         "(gain over the untouched draft in brackets). Made by `scripts/distill_table.py` "
         f"(command: `{meta['command']}`).",
@@ -275,14 +299,15 @@ def write_docs(docs: Path, meta: dict, rows: dict[str, dict]) -> None:
             "gradient clipping 1.0, seed 0 (so the same prompts in the same order for every source), each from a "
             "fresh copy of the same untouched draft (α before = "
             f"{before:.3f}). Only `loss` and the training rows differ. Rows per step are equal; continuation "
-            "tokens per step differ a little between sources (text stops at EOS or at 48 tokens): see "
-            "'train tokens'.",
-            f"- **Data sources** ({meta['train_prompts']} training prompts, {MAX_NEW_TOKENS} new tokens, "
-            f"temperature {DATA_TEMPERATURE}, generated once per source): `target` = the target's own sampled "
+            f"tokens per step differ a little between sources (text stops at EOS or at {settings['max_new_tokens']} "
+            "tokens): see 'train tokens'.",
+            f"- **Data sources** ({meta['train_prompts']} training prompts, {settings['max_new_tokens']} new tokens, "
+            f"temperature {settings['temperature']}, generated once per source): `target` = the target's own sampled "
             "continuations; `draft` = on-policy continuations sampled from the un-distilled draft (generated once "
             "before training, not refreshed as the student changes), scored by the target at training time "
             "(the loss compares the student's and the target's distributions at every position of that text); "
-            f"`mixed` = {meta['data'].get('mixed', {}).get('rows_from_draft', round(MIX * meta['train_prompts']))} prompts (a seeded choice of round({MIX} x n)) "
+            f"`mixed` = {meta['data'].get('mixed', {}).get('rows_from_draft', round(settings['mix'] * n_train))} "
+            f"prompts (a seeded choice of round({settings['mix']} x n)) "
             "with draft text, the rest with target text (row for row the same text as in the pure sources). Mean "
             "continuation length: " + ", ".join(f"{s} {meta['data'][s]['mean_continuation_tokens']:.1f}"
                                                  for s in SOURCES if s in meta["data"]) + " tokens.",
@@ -290,8 +315,9 @@ def write_docs(docs: Path, meta: dict, rows: dict[str, dict]) -> None:
             f"of the held-out prompts ({pos} positions); positions are not independent, so treat differences "
             f"below about 2 x {se:.3f} (the binomial standard error at α = 0.5) as noise.",
             f"- Best cell: **{best['loss']} on {best['data_source']} data, α {best['alpha_after']:.3f} "
-            f"({best['alpha_gain']:+.3f})**. For comparison, the earlier fkl/target run "
-            "(docs/distill-smollm2.json: 150 steps, 10 warm-up) reached α 0.196 at step 50 and 0.250 at step 100.",
+            f"({best['alpha_gain']:+.3f})**."
+            + (" For comparison, the earlier fkl/target run (docs/distill-smollm2.json: 150 steps, 10 warm-up) "
+               "reached α 0.196 at step 50 and 0.250 at step 100." if published else ""),
         ]
         for loss in LOSSES:
             have = [(s, rows[f"{loss}-{s}"]["alpha_after"]) for s in SOURCES if f"{loss}-{s}" in rows]
@@ -319,14 +345,23 @@ def write_docs(docs: Path, meta: dict, rows: dict[str, dict]) -> None:
                          "cores with other work (paused, or oversubscribed threads). Their α is not affected: the "
                          "same steps on the same rows in the same order.")
         if meta.get("total_seconds_this_process"):
+            reused = [s for s in ("draft", "mixed") if meta["data"].get(s, {}).get("reused")]
             lines.append(f"- The script's last invocation took {meta['total_seconds_this_process'] / 60:.1f} min in "
-                         "one process (it resumes: runs finished earlier are loaded, not redone); the draft and "
-                         "mixed data had been generated by the smoke run (see `data` in the JSON).")
+                         "one process (it resumes: runs finished earlier are loaded, not redone)"
+                         + (f"; the {' and '.join(reused)} data had been generated by the smoke run (see `data` in "
+                            "the JSON)" if reused else "") + ".")
     atomic_write_text(docs.with_suffix(".md"), "\n".join(lines) + "\n")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default=TARGET)
+    ap.add_argument("--draft", default=DRAFT, help="a model, or derive:<target>:keep=N (pairing.derive)")
+    ap.add_argument("--prompts", default=SUITES, help="suite names or a prompts file")
+    ap.add_argument("--eval-per-domain", type=int, default=EVAL_PER_DOMAIN, help="held-out prompts per domain")
+    ap.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS, help="of the data and the references")
+    ap.add_argument("--earlier-target-data", default=EARLIER_TARGET_DATA,
+                    help="an earlier run's data folder of the target, copied in when it matches ('' for none)")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--runs", default=",".join(ORDER), help="comma-separated LOSS-SOURCE names, run in ORDER's order")
     ap.add_argument("--root", default="runs/distill-table")
@@ -359,18 +394,20 @@ def main() -> None:
     load_avg_start = os.getloadavg()
     say(f"start; load average {load_avg_start}; runs: {', '.join(wanted)}")
 
-    target = load(TARGET)
-    draft = load(resolve_candidate(DRAFT))
-    draft.name = DRAFT
+    target = load(args.target)
+    draft = load(resolve_candidate(args.draft))
+    draft.name = args.draft
     draft_print = fingerprint(draft.model)
-    train_p, held = split_prompts(load_prompts(SUITES), EVAL_PER_DOMAIN)
+    train_p, held = split_prompts(load_prompts(args.prompts), args.eval_per_domain)
     say(f"{len(train_p)} training prompts, {len(held)} held out")
-    refs = reference_continuations(target, held, max_new_tokens=MAX_NEW_TOKENS)
+    refs = reference_continuations(target, held, max_new_tokens=args.max_new_tokens)
+    earlier = ROOT / args.earlier_target_data if args.earlier_target_data else None
 
     sources = [s for s in SOURCES if any(n.endswith(f"-{s}") for n in wanted)]
     data, data_info = {}, {}
     for s in sources:
-        data[s], data_info[s] = get_data(target, draft, train_p, ROOT / args.data_root, s)
+        data[s], data_info[s] = get_data(target, draft, train_p, ROOT / args.data_root, s, args.max_new_tokens,
+                                         earlier)
     if set(data) == set(SOURCES):  # each prompt has its own seed: mixed rows must equal the pure sources' rows
         mixed = data["mixed"]
         same = sum(list(c) == list(data[src][i]["continuation_ids"])
@@ -379,12 +416,13 @@ def main() -> None:
         say(f"mixed data: {same}/{len(mixed)} rows identical to the same prompt's row in the pure source")
 
     meta = {
-        "issue": 4, "target": TARGET, "draft": DRAFT, "prompts": SUITES, "eval_per_domain": EVAL_PER_DOMAIN,
-        "train_prompts": len(train_p), "held_out_prompts": len(held), "reference_max_new_tokens": MAX_NEW_TOKENS,
-        "data": data_info, "data_settings": {"max_new_tokens": MAX_NEW_TOKENS, "temperature": DATA_TEMPERATURE,
-                                             "seed": 0, "mix": MIX, "speculative": False},
+        "issue": 4, "target": args.target, "draft": args.draft, "prompts": args.prompts,
+        "eval_per_domain": args.eval_per_domain, "train_prompts": len(train_p), "held_out_prompts": len(held),
+        "reference_max_new_tokens": args.max_new_tokens, "data": data_info,
+        "data_settings": {"max_new_tokens": args.max_new_tokens, "temperature": DATA_TEMPERATURE, "seed": 0, "mix": MIX,
+                          "speculative": False},
         "train_config": asdict(config("fkl", args.steps)) | {"loss": "varies"},
-        "command": " ".join([".venv/bin/python", "scripts/distill_table.py", *sys.argv[1:]]),
+        "command": " ".join([".venv/bin/python", "scripts/distill_table.py", *map(shlex.quote, sys.argv[1:])]),
         "machine": machine_info(), "versions": versions(), "load_avg_start": load_avg_start,
     }
     rows: dict[str, dict] = {}

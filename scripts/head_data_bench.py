@@ -6,7 +6,11 @@
 
 Each repeat builds the same head data (`distill.heads.data.build_head_data`: the target's sampled answers with its
 features, in a bfloat16 copy) once per batch size, in alternating order (64, 256, 256, 64, ...), into a scratch
-folder; prints and writes bench.json with every timing, the machine and the versions.
+folder; prints and writes bench.json with every timing, the machine and the versions. Smoke run on a tiny model
+folder (a Llama of >= 4 layers):
+
+    .venv/bin/python scripts/head_data_bench.py --target TINY --limit 4 --samples 1 --max-new-tokens 4 \
+        --batch-sizes 2,4 --repeats 1 --dtype float32 --out /tmp/hdb
 """
 
 from __future__ import annotations
@@ -22,7 +26,6 @@ from decode.io import atomic_write_json
 from decode.loading import load
 from decode.machine import machine_info, versions
 from decode.prompts import load_prompts
-from decode.machine import machine_info, versions
 from distill.heads.data import HeadDataConfig, build_head_data
 from distill.heads.pipeline import aux_layers_for
 

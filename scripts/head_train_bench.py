@@ -1,15 +1,18 @@
 """How fast a head trains: seconds per optimizer step of `distill.heads.train.train_head` on synthetic rows.
 
-    .venv/bin/python scripts/head_train_bench.py --out docs/head-train-bench/after
+    .venv/bin/python scripts/head_train_bench.py --steps 40 --out docs/head-train-bench/after
     git worktree add /tmp/old b2e6029 && (cd /tmp/old && PYTHONPATH=. "$OLDPWD/.venv/bin/python" \
         "$OLDPWD/scripts/head_train_bench.py" --out "$OLDPWD/docs/head-train-bench/before")
 
 The rows have the shapes of the SmolLM2 head recipe's data (random tokens, float16 features and final hidden
 states, ~205 tokens with an 80-token prompt); the head trains on them with the recipe's settings (8 rows a
-step, 2 depths unrolled, bfloat16 matmuls, 8,192 draft ids), `--steps` steps per repeat, with no held-out
-evaluation but the one at the start and the end. Writes bench.json: seconds per step of every repeat (the
+step, 2 depths unrolled, bfloat16 matmuls, `--draft-vocab` draft ids, the aux layers
+`distill.heads.pipeline.aux_layers_for` gives), `--steps` steps per repeat, with no held-out evaluation but the
+one at the start and the end. Writes bench.json: seconds per step of every repeat (the
 first repeat's first steps include warm-up), the machine and the versions. Old code runs the same script
-(PYTHONPATH), as above.
+(PYTHONPATH), as above. Smoke run on a tiny model folder (a Llama of >= 4 layers):
+
+    .venv/bin/python scripts/head_train_bench.py --target TINY --steps 2 --repeats 1 --draft-vocab 16 --out /tmp/htb
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from decode.allocator import keep_freed_memory
 from decode.io import atomic_write_json
 from decode.loading import load
 from decode.machine import machine_info, versions
+from distill.heads.pipeline import aux_layers_for
 from distill.heads.train import HeadTrainConfig, train_head
 
 
@@ -47,6 +51,7 @@ def main() -> None:
     ap.add_argument("--target", default="smollm2-135m-instruct")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--draft-vocab", type=int, default=8192, help="ids the head can propose")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     keep_freed_memory()
@@ -54,17 +59,18 @@ def main() -> None:
     c = target.model.config
     rows = synthetic_rows(8 * args.steps, c.vocab_size, c.hidden_size, 0)
     held = synthetic_rows(1, c.vocab_size, c.hidden_size, 1)
-    cfg = HeadTrainConfig(draft_vocab_size=8192, ttt_steps=2, lr=6e-3, epochs=1.0, rows_per_step=8,
+    aux = aux_layers_for(c.num_hidden_layers)  # (2, 15, 27) for SmolLM2's 30 layers
+    cfg = HeadTrainConfig(draft_vocab_size=args.draft_vocab, ttt_steps=2, lr=6e-3, epochs=1.0, rows_per_step=8,
                           eval_every=10**9, dtype="bfloat16")
     per_step = []
     for _ in range(args.repeats):
         with tempfile.TemporaryDirectory() as tmp:
             t0 = time.perf_counter()
-            summary = train_head(target, rows, held, Path(tmp), cfg, aux_layers=(2, 15, 27), progress=False)
+            summary = train_head(target, rows, held, Path(tmp), cfg, aux_layers=aux, progress=False)
             per_step.append((time.perf_counter() - t0) / summary["steps"])
     result = {"target": args.target, "steps": args.steps, "rows_per_step": 8, "ttt_steps": 2, "dtype": "bfloat16",
-              "seconds_per_step": per_step, "median_seconds_per_step": statistics.median(per_step),
-              "machine": machine_info(), "versions": versions()}
+              "draft_vocab_size": args.draft_vocab, "aux_layers": list(aux), "seconds_per_step": per_step,
+              "median_seconds_per_step": statistics.median(per_step), "machine": machine_info(), "versions": versions()}
     atomic_write_json(args.out / "bench.json", result)
     print(json.dumps({k: v for k, v in result.items() if k not in ("machine", "versions")}, indent=1))
 

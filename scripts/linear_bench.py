@@ -6,7 +6,9 @@ The lean runner of `--target` first reads a `--context`-token prompt; then, per 
 (DRAFTSMITH_LINEAR=dnn, xw, wx, in turn), it times forwards of T = 1..`--max-rows` tokens at that position (the
 verify step of a round drafting T - 1 tokens; T = 1 is a plain decoding step), rolling the cache back each
 time. Reports the median of every (layout, T), v(T) = its ratio to the same layout's one-row step, and each
-layout's one-row step against the dnn one; with the machine and the versions.
+layout's one-row step against the dnn one; with the machine and the versions. Smoke run on a tiny model folder:
+
+    .venv/bin/python scripts/linear_bench.py --target TINY --context 16 --max-rows 2 --repeats 1 --reps 1 --out /tmp/lb
 """
 
 from __future__ import annotations

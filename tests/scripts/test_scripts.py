@@ -1,0 +1,140 @@
+"""Every benchmark script in scripts/ runs: each one, as a subprocess, in its tiny mode on a tiny random Llama
+(seconds), exits 0 and writes the JSON its docs page cites, with the machine and the versions. And no script
+reaches into a private name of the package: scripts call the public API only."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests import helpers
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = ROOT / "scripts"
+PACKAGES = ("decode", "pairing", "distill", "recipes")
+WORDS = "the a of to and in is it that for on with as was be by this are or at from code data list sort print".split()
+TESTED = {"allocator_bench.py", "distill_table.py", "head_data_bench.py", "head_train_bench.py", "linear_bench.py"}
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> dict:
+    """A 4-layer Llama with BOS/EOS and a word tokenizer (a head reads target layers [2, L/2, L-3]: L >= 4), a
+    prompts file of 3 prompts in each of two domains, and a model cache of its own."""
+    root = tmp_path_factory.mktemp("scripts")
+    tok = helpers.word_tokenizer(["[UNK]", "<s>", "</s>", *WORDS], eos="</s>", bos="<s>", split_punctuation=True)
+    target = helpers.save_tiny(root / "target", tok, 0, eos_id=2, bos_id=1, layers=4, head_scale=4.0)
+    rows = [(d, " ".join(WORDS[(5 * i + j) % len(WORDS)] for j in range(2 + i % 3)))
+            for i in range(3) for d in ("code", "chat")]
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p, "domain": d}) + "\n" for d, p in rows))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+           "DRAFTSMITH_CACHE": str(root / "cache")}
+    return {"root": root, "target": str(target), "prompts": str(prompts), "env": env}
+
+
+def run_script(world: dict, name: str, *args: str) -> subprocess.CompletedProcess:
+    r = subprocess.run([sys.executable, f"scripts/{name}", *args], cwd=ROOT, env=world["env"], capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
+
+
+def read_result(path: Path) -> dict:
+    result = json.loads(path.read_text(encoding="utf-8"))
+    assert {"cpu", "cpu_count", "torch_threads"} <= set(result["machine"])
+    assert {"torch", "transformers"} <= set(result["versions"])
+    return result
+
+
+def test_linear_bench(world: dict, tmp_path: Path) -> None:
+    run_script(world, "linear_bench.py", "--target", world["target"], "--context", "16", "--max-rows", "2",
+               "--repeats", "1", "--reps", "1", "--out", str(tmp_path))
+    result = read_result(tmp_path / "bench.json")
+    assert {"target", "context", "median_ms", "v", "one_row_vs_dnn", "seconds"} <= set(result)
+    assert set(result["median_ms"]) == {"dnn", "xw", "wx"}
+    assert all(set(per) == {"1", "2"} for per in result["median_ms"].values())
+    assert result["one_row_vs_dnn"]["dnn"] == 1.0
+
+
+def test_head_data_bench(world: dict, tmp_path: Path) -> None:
+    run_script(world, "head_data_bench.py", "--target", world["target"], "--prompts", world["prompts"], "--limit", "4",
+               "--samples", "1", "--max-new-tokens", "4", "--batch-sizes", "2,4", "--repeats", "1", "--out",
+               str(tmp_path))
+    result = read_result(tmp_path / "bench.json")
+    assert {"target", "rows", "runs", "tokens_per_s", "ratio_vs_first"} <= set(result)
+    assert result["rows"] == 4 and [r["batch_size"] for r in result["runs"]] == [2, 4]
+    assert set(result["tokens_per_s"]) == {"2", "4"} and result["ratio_vs_first"]["2"] == 1.0
+
+
+def test_head_train_bench(world: dict, tmp_path: Path) -> None:
+    run_script(world, "head_train_bench.py", "--target", world["target"], "--steps", "2", "--repeats", "1",
+               "--draft-vocab", "16", "--out", str(tmp_path))
+    result = read_result(tmp_path / "bench.json")
+    assert {"target", "steps", "seconds_per_step", "median_seconds_per_step", "aux_layers"} <= set(result)
+    assert result["aux_layers"] == [2, 2, 1] and result["draft_vocab_size"] == 16
+    assert len(result["seconds_per_step"]) == 1 and result["median_seconds_per_step"] > 0
+
+
+def test_allocator_bench(world: dict, tmp_path: Path) -> None:
+    run_script(world, "allocator_bench.py", "--target", world["target"], "--prompts", "4", "--samples", "1",
+               "--max-new-tokens", "4", "--steps", "2", "--draft-vocab", "16", "--settings", "system,keep",
+               "--out", str(tmp_path))
+    result = read_result(tmp_path / "bench.json")
+    assert {"runs", "args", "ratio_keep_over_system"} <= set(result)
+    assert [r["setting"] for r in result["runs"]] == ["system", "keep"]
+    assert result["runs"][0]["allocator"] == "system"
+    assert {"data_tokens_per_s", "train_tokens_per_s"} == set(result["ratio_keep_over_system"])
+    assert "allocator" not in result["machine"]  # each run says its own
+
+
+def test_distill_table(world: dict, tmp_path: Path) -> None:
+    run_script(world, "distill_table.py", "--target", world["target"], "--draft", f"derive:{world['target']}:keep=1",
+               "--prompts", world["prompts"], "--eval-per-domain", "1", "--max-new-tokens", "4", "--steps", "2",
+               "--runs", "fkl-target,fkl-draft", "--earlier-target-data", "", "--root", str(tmp_path),
+               "--data-root", str(tmp_path), "--docs", str(tmp_path / "distill-table"))
+    result = read_result(tmp_path / "distill-table.json")
+    assert {"target", "draft", "train_prompts", "held_out_prompts", "data", "train_config", "command",
+            "runs"} <= set(result)
+    assert (result["train_prompts"], result["held_out_prompts"]) == (4, 2)
+    assert [r["run"] for r in result["runs"]] == ["fkl-target", "fkl-draft"]
+    for r in result["runs"]:
+        assert {"alpha_before", "alpha_after", "alpha_gain", "loss_final", "train_tokens"} <= set(r)
+        assert Path(r["out"]).parent == tmp_path and r["config"]["steps"] == 2
+    assert set(result["data"]) == {"target", "draft"}
+    assert all(Path(d["folder"]).parent == tmp_path for d in result["data"].values())
+    md = (tmp_path / "distill-table.md").read_text(encoding="utf-8")
+    assert f"Target `{world['target']}`" in md and "| fkl |" in md and "| rkl | not run" in md
+
+
+def scripts() -> list[Path]:
+    return sorted(SCRIPTS.glob("*.py"))
+
+
+def test_every_script_has_a_smoke_test_and_a_run_command() -> None:
+    assert {p.name for p in scripts()} == TESTED
+    for path in scripts():
+        doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")))
+        assert doc and f"scripts/{path.name}" in doc, f"{path.name}: the docstring gives no run command"
+
+
+@pytest.mark.parametrize("path", scripts(), ids=lambda p: p.name)
+def test_scripts_import_no_private_name(path: Path) -> None:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    seen = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in PACKAGES:
+            private = [a.name for a in node.names if a.name.startswith("_")]
+            assert not private, f"{path.name}: from {node.module} import {', '.join(private)}"
+            for a in node.names:
+                assert (node.module, a.name) not in seen, f"{path.name}: {node.module}.{a.name} imported twice"
+                seen.add((node.module, a.name))
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] in PACKAGES:
+                    assert not any(part.startswith("_") for part in a.name.split(".")), f"{path.name}: {a.name}"
