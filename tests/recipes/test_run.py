@@ -103,6 +103,24 @@ def test_finished_stages_are_skipped_and_changed_settings_refused(world: dict, w
     assert "\n" not in line and "distill.train.steps: 80 -> 81" in line and "--restart distill" in line, line
 
 
+def run_and_kill(cmd: list[str], env: dict, ready) -> int:
+    """Run `cmd`, SIGKILL it (harsher than Ctrl-C: nothing gets to clean up) as soon as `ready()` holds, and
+    return its exit code (-SIGKILL when it was killed; within 10 minutes)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    deadline = time.monotonic() + 600
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            if ready():
+                proc.send_signal(signal.SIGKILL)
+                break
+            time.sleep(0.005)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    return proc.returncode
+
+
 def _final_weights(run: Path) -> tuple[str, dict[str, torch.Tensor]]:
     last = sorted((run / "distill" / "checkpoints").iterdir(), key=lambda p: int(p.name[5:]))[-1]
     return last.name, load_file(str(last / "student.safetensors"))
@@ -110,22 +128,11 @@ def _final_weights(run: Path) -> tuple[str, dict[str, torch.Tensor]]:
 
 def test_killed_mid_distill_then_rerun_ends_with_the_same_weights(world: dict, whole: Path) -> None:
     out = world["root"] / "runs" / "killed"
-    proc = subprocess.Popen([str(DRAFTSMITH), "run", str(world["recipe"]), "--out", str(out)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=world["env"])
     ckpts = out / "distill" / "checkpoints"
-    deadline = time.monotonic() + 600
-    try:
-        while proc.poll() is None and time.monotonic() < deadline:
-            if ckpts.is_dir() and any(p.name.startswith("step-") and int(p.name[5:]) >= 10 for p in ckpts.iterdir()
-                                      if p.name[5:].isdigit()):
-                proc.send_signal(signal.SIGKILL)  # harsher than Ctrl-C: nothing gets to clean up
-                break
-            time.sleep(0.01)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed mid-distillation"
+    code = run_and_kill([str(DRAFTSMITH), "run", str(world["recipe"]), "--out", str(out)], world["env"],
+                        lambda: ckpts.is_dir() and any(int(p.name[5:]) >= 10 for p in ckpts.iterdir()
+                                                       if p.name.startswith("step-") and p.name[5:].isdigit()))
+    assert code == -signal.SIGKILL, "the run ended before it could be killed mid-distillation"
     state = json.loads((out / "state.json").read_text())["stages"]
     assert state["pair"]["status"] == "done" and state["distill"]["status"] == "running"
 
@@ -311,24 +318,15 @@ def test_killed_mid_head_training_then_rerun_ends_with_the_same_weights(world: d
 
     out = world["root"] / "runs" / "head-killed"
     trainer = out / "distill" / "head" / "checkpoint" / "trainer.json"
-    proc = subprocess.Popen([str(DRAFTSMITH), "run", str(path), "--out", str(out), "--stages", "distill"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=world["env"])
-    deadline = time.monotonic() + 600
-    try:
-        while proc.poll() is None and time.monotonic() < deadline:
-            try:
-                at = json.loads(trainer.read_text())["step"] if trainer.is_file() else 0
-            except (OSError, ValueError):  # caught mid-write: look again
-                at = 0
-            if 6 <= at < steps:
-                proc.send_signal(signal.SIGKILL)  # harsher than Ctrl-C: nothing gets to clean up
-                break
-            time.sleep(0.005)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed mid-training"
+    def checkpointed() -> bool:
+        try:
+            return 6 <= (json.loads(trainer.read_text())["step"] if trainer.is_file() else 0) < steps
+        except (OSError, ValueError):  # caught mid-write: look again
+            return False
+
+    code = run_and_kill([str(DRAFTSMITH), "run", str(path), "--out", str(out), "--stages", "distill"], world["env"],
+                        checkpointed)
+    assert code == -signal.SIGKILL, "the run ended before it could be killed mid-training"
     assert json.loads((out / "state.json").read_text())["stages"]["distill"]["status"] == "running"
 
     r = draftsmith(world, "run", str(path), "--out", str(out), "--stages", "distill")
