@@ -613,7 +613,8 @@ def html_page(board: dict, pngs: dict[str, bytes]) -> str:
     imgs = "".join(f'<figure><img alt="{html.escape(n)}" src="data:image/png;base64,{base64.b64encode(b).decode()}">'
                    f"</figure>" for n, b in pngs.items())
     return (f"<!doctype html><meta charset=utf-8><title>draftsmith leaderboard: {html.escape(board['target'])}</title>"
-            "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}td,th{border:1px solid #ccc;"
+            "<style>body{font-family:sans-serif;margin:2em;max-width:90em}pre{white-space:pre-wrap}"
+            "table{border-collapse:collapse}td,th{border:1px solid #ccc;"
             "padding:4px 8px;text-align:right}td:first-child{text-align:left}.table{overflow-x:auto}"
             "img{max-width:100%}.caveat{color:#a30;font-weight:bold}</style>"
             f"<h1>Draft leaderboard for {html.escape(board['target'])}</h1>"
