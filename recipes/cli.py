@@ -48,6 +48,12 @@ def _int_list(text: str) -> tuple[int, ...]:
 def cmd_models(args: argparse.Namespace) -> int:
     from decode import zoo
 
+    if args.action == "llama-cpp":  # the real engine of the llama.cpp checks: built once, cached
+        from distill.export.llama_cpp import converter_dir, find_llama_server
+
+        print(find_llama_server())
+        print(converter_dir())
+        return 0
     if args.action == "list":
         for name in zoo.known_models():
             info = zoo.describe(name)
@@ -436,8 +442,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _models_parser(sub) -> None:
-    p = sub.add_parser("models", help="the offline model zoo: list | pull NAME | path NAME")
-    p.add_argument("action", choices=["list", "pull", "path"])
+    p = sub.add_parser("models", help="the offline model zoo: list | pull NAME | path NAME; llama-cpp: build "
+                                      "llama.cpp once (about 25 min) for the engine checks")
+    p.add_argument("action", choices=["list", "pull", "path", "llama-cpp"])
     p.add_argument("name", nargs="?")
     p.set_defaults(func=cmd_models)
 

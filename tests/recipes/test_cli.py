@@ -191,3 +191,15 @@ def test_decode_siblings_on_a_target_the_generic_runner_serves_is_one_line(tmp_p
     assert "--siblings needs a target the lean runner can run" in line
     code, out, err = decode(capsys, "--target", str(target), "--draft", str(draft), "--k", "2", "--json")
     assert code == 0 and len(json.loads(out)["tokens"]) == 12, err  # without siblings it decodes
+
+
+def test_models_llama_cpp_builds_the_engine_once_and_prints_where(monkeypatch, capsys, tmp_path: Path) -> None:
+    import distill.export.llama_cpp as lc
+    from recipes.cli import main
+
+    calls = []
+    monkeypatch.setattr(lc, "find_llama_server", lambda **kw: calls.append("server") or tmp_path / "llama-server")
+    monkeypatch.setattr(lc, "converter_dir", lambda **kw: calls.append("src") or tmp_path / "src")
+    assert main(["models", "llama-cpp"]) == 0
+    assert calls == ["server", "src"] and capsys.readouterr().out.split() == [str(tmp_path / "llama-server"),
+                                                                             str(tmp_path / "src")]

