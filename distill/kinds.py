@@ -48,10 +48,8 @@ class RunContext:
     distill: DistillConfig
     head: HeadRunConfig
     export_cfg: Any  # distill.export.ExportConfig
-    validate_prompts_per_domain: int
     folders: dict[str, Path]  # stage -> its folder: pair, data, distill, validate, export
     has_data_stage: bool = False  # the recipe has a data section: distill trains on its rows
-    wandb: str = "disabled"
     test_prompts: str = ""  # the recipe's test_prompts ("" = the built-in test split of `prompts`)
     config: dict = dataclasses.field(default_factory=dict)  # the resolved recipe (for wandb)
 
@@ -269,10 +267,11 @@ def run_info(bench: dict) -> dict:
 
 
 def _log_recipe_to_wandb(ctx: RunContext) -> None:
-    if ctx.wandb == "disabled":
+    mode = ctx.distill.train.wandb
+    if mode == "disabled":
         return
     import wandb
 
-    run = wandb.init(mode=ctx.wandb, dir=str(ctx.folders["distill"].parent), project="draftsmith",
+    run = wandb.init(mode=mode, dir=str(ctx.folders["distill"].parent), project="draftsmith",
                      name=f"{ctx.name}-recipe", job_type="recipe", config=ctx.config)
     run.finish()

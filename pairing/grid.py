@@ -29,6 +29,7 @@ from decode.prompts import first_per_domain, load_prompts
 from decode.speculative import KPolicy
 from decode.machine import machine_info, versions
 from decode.textgen import prompt_ids
+from pairing.policy import policy_dict
 from pairing.validate import open_draft
 
 QUANTS = ("int8", "none")
@@ -110,8 +111,7 @@ def run_grid(target_spec: str, draft_spec: str, cfg: GridConfig, *, out: Path | 
     val = validate_drafts(t_run, drafts, ids, k=policies[0].k, policies=named, max_new_tokens=cfg.max_new_tokens,
                           eos_ids=eos_ids(target), names=[p.id for p in prompts], desc="grid", device=device)
     result = {"target": target_spec, "draft": draft_spec, **val.to_dict(),
-              "policies": {n: {"k": p.k, "confidence": p.confidence, "siblings": p.siblings,
-                               "sibling_depth": p.sibling_depth} for n, p in named.items()},
+              "policies": {n: policy_dict(p) for n, p in named.items()},
               "drafted_per_round": {n: val.stats[n].drafted / max(1, val.stats[n].target_forwards) for n in drafts},
               "machine": machine_info(), "versions": versions()}
     if out is not None:

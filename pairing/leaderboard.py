@@ -38,7 +38,7 @@ from decode.runner import make_runner
 from decode.sampling import SamplingParams
 from pairing.acceptance import measure_acceptance, measure_head_acceptance
 from pairing.compat import Compat, check_pair
-from pairing.cost import COST_CONTEXT, CostModel, DecoderCost, calibrate_decoder, measure_cost, speedup_curve
+from pairing.cost import CostModel, DecoderCost, calibrate_decoder, measure_cost, speedup_curve
 from pairing.derive import parse_derive_spec, resolve_candidate
 from pairing.policy import PolicyChoice, choose_policy
 from pairing.reference import reference_continuations

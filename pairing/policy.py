@@ -30,6 +30,11 @@ GATES = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # stop thresholds pr
 DEFAULT_K = 3  # when nothing was measured to choose from
 
 
+def policy_dict(p: KPolicy) -> dict:
+    """A policy as result files record it: K, stop threshold, siblings and their depth."""
+    return {"k": p.k, "confidence": p.confidence, "siblings": p.siblings, "sibling_depth": p.sibling_depth}
+
+
 @dataclass(frozen=True)
 class PolicyChoice:
     """A chosen policy with its evidence: `curve` (K -> predicted speedup of fixed-K rounds) and `options`
@@ -46,9 +51,7 @@ class PolicyChoice:
         return self.policy.k
 
     def to_dict(self) -> dict:
-        p = self.policy
-        return {"k": p.k, "confidence": p.confidence, "siblings": p.siblings, "sibling_depth": p.sibling_depth,
-                "predicted_speedup": self.predicted, "k_reason": self.reason,
+        return {**policy_dict(self.policy), "predicted_speedup": self.predicted, "k_reason": self.reason,
                 "predicted_speedup_by_k": {str(K): x for K, x in self.curve.items()},
                 "predicted_speedup_gated": self.options}
 
@@ -146,7 +149,7 @@ def choose_policy(cost: CostModel | DecoderCost | None, *, taus: Mapping[int, fl
                           sibling_depth=sibling_depth)
     if taus is None or cost is None:
         return PolicyChoice(KPolicy(k=DEFAULT_K), None,
-                            f"default (no acceptance measured: neither the pair nor the distill stage has run)")
+                            "default (no acceptance measured: neither the pair nor the distill stage has run)")
     curve = {K: predict(cost, t, K, tokens) for K, t in sorted(taus.items()) if K <= max_k and _covers(cost, K)}
     if not curve:
         raise ValueError(f"nothing to choose from (empty curve): no K in 1..{max_k} has both an expected tau "

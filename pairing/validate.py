@@ -37,7 +37,7 @@ from pairing.cost import COST_CONTEXT, calibrate_decoder, measure_cost
 from pairing.derive import resolve_candidate
 from pairing.head_rounds import depth_records
 from pairing.leaderboard import HEAD_PREFIX, load_head_candidate
-from pairing.policy import PolicyChoice, choose_policy, taus_from_alpha, taus_from_rates
+from pairing.policy import PolicyChoice, choose_policy, policy_dict, taus_from_alpha, taus_from_rates
 
 
 @dataclass
@@ -138,7 +138,7 @@ class ValidationResult:
             "labels": {d.name: d.label for d in self.drafts if d.label},
             **self.validation.to_dict(), **self.choice.to_dict(),
             "confidence": p.confidence, "siblings": p.siblings, "sibling_depth": p.sibling_depth,
-            "policies": {n: _policy_dict(pol) for n, pol in self.policies.items()},
+            "policies": {n: policy_dict(pol) for n, pol in self.policies.items()},
             "draft_quant": next((q for n, q in self.quant.items() if not by[n].spec.startswith(HEAD_PREFIX)), None),
             "head_quant": next((q for n, q in self.quant.items() if by[n].spec.startswith(HEAD_PREFIX)), None),
             "alpha": chooser.alpha if chooser.alpha is not None else (chooser.rates or [None])[0],
@@ -151,10 +151,6 @@ class ValidationResult:
         if "draft_before" in tps and "draft_after" in tps:
             out["speedup_after_vs_before"] = tps["draft_after"] / tps["draft_before"]
         return out
-
-
-def _policy_dict(p: KPolicy) -> dict:
-    return {"k": p.k, "confidence": p.confidence, "siblings": p.siblings, "sibling_depth": p.sibling_depth}
 
 
 def _choose(d: DraftUnderTest, opened: Opened, t_run, ids: list[list[int]], cfg: ValidateConfig, eos: list[int],

@@ -118,9 +118,8 @@ def context(recipe: Recipe, run: RunFolder) -> RunContext:
     return RunContext(name=recipe.name, target=recipe.target, prompts=recipe.prompts,
                       limit_per_domain=recipe.limit_per_domain, device=recipe.device, distill=recipe.distill,
                       head=recipe.head, export_cfg=recipe.export,
-                      validate_prompts_per_domain=recipe.validate.prompts_per_domain,
                       folders={stage: run.path(stage) for stage in STAGE_DIRS}, has_data_stage=bool(recipe.data.n),
-                      wandb=recipe.distill.train.wandb, config=recipe.to_dict(), test_prompts=recipe.test_prompts)
+                      config=recipe.to_dict(), test_prompts=recipe.test_prompts)
 
 
 # --- stages -----------------------------------------------------------------------------------------
