@@ -98,6 +98,7 @@ class LeanLM(nn.Module):
 
     capture_layers: tuple[int, ...] = ()
     last_hidden: Tensor | None = None  # (T, len(capture_layers) * d) of the last forward
+    row_plan: dict[int, int] = {}  # T -> rows a forward over T rows runs at (padded): `decode.floor.plan_rows`
 
     def __init__(self, hf_model, max_seq_len: int, *, fast_head: bool = True) -> None:
         super().__init__()
@@ -128,7 +129,22 @@ class LeanLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, tokens: Tensor, pos: int, keep: int = 0) -> Tensor:
-        """tokens (T,) at positions [pos, pos+T) -> logits (T, V), or the last `keep` rows."""
+        """tokens (T,) at positions [pos, pos+T) -> logits (T, V), or the last `keep` rows.
+
+        Where `row_plan` says a forward over more rows is faster on this machine (`decode.floor.plan_rows`), the
+        tokens are padded with copies of the last one up to that many rows and the extra rows dropped: they come
+        after the real ones (causal: no real row sees them) and their cache slots lie past pos+T, which the next
+        forward overwrites."""
+        T = tokens.shape[0]
+        rows = self.row_plan.get(T, T) if keep in (0, T) else T
+        if rows > T and pos + rows <= self.max_seq_len:
+            logits = self._forward(torch.cat([tokens, tokens[-1:].expand(rows - T)]), pos, 0)
+            if self.last_hidden is not None and self.capture_layers:
+                self.last_hidden = self.last_hidden[:T]
+            return logits[:T]
+        return self._forward(tokens, pos, keep)
+
+    def _forward(self, tokens: Tensor, pos: int, keep: int) -> Tensor:
         T = tokens.shape[0]
         if pos + T > self.max_seq_len:
             raise ValueError(f"sequence of {pos + T} tokens exceeds the cache ({self.max_seq_len})")

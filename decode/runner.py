@@ -25,6 +25,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from decode.floor import plan_rows
 from decode.lean import LeanLM, lean_supported
 from decode.quant import quantize_int8
 
@@ -87,4 +88,7 @@ def make_runner(hf_model, max_seq_len: int, *, lean: bool | None = None, quantiz
         runner = quantize_int8(runner)
     elif quantize not in (None, "none"):
         raise ValueError(f"unknown quantisation {quantize!r} (choose int8 or none)")
+    if lean:  # pad few-row forwards to the row count this machine runs fastest (`decode.floor.plan_rows`)
+        nbytes = sum(p.numel() * p.element_size() for p in hf_model.parameters())
+        plan_rows(runner, (hf_model.config.name_or_path, hf_model.config.num_hidden_layers, nbytes, quantize), nbytes)
     return runner

@@ -183,6 +183,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_floor(args: argparse.Namespace) -> int:
+    from decode.floor import floor_report, format_floor
+    from decode.io import atomic_write_json
+
+    report = floor_report(args.target, rows=args.rows, repeats=args.repeats)
+    print(format_floor(report))
+    print(json.dumps(report["goals"]))
+    if args.out:
+        atomic_write_json(args.out, report)
+        print(f"wrote {args.out}")
+    return 0
+
+
 def cmd_grid(args: argparse.Namespace) -> int:
     from pairing.grid import GridConfig, run_grid
 
@@ -434,7 +447,7 @@ GEN_DATA_SETTINGS = {"draft", "data", "mix", "max_new_tokens", "data_temperature
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="draftsmith", description="Make speculative decoding pay off.")
     sub = parser.add_subparsers(dest="verb", required=True)
-    for add_verb in (_models_parser, _decode_parser, _bench_parser, _grid_parser, _pair_parser, _derive_parser, _distill_parser,
+    for add_verb in (_models_parser, _decode_parser, _bench_parser, _floor_parser, _grid_parser, _pair_parser, _derive_parser, _distill_parser,
                      _gen_prompts_parser, _gen_data_parser, _export_parser, _export_head_parser, _run_parser,
                      _leaderboard_parser):
         add_verb(sub)
@@ -482,6 +495,16 @@ def _bench_parser(sub) -> None:
     add_options(p, BenchConfig, taken={"target", "draft"})
     p.add_argument("--out", type=Path, default=None)
     p.set_defaults(func=cmd_bench)
+
+
+def _floor_parser(sub) -> None:
+    p = sub.add_parser("floor", help="time a target's forward at 1..N rows beside the memory floor and compute roof "
+                                     "of this machine (JSON with --out)")
+    p.add_argument("--target", default=DEFAULT_TARGET, help=f"zoo name or HF folder (default {DEFAULT_TARGET})")
+    p.add_argument("--rows", type=int, default=16, help="time forwards over 1..ROWS rows (default 16)")
+    p.add_argument("--repeats", type=int, default=5, help="interleaved repeats; the median counts (default 5)")
+    p.add_argument("--out", type=Path, default=None)
+    p.set_defaults(func=cmd_floor)
 
 
 def _grid_parser(sub) -> None:

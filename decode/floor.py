@@ -1,0 +1,195 @@
+"""How far a forward is from what the machine allows: the memory floor and the compute roof, beside the measured
+time of a cached forward over 1..N rows.
+
+    .venv/bin/draftsmith floor --target qwen2.5-coder-1.5b-instruct --rows 16 --out floor.json
+
+A cached decode step reads every weight once, so on a CPU its time cannot go below weight bytes / memory bandwidth
+(the floor); a forward over T rows does T multiply-adds per weight, so it cannot go below 2 T params / peak FLOP/s
+either (the roof). Both are measured here, on the machine that runs the model, with torch's own threads:
+bandwidth as the best of a streaming sum, max and copy over a buffer far larger than the caches; peak as the best
+of a cache-resident float32 matmul. `floor_report` times the target at 1..N rows (median of `repeats`, the
+decoder's `COST_CONTEXT`-token context) and reports each time beside max(floor, roof), and v(K) = time(K+1 rows) /
+time(1 row), the verify cost the decoder's K chooser uses.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from typing import Callable
+
+import torch
+from torch import nn
+
+COST_CONTEXT = 64  # tokens of context, as pairing.cost times c and v(K)
+
+
+def _best(fn: Callable[[], object], reps: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def read_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> dict[str, float]:
+    """Streaming memory bandwidth in GB/s (1e9 bytes) with torch's threads, three ways, and the best of them:
+    a sum and a max (read only) and a copy (bytes read plus bytes written) over `nbytes` of float32."""
+    a = torch.empty(nbytes // 4).uniform_()
+    b = torch.empty_like(a)
+    gb = a.numel() * 4 / 1e9
+    out = {
+        "sum": gb / _best(a.sum, reps),
+        "amax": gb / _best(a.amax, reps),
+        "copy": 2 * gb / _best(lambda: b.copy_(a), reps),
+    }
+    out["best"] = max(out.values())
+    return out
+
+
+def compute_peak(n: int = 512, reps: int = 20) -> float:
+    """The best float32 GFLOP/s of an (n x n) @ (n x n) matmul whose operands stay in cache: the compute roof."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    return 2 * n**3 / _best(lambda: torch.mm(a, b), reps) / 1e9
+
+
+def weight_bytes(model: nn.Module) -> tuple[int, int]:
+    """(bytes, parameters) a cached forward reads: every Linear weight (the LM head included) once; the
+    embedding table is indexed, not read whole, so it counts only where it is also the (tied) LM head."""
+    seen: set[int] = set()
+    nbytes = params = 0
+    for m in model.modules():
+        if isinstance(m, nn.Linear) and id(m.weight) not in seen:
+            seen.add(id(m.weight))
+            nbytes += m.weight.numel() * m.weight.element_size()
+            params += m.weight.numel()
+    return nbytes, params
+
+
+@torch.inference_mode()
+def forward_times(runner, rows: list[int], *, context: int = COST_CONTEXT, repeats: int = 5, warmup: int = 2,
+                  plans: dict[str, dict[int, int]] | None = None) -> dict[str, dict[int, float]]:
+    """Median seconds of one cached forward over T rows at `context` tokens of context, for each T in `rows` and
+    each named row plan (`LeanLM.row_plan`; default: the runner's own, as "planned"), interleaved: each repeat
+    times every (plan, T) once, so drift hits all alike. The runner keeps its own plan afterwards."""
+    plans = plans if plans is not None else {"planned": getattr(runner, "row_plan", {})}
+    own = getattr(runner, "row_plan", None)
+    ids = torch.arange(context + max(rows)) % runner.vocab_size
+    runner.forward(ids[:context], 0, keep=1)
+    times: dict[str, dict[int, list[float]]] = {name: {T: [] for T in rows} for name in plans}
+    try:
+        for r in range(warmup + repeats):
+            for name, plan in plans.items():
+                if own is not None:
+                    runner.row_plan = plan
+                for T in rows:
+                    t0 = time.perf_counter()
+                    runner.forward(ids[context : context + T], context)
+                    if r >= warmup:
+                        times[name][T].append(time.perf_counter() - t0)
+    finally:
+        if own is not None:
+            runner.row_plan = own
+    return {name: {T: statistics.median(ts) for T, ts in by.items()} for name, by in times.items()}
+
+
+def floor_table(times: dict[int, float], nbytes: int, params: int, bandwidth_gbs: float,
+                peak_gflops: float) -> dict:
+    """Per row count: measured seconds, the floor (bytes / bandwidth), the roof (2 T params / peak), their max
+    (the bound), measured / bound, and v(K) = time(K+1) / time(1) for K = T - 1 >= 1."""
+    floor = nbytes / (bandwidth_gbs * 1e9)
+    table = {}
+    for T, t in sorted(times.items()):
+        roof = 2 * T * params / (peak_gflops * 1e9)
+        bound = max(floor, roof)
+        table[T] = {"seconds": t, "floor_s": floor, "roof_s": roof, "bound_s": bound, "over_bound": t / bound,
+                    "v": t / times[1] if 1 in times and T > 1 else None}
+    return table
+
+
+def floor_report(target: str, *, rows: int = 16, repeats: int = 5, max_seq_len: int = 256) -> dict:
+    """Load `target` (a zoo name or folder), time its forward at 1..rows rows as the decoder runs it (its row plan,
+    `plan_rows`) and, interleaved, every row count unpadded; measure the machine's bandwidth before and after (the
+    best counts) and its compute peak; return the whole record."""
+    from decode.loading import load
+    from decode.machine import machine_info, versions
+    from decode.runner import make_runner
+
+    model = load(target).model
+    runner = make_runner(model, max_seq_len)
+    nbytes, params = weight_bytes(model)
+    bw = [read_bandwidth()]
+    plan = dict(getattr(runner, "row_plan", {}))
+    times = forward_times(runner, list(range(1, rows + 1)), repeats=repeats,
+                          plans={"planned": plan, "unpadded": {}})
+    bw.append(read_bandwidth())
+    best_bw, peak = max(b["best"] for b in bw), compute_peak()
+    tables = {s: floor_table(t, nbytes, params, best_bw, peak) for s, t in times.items()}
+    table = tables["planned"]
+    worst_v = max((row["v"] for T, row in table.items() if row["v"] is not None and T <= 9), default=None)
+    return {
+        "target": target, "machine": machine_info(), "versions": versions(),
+        "dtype": str(next(model.parameters()).dtype), "weight_bytes": nbytes, "params": params,
+        "bandwidth_gbs": {"runs": bw, "best": best_bw}, "peak_gflops": peak, "context": COST_CONTEXT,
+        "repeats": repeats, "row_plan": plan, "rows": table, "compare": {"unpadded": tables["unpadded"]},
+        "goals": {"one_row_over_floor": table[1]["over_bound"], "one_row_within_15pct": table[1]["over_bound"] <= 1.15,
+                  "worst_v_K_le_8": worst_v, "v_K_le_8_within_1_15": worst_v is not None and worst_v <= 1.15},
+    }
+
+
+def format_floor(report: dict) -> str:
+    """The table a person reads: rows, ms, floor, roof, measured / bound, v(K)."""
+    other = report.get("compare", {})
+    lines = [f"{report['target']}: {report['weight_bytes'] / 1e9:.2f} GB of weights, "
+             f"bandwidth {report['bandwidth_gbs']['best']:.1f} GB/s, peak {report['peak_gflops']:.0f} GFLOP/s",
+             f"{'rows':>4} {'ms':>8} {'floor ms':>9} {'roof ms':>8} {'x bound':>8} {'v(K)':>6}"
+             + "".join(f" {s + ' ms':>9} {s + ' v':>7}" for s in other)]
+    for T, row in report["rows"].items():
+        v = f"{row['v']:.2f}" if row["v"] is not None else "-"
+        line = (f"{T:>4} {row['seconds'] * 1e3:8.1f} {row['floor_s'] * 1e3:9.1f} {row['roof_s'] * 1e3:8.1f} "
+                f"{row['over_bound']:8.2f} {v:>6}")
+        for t in other.values():
+            ov = f"{t[T]['v']:.2f}" if t[T]["v"] is not None else "-"
+            line += f" {t[T]['seconds'] * 1e3:9.1f} {ov:>7}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+
+PLAN_ROWS = 12  # row counts planned: verify steps up to K = 11
+PLAN_MIN_BYTES = 256 * 10**6  # smaller models (tests' tiny ones) are never timed: their steps are overhead
+_PLANS: dict[tuple, dict[int, int]] = {}  # per process: (model identity) -> row plan
+
+
+def choose_rows(times: dict[int, float], *, gain: float = 0.95) -> dict[int, int]:
+    """T -> the row count T' >= T whose forward is fastest, where it is faster than T's own by more than
+    1 - `gain` (noise is not a reason to pad); only the T that pad are listed."""
+    plan = {}
+    for T, t in times.items():
+        best = min((times[r], r) for r in times if r >= T)
+        if best[1] > T and best[0] < gain * t:
+            plan[T] = best[1]
+    return plan
+
+
+def plan_rows(runner, key: tuple, nbytes: int, *, repeats: int = 3) -> dict[int, int]:
+    """Give a lean runner on the CPU its `row_plan`: cached forwards over 1..PLAN_ROWS rows timed once per process
+    and model (`key`), each row count then run at the fastest count at or above it (`choose_rows`). On the AMD
+    EPYC here the float32 Qwen2.5-Coder-1.5B ran 1 row in 337 ms and 6 rows in 265 (oneDNN). Models under
+    PLAN_MIN_BYTES of weights (`nbytes`, as loaded) and DRAFTSMITH_ROWS=off get no plan (every forward at its
+    own row count)."""
+    if (os.environ.get("DRAFTSMITH_ROWS", "auto") == "off" or not hasattr(runner, "row_plan")
+            or runner.max_seq_len < COST_CONTEXT + PLAN_ROWS or runner.cos.device.type != "cpu"):
+        return {}
+    if nbytes < PLAN_MIN_BYTES:
+        return {}
+    if key not in _PLANS:
+        runner.row_plan = {}
+        times = forward_times(runner, list(range(1, PLAN_ROWS + 1)), repeats=repeats, warmup=1,
+                              plans={"unpadded": {}})["unpadded"]
+        _PLANS[key] = choose_rows(times)
+    runner.row_plan = dict(_PLANS[key])
+    return runner.row_plan

@@ -1,0 +1,124 @@
+"""The memory-floor benchmark and the row plan: floor/roof arithmetic and the padding choice against brute force;
+a padded forward gives the unpadded logits (and leaves a cache the next forward continues exactly), speculative
+decoding through padded runners stays greedy-equal; small models are never timed."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+import decode.floor as fl
+from decode.lean import LeanLM
+from decode.runner import make_runner
+from decode.speculative import KPolicy, generate
+from tests import helpers
+
+
+def tiny(seed: int, *, layers: int = 2, dtype=torch.float64):
+    return helpers.tiny_llama(seed, 61, layers=layers, max_positions=512, dtype=dtype)
+
+
+def test_floor_table_is_bytes_over_bandwidth_and_flops_over_peak() -> None:
+    times = {1: 0.30, 2: 0.27, 9: 0.40}
+    table = fl.floor_table(times, nbytes=6 * 10**9, params=1_500_000_000, bandwidth_gbs=40.0, peak_gflops=150.0)
+    for T, row in table.items():
+        floor, roof = 6e9 / 40e9, 2 * T * 1.5e9 / 150e9
+        assert row["floor_s"] == pytest.approx(floor) and row["roof_s"] == pytest.approx(roof)
+        assert row["bound_s"] == pytest.approx(max(floor, roof))
+        assert row["over_bound"] == pytest.approx(times[T] / max(floor, roof))
+        assert row["v"] == (None if T == 1 else pytest.approx(times[T] / times[1]))
+
+
+def test_choose_rows_pads_to_the_fastest_count_at_or_above_and_ignores_noise() -> None:
+    rng = random.Random(0)
+    for _ in range(200):
+        times = {T: rng.uniform(0.5, 1.5) for T in range(1, rng.randint(2, 12))}
+        plan = fl.choose_rows(times, gain=0.9)
+        for T, t in times.items():  # brute force: every candidate row count at or above T
+            cands = [(times[r], r) for r in times if r >= T]
+            best_t, best_r = min(cands)
+            if best_r > T and best_t < 0.9 * t:
+                assert plan[T] == best_r
+            else:
+                assert T not in plan
+    assert fl.choose_rows({1: 1.0, 2: 0.97}) == {}  # 3% is noise, not a reason to pad
+    assert fl.choose_rows({1: 1.0, 2: 1.2, 3: 0.8}) == {1: 3, 2: 3}
+
+
+def test_a_padded_forward_gives_the_unpadded_logits_and_the_next_forward_continues_exactly() -> None:
+    hf = tiny(0)
+    plain, padded = LeanLM(hf, 64), LeanLM(hf, 64)
+    padded.row_plan = {1: 4, 2: 5, 3: 4}
+    padded.capture_layers = plain.capture_layers = (0, 1)
+    seq = torch.tensor([3, 9, 1, 4, 4, 7, 2, 8, 5, 6, 11, 12, 13, 14])
+    for runner in (plain, padded):
+        runner.forward(seq[:4], 0)
+    pos = 4
+    for T in (1, 2, 3, 1):  # each forward continues after the previous one: the padded slots were overwritten
+        a, b = plain.forward(seq[pos:pos + T], pos), padded.forward(seq[pos:pos + T], pos)
+        assert b.shape == a.shape == (T, 61)
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+        assert padded.last_hidden.shape == plain.last_hidden.shape
+        pos += T
+    # negative control: the same comparison sees a forward that reads a slot a padded row wrote
+    stale = LeanLM(hf, 64)
+    stale.row_plan = {1: 4}
+    stale.forward(seq[:4], 0)
+    stale.forward(seq[4:5], 4)  # wrote slots 4..7; slot 5 holds a copy of token 4's row, not token 5's
+    wrong = stale._forward(seq[6:7], 6, 0)  # position 6 attends to slot 5: stale
+    right = plain.forward(seq[6:7], 6)
+    assert not torch.allclose(wrong, right, rtol=1e-6, atol=1e-6)
+
+
+def test_speculative_decoding_through_padded_runners_stays_greedy_equal() -> None:
+    t_hf, d_hf = tiny(1, dtype=torch.float32), tiny(2, layers=1, dtype=torch.float32)
+    ref = generate(make_runner(t_hf, 128), [1, 5, 7], max_new_tokens=30).tokens
+    target, draft = make_runner(t_hf, 128), make_runner(d_hf, 128)
+    target.row_plan = {T: 9 for T in range(1, 9)}
+    draft.row_plan = {1: 3, 2: 3}
+    assert generate(target, [1, 5, 7], max_new_tokens=30).tokens == ref
+    for k in (1, 3, 6):
+        assert generate(target, [1, 5, 7], draft=draft, max_new_tokens=30, policy=KPolicy(k=k)).tokens == ref
+
+
+def test_small_models_are_never_timed_and_a_plan_is_timed_once_per_model(monkeypatch) -> None:
+    calls = []
+    real = fl.forward_times
+    monkeypatch.setattr(fl, "forward_times", lambda *a, **k: calls.append(1) or real(*a, **k))
+    runner = make_runner(tiny(3, dtype=torch.float32), 128)
+    assert runner.row_plan == {} and calls == []  # under PLAN_MIN_BYTES: nothing timed
+    monkeypatch.setattr(fl, "PLAN_MIN_BYTES", 0)
+    monkeypatch.setattr(fl, "PLAN_ROWS", 3)
+    plan = fl.plan_rows(runner, ("test-model", 3), 1, repeats=1)
+    assert calls == [1] and all(plan[T] > T for T in plan) and runner.row_plan == plan
+    other = make_runner(tiny(3, dtype=torch.float32), 128)  # make_runner's own key: timed once more
+    assert len(calls) == 2
+    fl.plan_rows(other, ("test-model", 3), 1)  # the same key as before: no timing
+    assert len(calls) == 2 and other.row_plan == plan
+    monkeypatch.setenv("DRAFTSMITH_ROWS", "off")
+    assert fl.plan_rows(make_runner(tiny(4, dtype=torch.float32), 128), ("x",), 1) == {}
+
+
+def test_forward_times_interleaves_plans_and_keeps_the_runners_own() -> None:
+    runner = LeanLM(tiny(5), 128)
+    runner.row_plan = {1: 2}
+    times = fl.forward_times(runner, [1, 2, 3], repeats=2, warmup=0, plans={"a": {}, "b": {1: 3}})
+    assert set(times) == {"a", "b"} and all(set(t) == {1, 2, 3} and min(t.values()) > 0 for t in times.values())
+    assert runner.row_plan == {1: 2}
+
+
+def test_floor_verb_prints_the_table_and_writes_the_record(tmp_path, capsys) -> None:
+    from recipes.cli import main
+
+    tok = helpers.word_tokenizer([f"w{i}" for i in range(40)], eos="</s>")
+    folder = helpers.save_tiny(tmp_path / "m", tok, 0)
+    assert main(["floor", "--target", str(folder), "--rows", "3", "--repeats", "1", "--out", str(tmp_path / "f.json")]) == 0
+    out = capsys.readouterr().out
+    assert "floor ms" in out and "one_row_over_floor" in out
+    rec = json.loads((tmp_path / "f.json").read_text())
+    assert set(rec["rows"]) == {"1", "2", "3"} and rec["bandwidth_gbs"]["best"] > 0 and rec["peak_gflops"] > 0
+    assert rec["machine"]["cpu_count"] and rec["versions"]["torch"]
+    assert set(rec["compare"]) == {"unpadded"}
