@@ -18,7 +18,8 @@ Aux id i (decode.head) is the input of target layer i, as in vLLM. Both engines 
 never layer 0 (residual still None): ids must be distinct in [1, L-1] (`refuse_pairing`, before anything is written);
 the export sorts them and permutes fc's input blocks to match. No d2t / t2d for a whole-vocabulary head (both engines
 then map one to one); never the target's embedding (both share the target's). Atomic writes, safetensors only; each
-folder passes its contract check before it lands.
+folder passes its contract check before it lands. speculators' own Eagle3DraftModel reads the speculators folder
+and gives our logits (tests/distill/export/test_speculators.py, in a venv of its own: speculators_env.py).
 """
 
 from __future__ import annotations
