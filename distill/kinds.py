@@ -32,6 +32,7 @@ from decode.prompts import Prompt, load_prompts, load_test_prompts
 from distill.heads.pipeline import HEAD, HeadRunConfig, head_result, held_rows, run_head
 from distill.pipeline import DistillConfig, run_distill, split_prompts
 from pairing.leaderboard import HEAD_PREFIX
+from pairing.prune import parse_prune_spec
 from pairing.policy import DEFAULT_K
 from pairing.validate import DraftUnderTest
 
@@ -108,7 +109,8 @@ def top_standalone(ctx: RunContext) -> tuple[str | None, int | None]:
 
 class Standalone:
     """A draft that runs on its own: a zoo model, an HF folder, a GGUF or a derived slice of the target;
-    `best` takes the pair stage's top candidate. Trained by distillation toward the target's outputs."""
+    `best` takes the pair stage's top candidate that is a whole model (not vocabulary-pruned). Trained by
+    distillation toward the target's outputs."""
 
     name = "standalone"
 
@@ -127,8 +129,8 @@ class Standalone:
         if board is None:
             raise DraftsmithError("distill.draft is 'best' but the pair stage has not run here: add pair to --stages, "
                                   "or name the draft (distill.draft=MODEL)")
-        for row in board["candidates"]:  # sorted by predicted speedup
-            if row["compatible"]:
+        for row in board["candidates"]:  # sorted by predicted speedup; distillation trains a whole model
+            if row["compatible"] and parse_prune_spec(row["draft"]) is None:
                 return row["draft"]
         raise DraftsmithError("no candidate on the leaderboard shares the target's tokenizer; distillation needs one "
                               "(set distill.draft=MODEL)")

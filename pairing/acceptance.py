@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 
 from decode.errors import DraftsmithError
 from decode.loading import Loaded, eos_ids
+from decode.pruned import restrict_logits
 from decode.sampling import SamplingParams, fit_vocab, greedy_token, to_probs
 from decode.textgen import prompt_ids
 from pairing.cost import expected_tau
@@ -270,11 +271,13 @@ def measure_acceptance(
     params: SamplingParams = SamplingParams(),
     batch_size: int = 4,
     progress: bool = True,
+    kept: list[Tensor | None] | None = None,
 ) -> list[Acceptance]:
     """alpha (overall, per domain, per continuation index) and E[tau] for K = 1..16, for each draft in order.
 
     `refs` has the columns of `pairing.reference.reference_continuations`. Drafts whose tokenizer differs
-    from the target's are measured through text at temperature 0 (see the module docstring).
+    from the target's are measured through text at temperature 0 (see the module docstring). `kept[i]`: the
+    target ids a vocabulary-pruned draft i proposes (`decode.pruned`); its q is 0 outside them, as it decodes.
     """
     if batch_size < 1:
         raise DraftsmithError(f"batch_size must be >= 1, got {batch_size}")
@@ -290,6 +293,9 @@ def measure_acceptance(
 
     t_vocab = target.tokenizer.get_vocab()
     through_text = [d.tokenizer.get_vocab() != t_vocab for d in drafts]
+    kept = list(kept) if kept is not None else [None] * len(drafts)
+    if len(kept) != len(drafts) or any(k is not None and text for k, text in zip(kept, through_text)):
+        raise DraftsmithError("kept ids: one entry per draft, and only for drafts with the target's tokenizer")
     chat = _chat_setting(refs)
     t_eos = set(eos_ids(target))
     d_eos = [set(eos_ids(d)) for d in drafts]
@@ -306,6 +312,8 @@ def measure_acceptance(
         for k, draft in enumerate(drafts):
             if not through_text[k]:
                 q_logits = _continuation_rows(batch, _forward(draft.model, seqs, first), first)
+                if kept[k] is not None:
+                    q_logits = restrict_logits(q_logits, kept[k])
                 betas = _beta_given_p(p, q_logits, params).split(lengths)
                 for r, b in zip(batch, betas):
                     tallies[k].add_row(r["_index"], r["domain"], b.tolist(), r.get("id"))

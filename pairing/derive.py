@@ -115,7 +115,11 @@ def _wanted_layers(layers: list[int] | None, keep: int | None) -> list[int]:
 
 
 def resolve_candidate(spec: str) -> str:
-    """A derive spec -> the path of its derived HF folder (made once, cached); any other spec unchanged."""
+    """A derive spec -> the path of its derived HF folder (made once, cached); any other spec unchanged. A
+    vocabulary-pruned spec is refused: it is no model folder (`pairing.prune.load_model_draft` opens it)."""
+    if spec.startswith("prune:"):  # pairing.prune.PRUNE_PREFIX (pairing.prune imports this module)
+        raise DraftsmithError(f"{spec}: a vocabulary-pruned draft runs in draftsmith's decoder only (pair, validate, "
+                              "grid, decode --draft); here name a whole model (its MODEL part)")
     parsed = parse_derive_spec(spec)
     if parsed is None:
         return spec

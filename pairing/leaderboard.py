@@ -4,6 +4,10 @@
         --candidates qwen2.5-coder-0.5b-instruct,smollm2-135m-instruct,derive:qwen2.5-coder-1.5b-instruct:keep=8 \
         --prompts code,chat --validate 1 --out runs/pair-qwen
 
+A candidate is a model spec (zoo name, HF folder, .gguf, derive:MODEL:keep=N), a vocabulary-pruned one
+(prune:MODEL:vocab=FILE, `pairing.prune`: ranked beside MODEL whole, its acceptance measured with q = 0 outside
+the kept ids, its cost with the cut head) or a draft head (head:FOLDER).
+
 Steps: compatibility check per candidate -> the target's reference continuations (generated once, cached)
 -> teacher-forced acceptance of every candidate in one pass over the target (a head: by depth, fed by itself)
 -> measured cost c and v(K) and a short calibration decode that times rounds in the decoder -> predicted speedup
@@ -33,14 +37,14 @@ from decode.io import atomic_write_bytes, atomic_write_json, atomic_write_text
 from decode.loading import Loaded, eos_ids, load
 from decode.machine import machine_info, versions
 from decode.prompts import Prompt, load_prompts
-from decode.quant import draft_quant
 from decode.runner import make_runner
 from decode.sampling import SamplingParams
 from pairing.acceptance import measure_acceptance, measure_head_acceptance
 from pairing.compat import Compat, check_pair
 from pairing.cost import CostModel, DecoderCost, calibrate_decoder, measure_cost, speedup_curve
-from pairing.derive import parse_derive_spec, resolve_candidate
+from pairing.derive import parse_derive_spec
 from pairing.policy import PolicyChoice, choose_policy
+from pairing.prune import KeptVocab, draft_runner, load_model_draft
 from pairing.reference import reference_continuations
 
 MAX_K = 16
@@ -50,7 +54,7 @@ MAX_K = 16
 class PairConfig:
     """The pair stage's settings (a recipe's `pair:` section and the options of `draftsmith pair`)."""
 
-    candidates: list[str] = field(default_factory=list)  # drafts: zoo names, HF folders, .gguf, derive:MODEL:keep=N
+    candidates: list[str] = field(default_factory=list)  # zoo names, HF folders, .gguf, derive:..., prune:..., head:...
     prompts_per_domain: int = 8  # prompts per domain for the acceptance measurement (0 = all)
     max_new_tokens: int = 64  # length of the target's reference continuations
     temperature: float = 0.0  # 0 = greedy acceptance (argmax agreement); > 0 = sum_x min(p, q) at that temperature
@@ -91,6 +95,7 @@ class Candidate:
     compat: object
     row: dict = field(default_factory=dict)
     head: object | None = None  # a decode.head.Eagle3Head for head:PATH
+    kept: KeptVocab | None = None  # the kept target ids of prune:MODEL:vocab=FILE
     acc: object | None = None  # its pairing.acceptance.Acceptance, once measured
 
 
@@ -118,10 +123,11 @@ def load_head_candidate(spec: str, target: Loaded) -> Eagle3Head:
 
 
 def _draft(cand: Candidate, max_seq_len: int, cfg: PairConfig):
-    """The candidate as the decoder runs it: a HeadDraft, or a runner (int8 on CPU when configured)."""
+    """The candidate as the decoder runs it: a HeadDraft, or a runner (int8 on CPU when configured; its head cut to
+    the kept ids when pruned)."""
     if cand.head is not None:
         return HeadDraft(cand.head, max_seq_len, quantize=head_quant(cand.head, cfg.draft_quant))
-    return make_runner(cand.loaded.model, max_seq_len, quantize=draft_quant(cand.loaded.model, cfg.draft_quant))
+    return draft_runner(cand.loaded.model, cand.kept, max_seq_len, cfg.draft_quant)[0]
 
 
 def _params_million(model) -> float:
@@ -253,16 +259,27 @@ def _load_candidates(cfg: PairConfig, target: Loaded, device: str) -> list[Candi
             cands.append(Candidate(spec, None, Compat("head", True, ["reads the target's hidden states (EAGLE-3)"]),
                                    head=head))
             continue
-        loaded = load(resolve_candidate(spec), device=device)
+        loaded, kept = load_model_draft(spec, target, device)
         loaded.name = spec
-        cands.append(Candidate(spec, loaded, check_pair(target, loaded)))
+        cands.append(Candidate(spec, loaded, _compat(target, loaded, kept), kept=kept))
     return cands
+
+
+def _compat(target: Loaded, draft: Loaded, kept: KeptVocab | None) -> Compat:
+    """`check_pair`'s verdict; a pruned draft says what it keeps, and that llama.cpp cannot run it pruned."""
+    compat = check_pair(target, draft)
+    if kept is not None:
+        compat.notes.append(kept.describe())
+        compat.llama_cpp = False
+        compat.llama_cpp_notes.append("llama.cpp's draft-simple runs a draft over its whole vocabulary: a pruned "
+                                      "vocabulary has no llama.cpp form (serve MODEL whole there)")
+    return compat
 
 
 def _reference_helper(cands: list[Candidate]) -> Loaded | None:
     """A same-tokenizer candidate speeds up the references (exactly); derived drafts start near alpha 0 and would
-    slow them down, so they never help."""
-    return next((c.loaded for c in cands if c.loaded is not None and c.compat.compatible
+    slow them down, so they never help; nor do pruned ones (the helper runs whole: MODEL is a candidate of its own)."""
+    return next((c.loaded for c in cands if c.loaded is not None and c.compat.compatible and c.kept is None
                  and parse_derive_spec(c.spec) is None), None)
 
 
@@ -272,7 +289,8 @@ def _measure_acceptance(target: Loaded, cands: list[Candidate], refs, cfg: PairC
     params = SamplingParams(cfg.temperature)
     models = [c for c in cands if c.head is None]
     by_model = dict(zip((c.spec for c in models), measure_acceptance(
-        target, [c.loaded for c in models], refs, params=params, batch_size=cfg.batch_size, progress=progress)))
+        target, [c.loaded for c in models], refs, params=params, batch_size=cfg.batch_size, progress=progress,
+        kept=[c.kept.ids if c.kept is not None else None for c in models])))
     for c in cands:
         c.acc = by_model[c.spec] if c.head is None else measure_head_acceptance(
             target, c.head, refs, c.spec, params=params, depth=MAX_K, progress=progress)
@@ -368,6 +386,8 @@ def _row(cand: Candidate, taus: dict[int, float], taus_by_domain: dict[str, dict
         "compatible": cand.compat.compatible,
         "kind": cand.compat.kind,
         "compat_notes": cand.compat.notes,
+        "draft_vocab": None if cand.kept is None else {"n": cand.kept.n, "vocab_size": cand.kept.vocab_size,
+                                                       "covered": cand.kept.covered, "source": cand.kept.source},
         "llama_cpp_compatible": cand.compat.llama_cpp,
         "llama_cpp_notes": cand.compat.llama_cpp_notes,
         "alpha": acc.alpha,

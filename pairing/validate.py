@@ -6,13 +6,13 @@
                        DraftUnderTest("draft_after", "runs/x/distill/best", alpha=0.17, chooses=True)],
                       prompts, ValidateConfig(), out=Path("runs/x/validate/bench.json"))
 
-Any draft kind goes through here: a model spec (zoo name, HF folder, .gguf, derive:...) or `head:FOLDER`. One draft
-`chooses`: its evidence picks the round policy (`pairing.policy.choose_policy`) over the round cost timed here, and
-every draft without a K of its own runs that policy. The cost is timed the way the draft runs: a draft that reads
-the target (a head) only inside the decoder (a short calibration decode), any other draft step by step in
-isolation. The result (`ValidationResult`, written as bench.json) records each draft's policy, the choice and its
-evidence, the timings, the machine and the versions. A run whose speculative output differs from the target's
-greedy output is refused after its numbers are written (the decoder's contract).
+Any draft kind goes through here: a model spec (zoo name, HF folder, .gguf, derive:..., prune:MODEL:vocab=FILE) or
+`head:FOLDER`. One draft `chooses`: its evidence picks the round policy (`pairing.policy.choose_policy`) over the
+round cost timed here, and every draft without a K of its own runs that policy. The cost is timed the way the draft
+runs: a draft that reads the target (a head) only inside the decoder (a short calibration decode), any other draft
+step by step in isolation. The result (`ValidationResult`, written as bench.json) records each draft's policy, the
+choice and its evidence, the timings, the machine and the versions. A run whose speculative output differs from the
+target's greedy output is refused after its numbers are written (the decoder's contract).
 """
 
 from __future__ import annotations
@@ -27,16 +27,15 @@ from decode.errors import DraftsmithError
 from decode.head import HeadDraft, head_quant
 from decode.io import atomic_write_json
 from decode.loading import Loaded, eos_ids, load
-from decode.quant import draft_quant
 from decode.runner import make_runner
 from decode.prompts import Prompt, first_per_domain
 from decode.speculative import KPolicy, check_siblings
 from decode.machine import machine_info, versions
 from decode.textgen import prompt_ids
 from pairing.cost import COST_CONTEXT, calibrate_decoder, measure_cost
-from pairing.derive import resolve_candidate
 from pairing.head_rounds import depth_records
 from pairing.leaderboard import HEAD_PREFIX, load_head_candidate
+from pairing.prune import draft_runner, load_model_draft
 from pairing.policy import PolicyChoice, choose_policy, policy_dict, taus_from_alpha, taus_from_rates
 
 
@@ -95,14 +94,15 @@ class Opened:
 
 def open_draft(spec: str, target: Loaded, max_len: int, quant: str | None, device: str = "cpu") -> Opened:
     """Any draft spec as the decoder runs it: `head:FOLDER` a HeadDraft on the target's embeddings, anything else
-    a model runner (int8 Linear weights on CPU when `quant` asks and the model can take it)."""
+    a model runner (int8 Linear weights on CPU when `quant` asks and the model can take it; `prune:MODEL:vocab=FILE`
+    with its LM head cut to the kept ids: `pairing.prune`)."""
     if spec.startswith(HEAD_PREFIX):
         head = load_head_candidate(spec, target)
         q = head_quant(head, quant)
         return Opened(HeadDraft(head, max_len, quantize=q), q, head)
-    model = load(resolve_candidate(spec), device=device).model
-    q = draft_quant(model, quant)
-    return Opened(make_runner(model, max_len, quantize=q), q)
+    loaded, kept = load_model_draft(spec, target, device)
+    runner, q = draft_runner(loaded.model, kept, max_len, quant)
+    return Opened(runner, q)
 
 
 @dataclass

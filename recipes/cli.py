@@ -2,12 +2,14 @@
 
     .venv/bin/draftsmith models list
     .venv/bin/draftsmith models pull smollm2-135m-instruct
-    .venv/bin/draftsmith decode --target T --draft D|head:PATH --prompt "..." [--k 4 | --dynamic-k] [--json]
+    .venv/bin/draftsmith decode --target T --draft D|prune:D:vocab=kept.json|head:PATH --prompt "..." [--k 4] [--json]
     .venv/bin/draftsmith bench --target T --draft D [--prompts code] [--k 3,5] --out bench.json
     .venv/bin/draftsmith grid --target T --draft head:RUN/distill/head/best --k 1,2,3 --confidence 0,0.6 \
         --siblings 0,3 [--sibling-depth 1,2] [--quant int8,none] --out grid.json
-    .venv/bin/draftsmith pair --target T --candidates D1,D2,derive:T:keep=8 --suite code,chat --validate 1 --out DIR
+    .venv/bin/draftsmith pair --target T --candidates D1,D2,derive:T:keep=8,prune:D1:vocab=kept.json --validate 1 \
+        --out DIR
     .venv/bin/draftsmith derive --from T --keep 8 --out DIR
+    .venv/bin/draftsmith vocab --target T --data DIR|--prompts code,chat [--coverage 0.99 | --size N] --out kept.json
     .venv/bin/draftsmith distill --target T --draft derive:T:keep=4 --loss fkl --steps 150 --out DIR
     .venv/bin/draftsmith gen-prompts --target T --n 2000 --domains code,json,summarize,chat --out DIR
     .venv/bin/draftsmith gen-data --target T --draft D --data mixed --mix 0.5 [--plain-data] --out DIR
@@ -108,25 +110,30 @@ def cmd_decode(args: argparse.Namespace) -> int:
 
 
 def _decode_pair(args: argparse.Namespace, policy):
-    """`decode`'s target and draft runners, the draft a standalone model or a head on the target's embedding;
-    a one-line error, before any decoding, for what the decoder cannot run."""
+    """`decode`'s target and draft runners, the draft a standalone model (vocabulary-pruned: prune:MODEL:vocab=FILE)
+    or a head on the target's embedding; a one-line error, before any decoding, for what the decoder cannot run."""
     from dataclasses import replace
 
     from decode.pair import load_pair
+    from pairing.prune import draft_runner, load_model_draft, parse_prune_spec
 
     draft = None if args.no_draft else args.draft
     head = _head_spec(draft)
+    pruned = draft if head is None and draft is not None and parse_prune_spec(draft) is not None else None
     if draft is not None and head is None and policy.sibling_depth == 2:
         raise DraftsmithError("--sibling-depth 2 needs a draft head (--draft head:PATH): a standalone draft cannot "
                               "draft after several candidates at once")
     quant = None if args.draft_quant == "none" else args.draft_quant
-    pair = load_pair(args.target, None if head else draft, draft_quant=quant, max_seq_len=args.max_seq_len)
+    pair = load_pair(args.target, None if head or pruned else draft, draft_quant=quant, max_seq_len=args.max_seq_len)
     _check_positions(pair.target, args)
     if draft is not None and policy.siblings and not hasattr(pair.target_runner, "forward_tree"):
         raise DraftsmithError(f"--siblings needs a target the lean runner can run (it verifies the siblings as a "
                               f"tree); {pair.target.name} runs in transformers")
     if head is not None:
         pair = replace(pair, draft_runner=_head_draft(head, pair.target, args.max_seq_len, quant))
+    elif pruned is not None:
+        loaded, kept = load_model_draft(pruned, pair.target)
+        pair = replace(pair, draft=loaded, draft_runner=draft_runner(loaded.model, kept, args.max_seq_len, quant)[0])
     return pair
 
 
@@ -262,6 +269,18 @@ def cmd_derive(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_vocab(args: argparse.Namespace) -> int:
+    from distill.vocab import make_vocab
+
+    kept = make_vocab(args.target, args.out, data=args.data, prompts=args.prompts, coverage=args.coverage,
+                      size=args.size, max_new_tokens=args.max_new_tokens, limit_per_domain=args.limit_per_domain,
+                      device=args.device)
+    print(f"kept {kept.n} of {kept.vocab_size} target ids: {100 * kept.covered:.2f}% of {kept.counted_tokens} "
+          f"target-written tokens counted")
+    print(f"wrote {args.out}; use it as prune:DRAFT:vocab={args.out}")
+    return 0
+
+
 def cmd_distill(args: argparse.Namespace) -> int:
     from distill.pipeline import DistillConfig, run_distill
 
@@ -330,8 +349,9 @@ DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 def _add_pair_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET, help=f"zoo name, HF folder or .gguf file (default {DEFAULT_TARGET})")
     p.add_argument("--draft", default=DEFAULT_DRAFT,
-                   help="zoo name, HF folder or .gguf, same tokenizer; or a draft head on the target: head:PATH or "
-                        f"the head's folder, e.g. RUN/head/best (default {DEFAULT_DRAFT})")
+                   help="zoo name, HF folder or .gguf, same tokenizer; prune:MODEL:vocab=FILE (its LM head cut to the "
+                        "kept ids); or a draft head on the target: head:PATH or the head's folder, e.g. RUN/head/best "
+                        f"(default {DEFAULT_DRAFT})")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--draft-quant", choices=["int8", "none"], default="int8",
                    help="draft (or head) weights on CPU (the target always runs as loaded; exactness is unaffected)")
@@ -447,9 +467,9 @@ GEN_DATA_SETTINGS = {"draft", "data", "mix", "max_new_tokens", "data_temperature
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="draftsmith", description="Make speculative decoding pay off.")
     sub = parser.add_subparsers(dest="verb", required=True)
-    for add_verb in (_models_parser, _decode_parser, _bench_parser, _floor_parser, _grid_parser, _pair_parser, _derive_parser, _distill_parser,
-                     _gen_prompts_parser, _gen_data_parser, _export_parser, _export_head_parser, _run_parser,
-                     _leaderboard_parser):
+    for add_verb in (_models_parser, _decode_parser, _bench_parser, _floor_parser, _grid_parser, _pair_parser,
+                     _derive_parser, _vocab_parser, _distill_parser, _gen_prompts_parser, _gen_data_parser,
+                     _export_parser, _export_head_parser, _run_parser, _leaderboard_parser):
         add_verb(sub)
     return parser
 
@@ -514,7 +534,8 @@ def _grid_parser(sub) -> None:
     p = sub.add_parser("grid", help="time one draft at a grid of K, stop thresholds and siblings beside the target "
                                     "alone, in one interleaved run (choose on dev prompts)")
     p.add_argument("--target", default=DEFAULT_TARGET, help=f"zoo name, HF folder or .gguf file (default {DEFAULT_TARGET})")
-    p.add_argument("--draft", required=True, help="zoo name, HF folder, .gguf, derive:MODEL:keep=N or head:FOLDER")
+    p.add_argument("--draft", required=True,
+                   help="zoo name, HF folder, .gguf, derive:MODEL:keep=N, prune:MODEL:vocab=FILE or head:FOLDER")
     add_options(p, GridConfig, taken={"target", "draft"})
     p.add_argument("--out", type=Path, default=None)
     p.set_defaults(func=cmd_grid)
@@ -528,7 +549,8 @@ def _pair_parser(sub) -> None:
     taken: set[str] = set()
     _add_common(p, taken, target_required=False)
     p.add_argument("--candidates", required=True,
-                   help="comma-separated: zoo names, HF folders, .gguf files, derive:MODEL:keep=N or derive:MODEL:layers=0,1,2")
+                   help="comma-separated: zoo names, HF folders, .gguf files, derive:MODEL:keep=N, "
+                        "derive:MODEL:layers=0,1,2, prune:MODEL:vocab=FILE (from draftsmith vocab) or head:FOLDER")
     add_options(p, PairConfig, skip={"candidates"}, taken=taken)
     p.add_argument("--out", type=Path, required=True)
     p.set_defaults(func=cmd_pair)
@@ -541,6 +563,25 @@ def _derive_parser(sub) -> None:
     p.add_argument("--keep", type=int, default=None, help="keep the first N layers")
     p.add_argument("--out", type=Path, default=None, help="output folder (default: in the cache)")
     p.set_defaults(func=cmd_derive)
+
+
+def _vocab_parser(sub) -> None:
+    p = sub.add_parser("vocab", help="the target ids a vocabulary-pruned draft keeps (prune:DRAFT:vocab=FILE), "
+                                     "counted on text the target wrote")
+    p.add_argument("--target", required=True, help="zoo name, HF folder or .gguf file")
+    text = p.add_mutually_exclusive_group(required=True)
+    text.add_argument("--data", type=Path, help="a folder of target-written text: gen-data's, a reference cache, or "
+                                                "a head's data folder")
+    text.add_argument("--prompts", help="suite names or a prompt file: the target writes a continuation of each")
+    n = p.add_mutually_exclusive_group()
+    n.add_argument("--coverage", type=float, default=0.99,
+                   help="keep the fewest ids that hold this share of the counted tokens (default 0.99)")
+    n.add_argument("--size", type=int, default=None, help="keep this many ids (the most frequent)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="with --prompts: tokens the target writes each")
+    p.add_argument("--limit-per-domain", type=int, default=None, help="with --prompts: the first N of each domain")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--out", type=Path, required=True, help="the kept-ids file (JSON)")
+    p.set_defaults(func=cmd_vocab)
 
 
 def _distill_parser(sub) -> None:

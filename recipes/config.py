@@ -28,6 +28,7 @@ from distill.heads.pipeline import HeadRunConfig
 from distill.kinds import is_model_spec
 from distill.pipeline import DataConfig, DistillConfig
 from pairing.derive import parse_derive_spec
+from pairing.prune import parse_prune_spec
 from pairing.leaderboard import PairConfig
 from pairing.validate import ValidateConfig
 
@@ -169,11 +170,17 @@ def build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
 
 
 def check_model_spec(spec: str, key: str) -> None:
-    """A zoo name, an existing HF folder / .gguf file, or a derive spec over one of those."""
+    """A zoo name, an existing HF folder / .gguf file, or a derive spec over one of those; or a prune spec over any
+    of them with an existing kept-ids file."""
     try:
-        parsed = parse_derive_spec(spec)
+        parsed, pruned = parse_derive_spec(spec), parse_prune_spec(spec)
     except DraftsmithError as e:
         raise RecipeError(f"{key}: {e}") from None
+    if pruned is not None:
+        if not pruned[1].is_file():
+            raise RecipeError(f"{key}: {spec!r}: no kept-vocabulary file {pruned[1]} (draftsmith vocab writes one)")
+        check_model_spec(pruned[0], key)
+        return
     if parsed is not None:
         check_model_spec(parsed[0], key)
         return
@@ -185,7 +192,7 @@ def check_model_spec(spec: str, key: str) -> None:
     if path.is_file() and path.suffix == ".gguf":
         return
     raise RecipeError(f"{key}: unknown model {spec!r}: expected a zoo name ({', '.join(zoo.known_models())}), "
-                      "an HF folder with config.json, a .gguf file, or derive:MODEL:keep=N")
+                      "an HF folder with config.json, a .gguf file, derive:MODEL:keep=N or prune:MODEL:vocab=FILE")
 
 
 def _check_models(recipe: Recipe) -> None:
@@ -194,6 +201,9 @@ def _check_models(recipe: Recipe) -> None:
         check_model_spec(spec, f"pair.candidates[{i}]")
     if is_model_spec(recipe.distill.draft):
         check_model_spec(recipe.distill.draft, "distill.draft")
+        if parse_prune_spec(recipe.distill.draft) is not None:
+            raise RecipeError("distill.draft: distillation trains a whole model, not a vocabulary-pruned one: name its "
+                              "MODEL (and prune the result: prune:RUN/distill/best:vocab=FILE)")
     check_prompts(recipe.prompts, "prompts")
     if recipe.test_prompts:
         check_prompts(recipe.test_prompts, "test_prompts")

@@ -16,6 +16,14 @@
   then raised as a DraftsmithError naming it.
 With `check_llama_cpp`, llama-server itself serves the target with the GGUF draft (distill.export.llama_cpp).
 
+A vocabulary-pruned standalone draft (`prune:MODEL:vocab=FILE`, `pairing.prune`) is refused, with the reason
+(`PRUNED_NOT_EXPORTED`): no engine takes one. llama.cpp's draft-simple runs a draft over the whole vocabulary (its
+draft rule wants vocabularies within 128 ids of the target's: a head of N kept rows is not one), and vLLM's and
+SGLang's standalone draft models want the target's whole vocabulary too (vLLM: equal vocabulary sizes, as the
+warning below says); only draft heads carry a draft vocabulary (d2t/t2d) there. Export MODEL whole instead: the
+engines then serve it unpruned, exact, without the pruned head's saving; the kept-ids file is for draftsmith's own
+decoder.
+
 The package: `hf` (the HF folder and its checks), `gguf` (the GGUF writer and its checks; GGUF_TYPES),
 `llama_cpp` (llama-server, the real engine check), `model_card` (serving lines and README.md). From the rest
 of distill it needs only `distill.train.merged_model`.
@@ -41,8 +49,20 @@ from distill.export.hf import export_hf
 from distill.export.model_card import model_card, serving_lines
 from distill.train import merged_model
 from pairing.derive import resolve_candidate
+from pairing.prune import parse_prune_spec
 
 EXPORT_FORMATS = ("hf", "gguf")
+PRUNED_NOT_EXPORTED = (
+    "a vocabulary-pruned standalone draft has no engine form: llama.cpp's draft-simple and vLLM's and SGLang's "
+    "standalone drafts run over the target's whole vocabulary; export its MODEL whole (served unpruned, still "
+    "exact) and keep the pruned draft for draftsmith's decoder")
+
+
+def refuse_pruned(*specs: str | None) -> None:
+    """A one-line DraftsmithError for a vocabulary-pruned draft spec (`PRUNED_NOT_EXPORTED`); nothing otherwise."""
+    for spec in specs:
+        if spec is not None and parse_prune_spec(spec) is not None:
+            raise DraftsmithError(f"{spec}: {PRUNED_NOT_EXPORTED}")
 
 
 @dataclass
@@ -217,6 +237,7 @@ def export(draft: str, target: str, out: Path, cfg: ExportConfig | None = None, 
     the target with each GGUF draft through llama-server (distill.export.llama_cpp); with `before` (the draft
     before distillation: a spec) the same check serves it too, at the same K, for the side-by-side report
     (`llama_cpp_before`)."""
+    refuse_pruned(draft, before)
     cfg = cfg or ExportConfig()
     fmt, best_k, target_gguf, check_llama_cpp = cfg.fmt, cfg.best_k or None, cfg.target_gguf, cfg.check_llama_cpp
     types = list(cfg.gguf_types) if "gguf" in cfg.formats else []
@@ -288,5 +309,5 @@ def export(draft: str, target: str, out: Path, cfg: ExportConfig | None = None, 
     return summary
 
 
-__all__ = ["DEFAULT_K", "EXPORT_FORMATS", "ExportConfig", "GGUF_TOL", "GGUF_TYPES", "before_gguf", "choose_k", "export",
-           "load_draft", "provenance", "target_gguf_for"]
+__all__ = ["DEFAULT_K", "EXPORT_FORMATS", "PRUNED_NOT_EXPORTED", "ExportConfig", "GGUF_TOL", "GGUF_TYPES",
+           "before_gguf", "choose_k", "export", "load_draft", "provenance", "refuse_pruned", "target_gguf_for"]

@@ -161,6 +161,22 @@ def build_head_data(target: Loaded, prompts: list[Prompt], out: Path, cfg: HeadD
     return stats
 
 
+def head_data_texts(folder: Path) -> list[list[int]]:
+    """The continuations the target wrote in the folder (each row's tokens after its prompt), read without the
+    features."""
+    from safetensors import safe_open
+
+    texts = []
+    for path in sorted(Path(folder).glob("shard-*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            tokens, off = f.get_tensor("tokens").long(), f.get_tensor("offsets").tolist()
+            plen = f.get_tensor("prompt_len")
+        texts += [tokens[off[b] + int(plen[b]) : off[b + 1]].tolist() for b in range(len(off) - 1)]
+    if not texts:
+        raise DraftsmithError(f"{folder}: no head data shards (build_head_data writes them)")
+    return texts
+
+
 def load_head_data(folder: Path) -> list[dict[str, torch.Tensor]]:
     """Every row of the folder: tokens (T,), features (T, 3H), final (T, H), next (T,), prompt_len."""
     rows = []

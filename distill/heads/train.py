@@ -44,6 +44,7 @@ from decode.head import Eagle3Head, HeadConfig, save_head, ttt_hidden, vocab_map
 from decode.io import atomic_dir, atomic_write_json, read_json
 from decode.kernels import dense
 from decode.loading import Loaded
+from distill.vocab import count_tokens
 
 
 @dataclass
@@ -165,7 +166,7 @@ def _new_head(target: Loaded, rows: list[dict], cfg: HeadTrainConfig,
     the target's predictions the vocabulary covers."""
     torch.manual_seed(cfg.seed)
     hf = target.model
-    counts = torch.bincount(torch.cat([r["next"] for r in rows]), minlength=hf.config.vocab_size)
+    counts = count_tokens([r["next"] for r in rows], hf.config.vocab_size)
     head = Eagle3Head(HeadConfig.for_target(hf.config, draft_vocab_size=cfg.draft_vocab_size, aux_layers=aux_layers,
                                             intermediate_size=cfg.intermediate_size), hf.get_input_embeddings())
     head.set_vocab(*vocab_map(counts, cfg.draft_vocab_size))

@@ -152,6 +152,51 @@ def test_decode_a_head_that_does_not_fit_the_target_is_one_line(tiny_pair, capsy
     assert "head" in line and "layers" in line
 
 
+def test_vocab_then_decode_with_the_pruned_draft_equals_the_target_alone(tiny_pair, capsys, tmp_path: Path) -> None:
+    """`draftsmith vocab` on the target's own continuations, then `decode --draft prune:DRAFT:vocab=FILE`: the
+    target's own tokens, int8 and not."""
+    from recipes.cli import main
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p, "domain": "code"}) + "\n"
+                               for p in ("sort the list of data", "print the code")))
+    kept = tmp_path / "kept.json"
+    code = main(["vocab", "--target", str(tiny_pair["target"]), "--prompts", str(prompts), "--size", "6",
+                 "--max-new-tokens", "8", "--out", str(kept)])
+    printed, err = capsys.readouterr()
+    assert code == 0, err
+    assert "kept 6 of" in printed and len(json.loads(kept.read_text())["ids"]) == 6
+    target = ("--target", str(tiny_pair["target"]))
+    code, out, err = decode(capsys, *target, "--no-draft", "--json")
+    alone = json.loads(out)["tokens"]
+    for quant in ("int8", "none"):
+        code, out, err = decode(capsys, *target, "--draft", f"prune:{tiny_pair['draft']}:vocab={kept}", "--k", "3",
+                                "--draft-quant", quant, "--json")
+        assert code == 0, err
+        assert json.loads(out)["tokens"] == alone
+
+
+@pytest.mark.parametrize("content,needle", [(None, "no such kept-vocabulary file"), ("{", "not valid JSON"),
+                                            ('{"format": "draftsmith-kept-vocab", "version": 1, "vocab_size": 5, '
+                                             '"n": 1, "ids": [1]}', "built for a vocabulary of 5 ids")])
+def test_decode_with_a_bad_kept_vocabulary_is_one_line(tiny_pair, capsys, tmp_path: Path, content, needle) -> None:
+    kept = tmp_path / "kept.json"
+    if content is not None:
+        kept.write_text(content)
+    line = one_line_error(capsys, "--target", str(tiny_pair["target"]), "--draft",
+                          f"prune:{tiny_pair['draft']}:vocab={kept}")
+    assert needle in line
+
+
+def test_export_refuses_a_pruned_draft_with_the_reason(capsys, tmp_path: Path) -> None:
+    from recipes.cli import main
+
+    code = main(["export", "--draft", "prune:m:vocab=kept.json", "--target", "t", "--out", str(tmp_path / "x")])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and "llama.cpp's draft-simple" in lines[0] and "MODEL whole" in lines[0]
+    assert not (tmp_path / "x").exists()
+
+
 def test_grid_times_a_head_at_every_policy_in_one_run(tiny_pair, capsys, tmp_path: Path) -> None:
     """`draftsmith grid` (what scripts/head_run.py's bench did): every policy beside the target alone, one run."""
     from recipes.cli import main

@@ -106,3 +106,16 @@ def test_cli_run_with_a_bad_recipe_prints_one_line_and_exits_2(tmp_path: Path) -
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "distill.train.stepz" in lines[0] and str(path) in lines[0], r.stderr
+
+
+def test_a_pruned_candidate_needs_its_kept_ids_and_is_never_distilled(tmp_path: Path) -> None:
+    kept = tmp_path / "kept.json"
+    spec = f"prune:smollm2-135m-instruct:vocab={kept}"
+    with pytest.raises(DraftsmithError, match=r"pair\.candidates\[0\]: .*no kept-vocabulary file"):
+        recipe_from_dict({**MINIMAL, "pair": {"candidates": [spec]}})
+    kept.write_text("{}")  # read, and checked against the target, when the pair stage opens it
+    assert recipe_from_dict({**MINIMAL, "pair": {"candidates": [spec]}}).pair.candidates == [spec]
+    with pytest.raises(DraftsmithError, match=r"pair\.candidates\[0\]: .*unknown model 'nope'"):
+        recipe_from_dict({**MINIMAL, "pair": {"candidates": [f"prune:nope:vocab={kept}"]}})
+    with pytest.raises(DraftsmithError, match="distill.draft: distillation trains a whole model"):
+        recipe_from_dict({**MINIMAL, "distill": {"draft": spec}})

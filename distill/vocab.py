@@ -1,0 +1,87 @@
+"""The kept vocabulary of a pruned draft (`pairing.prune`): the target ids the target writes most often, counted on
+text it wrote.
+
+    .venv/bin/draftsmith vocab --target qwen2.5-coder-1.5b-instruct --data runs/x/data/rows --coverage 0.99 \
+        --out kept.json
+    .venv/bin/draftsmith vocab --target qwen2.5-coder-1.5b-instruct --prompts code,chat --size 32768 --out kept.json
+
+    from distill.vocab import make_vocab
+    kept = make_vocab("qwen2.5-coder-1.5b-instruct", Path("kept.json"), prompts="code,chat", coverage=0.99)
+
+The target's text comes from one of:
+- `data`: a folder of training data: `draftsmith gen-data`'s (its rows with source "target" only: on-policy rows
+  are the draft's), any `datasets` folder with continuation_ids (a reference cache), or a draft head's data folder
+  (`distill.heads.data`: each row's tokens after its prompt);
+- `prompts`: suite names or a prompt file: the target's greedy continuations, `max_new_tokens` each
+  (`pairing.reference.reference_continuations`, cached).
+Only continuation tokens count (what a draft has to propose), never the prompts. `count_tokens` is the one count of
+target ids in draftsmith: draft heads choose their vocabulary with it too.
+
+Count on prompts the draft is trained or chosen on, not on the test prompts it is timed on: a vocabulary chosen on
+the text it is measured on covers that text better than new text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from decode.errors import DraftsmithError
+from decode.loading import Loaded, load
+from decode.prompts import load_prompts
+from distill.data import load_data_folder
+from distill.heads.data import head_data_texts
+from pairing.prune import KeptVocab, build_vocab, target_rows
+from pairing.reference import reference_continuations
+
+
+def count_tokens(seqs: Iterable[Tensor | Sequence[int]], vocab_size: int) -> Tensor:
+    """How often each id occurs in the token id sequences `seqs` -> counts (vocab_size,) int64. An id outside
+    [0, vocab_size) is an error (text from another tokenizer)."""
+    parts = [torch.as_tensor(s, dtype=torch.long).flatten() for s in seqs]
+    ids = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise DraftsmithError(f"token ids {int(ids.min())}..{int(ids.max())} do not fit a vocabulary of {vocab_size}: "
+                              "text from another tokenizer?")
+    return torch.bincount(ids.cpu(), minlength=vocab_size)
+
+
+def data_texts(folder: str | Path, target: Loaded) -> list[list[int]]:
+    """The continuations the target wrote in a data folder (see the module docstring)."""
+    folder = Path(folder)
+    if any(folder.glob("shard-*.safetensors")):
+        return head_data_texts(folder)
+    ds = load_data_folder(folder, target)
+    sources = ds["source"] if "source" in ds.column_names else ["target"] * len(ds)
+    texts = [list(c) for c, src in zip(ds["continuation_ids"], sources) if src == "target" and len(c)]
+    if not texts:
+        raise DraftsmithError(f"{folder}: no text the target wrote (no row with source 'target' and a continuation)")
+    return texts
+
+
+def make_vocab(target: str, out: str | Path, *, data: str | Path | None = None, prompts: str | None = None,
+               coverage: float | None = 0.99, size: int | None = None, max_new_tokens: int = 128,
+               limit_per_domain: int | None = None, device: str = "cpu", progress: bool = True) -> KeptVocab:
+    """Count the target ids in text the target wrote (`data` or `prompts`) and keep the `size` most frequent, or
+    the fewest that hold `coverage` of them; written to `out` (`pairing.prune.build_vocab`)."""
+    if (data is None) == (prompts is None):
+        raise DraftsmithError("vocab: give one of data (a folder of text the target wrote) or prompts")
+    t = load(target, device=device)
+    if data is not None:
+        texts = data_texts(data, t)
+        source = {"data": str(Path(data).expanduser().resolve())}
+    else:
+        suite = load_prompts(prompts, limit_per_domain=limit_per_domain)
+        refs = reference_continuations(t, suite, max_new_tokens=max_new_tokens, progress=progress)
+        texts = [list(c) for c in refs["continuation_ids"]]
+        source = {"prompts": prompts, "prompt_ids": [p.id for p in suite], "max_new_tokens": max_new_tokens,
+                  "temperature": 0.0}
+    source.update(target=target, rows=len(texts))
+    counts = count_tokens(texts, target_rows(t))
+    return build_vocab(counts, out, coverage=None if size is not None else coverage, size=size, source=source)
+
+
+__all__ = ["count_tokens", "data_texts", "make_vocab"]

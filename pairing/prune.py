@@ -1,0 +1,161 @@
+"""Vocabulary-pruned standalone drafts as candidates: the `prune:MODEL:vocab=FILE` spec and its kept-ids file.
+
+    .venv/bin/draftsmith vocab --target qwen2.5-coder-1.5b-instruct --prompts code,chat --coverage 0.99 --out kept.json
+    .venv/bin/draftsmith pair --target qwen2.5-coder-1.5b-instruct \
+        --candidates qwen2.5-coder-0.5b-instruct,prune:qwen2.5-coder-0.5b-instruct:vocab=kept.json --out runs/pair
+    .venv/bin/draftsmith decode --target qwen2.5-coder-1.5b-instruct \
+        --draft prune:qwen2.5-coder-0.5b-instruct:vocab=kept.json --prompt "..."
+
+MODEL is any standalone draft spec (zoo name, HF folder, .gguf, derive:...) that shares the target's tokenizer;
+FILE holds the kept target ids (`build_vocab` writes it, `read_vocab` checks it against the target). The draft
+runs as `decode.pruned.PrunedRunner`: its LM head cut to the kept rows, q = 0 elsewhere, decoding exact.
+
+Every place that turns a standalone draft spec into a model and a runner goes through `load_model_draft` and
+`draft_runner` (the pair leaderboard, validate and grid through `pairing.validate.open_draft`, `draftsmith
+decode`), so a pruned spec is accepted wherever a model spec is, and refused (one line, `resolve_candidate`)
+where only a whole model will do: distillation and export (no engine takes a pruned standalone draft).
+
+The file (JSON): {"format": "draftsmith-kept-vocab", "version": 1, "vocab_size": V, "n": N, "ids": [...],
+"coverage": the share asked for (null when N was given), "covered": the share of the counted target tokens the
+ids hold, "counted_tokens", "source": where the counts came from}.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from decode.errors import DraftsmithError
+from decode.io import atomic_write_json, read_json
+from decode.loading import Loaded, load
+from decode.pair import check_vocab
+from decode.pruned import PrunedRunner, coverage_size, vocab_ids
+from decode.quant import draft_quant
+from decode.runner import Runner, make_runner
+from pairing.derive import resolve_candidate
+
+PRUNE_PREFIX = "prune:"
+_VOCAB_KEY = ":vocab="
+FORMAT = "draftsmith-kept-vocab"
+VERSION = 1
+
+
+def parse_prune_spec(spec: str) -> tuple[str, Path] | None:
+    """'prune:MODEL:vocab=FILE' -> (MODEL, FILE); None when `spec` is not a prune spec; a malformed one is a
+    DraftsmithError."""
+    if not spec.startswith(PRUNE_PREFIX):
+        return None
+    model, key, file = spec[len(PRUNE_PREFIX):].rpartition(_VOCAB_KEY)
+    if not key or not model or not file:
+        raise DraftsmithError(f"{spec!r}: expected prune:MODEL:vocab=FILE (FILE from `draftsmith vocab`)")
+    if model.startswith((PRUNE_PREFIX, "head:")):
+        raise DraftsmithError(f"{spec!r}: MODEL must be a standalone model (zoo name, HF folder, .gguf, derive:...)")
+    return model, Path(file).expanduser()
+
+
+@dataclass(frozen=True)
+class KeptVocab:
+    """The target ids a pruned draft proposes, with where they came from."""
+
+    ids: Tensor  # (N,) int64 target ids, ascending
+    vocab_size: int  # the target vocabulary they index (its logit rows)
+    covered: float  # the share of the counted target tokens these ids hold
+    coverage: float | None = None  # the share asked for; None when N was given
+    counted_tokens: int = 0
+    source: dict = field(default_factory=dict)
+
+    @property
+    def n(self) -> int:
+        return int(self.ids.numel())
+
+    def describe(self) -> str:
+        return (f"vocabulary-pruned: proposes {self.n} of {self.vocab_size} target ids (they hold "
+                f"{100 * self.covered:.1f}% of {self.counted_tokens} target-written tokens counted); LM head cut to "
+                f"{self.n} rows")
+
+
+def build_vocab(counts: Tensor, out: str | Path, *, coverage: float | None = 0.99, size: int | None = None,
+                source: dict | None = None) -> KeptVocab:
+    """Keep the `size` target ids counted most often, or the fewest that hold `coverage` of the counts
+    (`decode.pruned.coverage_size`); write them to `out` (JSON, atomically) and return them. `counts` (V,) over
+    the target's vocabulary, e.g. `distill.vocab.count_tokens` of text the target wrote."""
+    if (coverage is None) == (size is None):
+        raise DraftsmithError("give one of coverage (a share of the counted tokens) or size (a number of ids)")
+    counts = torch.as_tensor(counts).flatten()
+    V = counts.numel()
+    n = coverage_size(counts, coverage) if size is None else int(size)
+    if not 1 <= n <= V:
+        raise DraftsmithError(f"a pruned vocabulary keeps 1..{V} ids (the target's vocabulary), got {n}")
+    ids = vocab_ids(counts, n)
+    total = float(counts.double().sum())
+    kept = KeptVocab(ids, V, float(counts.double()[ids].sum()) / total if total > 0 else 0.0, coverage,
+                     int(round(total)), dict(source or {}))
+    atomic_write_json(out, {"format": FORMAT, "version": VERSION, "vocab_size": V, "n": n, "coverage": coverage,
+                            "covered": kept.covered, "counted_tokens": kept.counted_tokens, "source": kept.source,
+                            "ids": ids.tolist()})
+    return kept
+
+
+def read_vocab(path: str | Path, vocab_size: int) -> KeptVocab:
+    """The kept ids in `path`, checked against a target vocabulary of `vocab_size` ids; a one-line
+    DraftsmithError for a missing or corrupt file, no ids, repeated ids, ids outside the vocabulary, or a file
+    built for a vocabulary of another size."""
+    d = read_json(path, what="kept-vocabulary file (draftsmith vocab writes it)")
+    if not isinstance(d, dict) or d.get("format") != FORMAT:
+        raise DraftsmithError(f"{path}: not a kept-vocabulary file (draftsmith vocab writes one)")
+    ids, V = d.get("ids"), d.get("vocab_size")
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids) \
+            or not isinstance(V, int) or d.get("n") != len(ids):
+        raise DraftsmithError(f"{path}: corrupt kept-vocabulary file (ids, n and vocab_size disagree or are missing)")
+    if not ids:
+        raise DraftsmithError(f"{path}: keeps no ids (N = 0): a draft must be able to propose something")
+    if V != vocab_size:
+        raise DraftsmithError(f"{path}: built for a vocabulary of {V} ids, the target has {vocab_size}; "
+                              "build it again for this target (draftsmith vocab)")
+    t = torch.tensor(ids, dtype=torch.long)
+    if int(t.min()) < 0 or int(t.max()) >= vocab_size:
+        raise DraftsmithError(f"{path}: ids outside the target's vocabulary [0, {vocab_size}): "
+                              f"{int(t.min())}..{int(t.max())}")
+    if torch.unique(t).numel() != t.numel():
+        raise DraftsmithError(f"{path}: an id is kept more than once")
+    covered, coverage = d.get("covered"), d.get("coverage")
+    return KeptVocab(torch.sort(t).values, V, float(covered) if isinstance(covered, (int, float)) else float("nan"),
+                     float(coverage) if isinstance(coverage, (int, float)) else None,
+                     int(d.get("counted_tokens") or 0), d.get("source") if isinstance(d.get("source"), dict) else {})
+
+
+def target_rows(target: Loaded) -> int:
+    """The target's vocabulary as its logits see it: the rows of its LM head."""
+    return target.model.get_output_embeddings().weight.shape[0]
+
+
+def load_model_draft(spec: str, target: Loaded, device: str = "cpu") -> tuple[Loaded, KeptVocab | None]:
+    """A standalone draft spec -> (the model, loaded; the kept ids for `prune:MODEL:vocab=FILE`, else None).
+    A pruned draft proposes target ids, so it must share the target's tokenizer; its file is checked first."""
+    parsed = parse_prune_spec(spec)
+    if parsed is None:
+        return load(resolve_candidate(spec), device=device), None
+    model_spec, vocab_path = parsed
+    kept = read_vocab(vocab_path, target_rows(target))  # a bad file fails before a model is loaded
+    loaded = load(resolve_candidate(model_spec), device=device)
+    loaded.name = spec
+    check_vocab(target, loaded)
+    rows = loaded.model.get_output_embeddings().weight.shape[0]
+    if int(kept.ids.max()) >= rows:
+        raise DraftsmithError(f"{spec}: keeps id {int(kept.ids.max())}, the draft's head has {rows} rows")
+    return loaded, kept
+
+
+def draft_runner(model, kept: KeptVocab | None, max_seq_len: int, quant: str | None) -> tuple[Runner, str | None]:
+    """A standalone draft as the decoder runs it: int8 Linear weights where `quant` asks and the model can take
+    them (`decode.quant.draft_quant`), its head cut to the kept ids when pruned. -> (runner, the quantisation)."""
+    q = draft_quant(model, quant)
+    runner = make_runner(model, max_seq_len, quantize=q)
+    return (PrunedRunner(runner, kept.ids) if kept is not None else runner), q
+
+
+__all__ = ["FORMAT", "KeptVocab", "PRUNE_PREFIX", "build_vocab", "draft_runner", "load_model_draft",
+           "parse_prune_spec", "read_vocab", "target_rows"]

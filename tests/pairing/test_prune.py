@@ -1,0 +1,197 @@
+"""The prune:MODEL:vocab=FILE spec: parsing, the kept-ids file and its checks, the one route from a spec to a
+model and a runner, and a pruned candidate ranked beside its whole model on the pair leaderboard."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from decode.errors import DraftsmithError
+from decode.loading import load
+from decode.pruned import PrunedRunner
+from pairing.derive import resolve_candidate
+from pairing.prune import build_vocab, draft_runner, load_model_draft, parse_prune_spec, read_vocab
+from tests import helpers
+from tests.pairing.test_leaderboard import WORDS, save_tiny, setup  # noqa: F401 (a fixture)
+
+# --- the spec ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec,expected", [
+    ("prune:qwen2.5-coder-0.5b-instruct:vocab=kept.json", ("qwen2.5-coder-0.5b-instruct", Path("kept.json"))),
+    ("prune:derive:m:keep=4:vocab=/a/b.json", ("derive:m:keep=4", Path("/a/b.json"))),
+    ("prune:runs/x/best:vocab=v.json", ("runs/x/best", Path("v.json"))),
+    ("qwen2.5-coder-0.5b-instruct", None),
+    ("derive:m:keep=4", None),
+])
+def test_parse_prune_spec(spec: str, expected) -> None:
+    assert parse_prune_spec(spec) == expected
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("prune:m", "expected prune:MODEL:vocab=FILE"),
+    ("prune:m:vocab=", "expected prune:MODEL:vocab=FILE"),
+    ("prune::vocab=f.json", "expected prune:MODEL:vocab=FILE"),
+    ("prune:head:h:vocab=f.json", "MODEL must be a standalone model"),
+    ("prune:prune:m:vocab=a:vocab=b", "MODEL must be a standalone model"),
+])
+def test_parse_prune_spec_errors(spec: str, message: str) -> None:
+    with pytest.raises(DraftsmithError, match=message):
+        parse_prune_spec(spec)
+
+
+def test_resolve_candidate_refuses_a_pruned_spec_in_one_line() -> None:
+    with pytest.raises(DraftsmithError, match="vocabulary-pruned draft runs in draftsmith's decoder only") as e:
+        resolve_candidate("prune:m:vocab=f.json")
+    assert "\n" not in str(e.value)
+
+
+# --- the kept-ids file ------------------------------------------------------------------------------------------
+
+
+def test_build_and_read_back_by_coverage_and_by_size(tmp_path: Path) -> None:
+    counts = torch.tensor([0, 5, 1, 9, 9, 0, 3, 2])  # ranked 9, 9, 5, 3, 2, 1: shares .31 .62 .79 .90 .97 1
+    kept = build_vocab(counts, tmp_path / "c.json", coverage=0.8, source={"data": "x"})
+    assert kept.ids.tolist() == [1, 3, 4, 6] and kept.covered == pytest.approx(26 / 29)
+    back = read_vocab(tmp_path / "c.json", 8)
+    assert torch.equal(back.ids, kept.ids) and back.vocab_size == 8 and back.coverage == 0.8
+    assert back.covered == pytest.approx(26 / 29) and back.counted_tokens == 29 and back.source == {"data": "x"}
+    on_disk = json.loads((tmp_path / "c.json").read_text())
+    assert on_disk["format"] == "draftsmith-kept-vocab" and on_disk["n"] == len(on_disk["ids"]) == 4
+    sized = build_vocab(counts, tmp_path / "s.json", coverage=None, size=5)
+    assert sized.ids.tolist() == [1, 3, 4, 6, 7] and read_vocab(tmp_path / "s.json", 8).coverage is None
+
+
+def test_build_vocab_coverage_takes_the_fewest_ids(tmp_path: Path) -> None:
+    counts = torch.tensor([0, 5, 1, 9, 9, 0, 3, 2])
+    for coverage, n in ((23 / 29, 3), (0.8, 4), (1.0, 6), (1e-6, 1)):
+        assert build_vocab(counts, tmp_path / "v.json", coverage=coverage).n == n
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"coverage": None}, "give one of coverage"),
+    ({"coverage": 0.9, "size": 3}, "give one of coverage"),
+    ({"coverage": None, "size": 0}, "keeps 1..8 ids"),
+    ({"coverage": None, "size": 9}, "keeps 1..8 ids"),
+    ({"coverage": 1.5}, "coverage must be in"),
+])
+def test_build_vocab_errors(tmp_path: Path, kwargs: dict, message: str) -> None:
+    with pytest.raises(DraftsmithError, match=message):
+        build_vocab(torch.tensor([0, 5, 1, 9, 9, 0, 3, 2]), tmp_path / "v.json", **kwargs)
+    assert not (tmp_path / "v.json").exists()
+
+
+def vocab_file(path: Path, **fields) -> Path:
+    doc = {"format": "draftsmith-kept-vocab", "version": 1, "vocab_size": 8, "n": 3, "ids": [1, 3, 4]} | fields
+    path.write_text(json.dumps(doc))
+    return path
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"ids": [], "n": 0}, r"keeps no ids \(N = 0\)"),
+    ({"ids": [1, 3, 8]}, r"ids outside the target's vocabulary \[0, 8\)"),
+    ({"ids": [-1, 3, 4]}, r"ids outside the target's vocabulary \[0, 8\)"),
+    ({"ids": [1, 3, 3]}, "kept more than once"),
+    ({"vocab_size": 9}, "built for a vocabulary of 9 ids, the target has 8"),
+    ({"n": 4}, "corrupt kept-vocabulary file"),
+    ({"ids": [1, "3", 4]}, "corrupt kept-vocabulary file"),
+    ({"ids": None}, "corrupt kept-vocabulary file"),
+    ({"format": "something-else"}, "not a kept-vocabulary file"),
+])
+def test_read_vocab_errors_are_one_line(tmp_path: Path, fields: dict, message: str) -> None:
+    with pytest.raises(DraftsmithError, match=message) as e:
+        read_vocab(vocab_file(tmp_path / "v.json", **fields), 8)
+    assert "\n" not in str(e.value)
+
+
+def test_a_missing_or_corrupt_file_is_one_line(tmp_path: Path) -> None:
+    with pytest.raises(DraftsmithError, match="no such kept-vocabulary file"):
+        read_vocab(tmp_path / "absent.json", 8)
+    (tmp_path / "bad.json").write_text('{"format": "draftsmith-kept-vocab", "ids": [1, 2')
+    with pytest.raises(DraftsmithError, match="not valid JSON"):
+        read_vocab(tmp_path / "bad.json", 8)
+    (tmp_path / "list.json").write_text("[1, 2, 3]")
+    with pytest.raises(DraftsmithError, match="not a kept-vocabulary file"):
+        read_vocab(tmp_path / "list.json", 8)
+
+
+# --- from a spec to a model and a runner ------------------------------------------------------------------------
+
+
+def test_load_model_draft_and_draft_runner(setup, tmp_path: Path) -> None:
+    target_dir, other, _ = setup
+    target = load(target_dir)
+    V = len(WORDS) + 3
+    f = vocab_file(tmp_path / "v.json", vocab_size=V, ids=[2, 5, 7, 9], n=4)
+    loaded, kept = load_model_draft(f"prune:{other}:vocab={f}", target)
+    assert loaded.name == f"prune:{other}:vocab={f}" and kept.ids.tolist() == [2, 5, 7, 9]
+    runner, quant = draft_runner(loaded.model, kept, 32, "int8")
+    assert isinstance(runner, PrunedRunner) and quant == "int8" and runner.vocab_size == V
+    plain, none = load_model_draft(str(other), target)
+    assert none is None and not isinstance(draft_runner(plain.model, None, 32, None)[0], PrunedRunner)
+
+
+def test_load_model_draft_refuses_what_cannot_prune(setup, tmp_path: Path) -> None:
+    target_dir, other, _ = setup
+    target = load(target_dir)
+    wrong_size = vocab_file(tmp_path / "w.json", vocab_size=99)
+    with pytest.raises(DraftsmithError, match="built for a vocabulary of 99 ids"):
+        load_model_draft(f"prune:{other}:vocab={wrong_size}", target)
+    renumbered = helpers.word_tokenizer(["[UNK]", "<s>", "</s>", *reversed(WORDS)], eos="</s>", bos="<s>",
+                                        split_punctuation=True)
+    cross = helpers.save_tiny(tmp_path / "cross", renumbered, 3, vocab_size=len(WORDS) + 3, eos_id=2, bos_id=1,
+                              layers=1)
+    ok = vocab_file(tmp_path / "ok.json", vocab_size=len(WORDS) + 3)
+    with pytest.raises(DraftsmithError, match="different tokenizers"):
+        load_model_draft(f"prune:{cross}:vocab={ok}", target)
+
+
+def test_validate_opens_a_pruned_spec_as_the_decoder_runs_it(setup, tmp_path: Path) -> None:
+    from pairing.validate import open_draft
+
+    target_dir, other, _ = setup
+    f = vocab_file(tmp_path / "v.json", vocab_size=len(WORDS) + 3, ids=[2, 5, 7], n=3)
+    opened = open_draft(f"prune:{other}:vocab={f}", load(target_dir), 32, None)
+    assert isinstance(opened.runner, PrunedRunner) and opened.quant is None
+    assert opened.runner.head.weight.shape[0] == 3
+
+
+# --- the pair leaderboard ---------------------------------------------------------------------------------------
+
+
+def test_a_pruned_candidate_ranks_beside_its_whole_model(setup, tmp_path: Path) -> None:
+    """The target drafting for itself, whole and pruned to the ids it writes most often less the most written
+    one: teacher-forced at temperature 0 the pruned copy is accepted exactly where the target's token is kept,
+    so its alpha is the share of kept tokens in the references (the whole copy's is 1). Both validate
+    greedy-equal; the row says what was kept and that llama.cpp cannot run it pruned."""
+    from decode.prompts import load_prompts
+    from distill.vocab import count_tokens
+    from pairing.leaderboard import PairConfig, run_pair
+    from pairing.reference import reference_continuations
+
+    target_dir, other, prompts = setup
+    target = load(target_dir)
+    refs = reference_continuations(target, load_prompts(str(prompts), limit_per_domain=2), max_new_tokens=8,
+                                   progress=False)
+    conts = [list(c) for c in refs["continuation_ids"]]
+    counts = count_tokens(conts, len(WORDS) + 3)
+    counts[int(counts.argmax())] = 0  # drop the most written id: the draft cannot propose it
+    kept = build_vocab(counts, tmp_path / "kept.json", coverage=1.0)
+    share = sum(t in set(kept.ids.tolist()) for c in conts for t in c) / sum(len(c) for c in conts)
+    assert 0 < share < 1
+    pruned = f"prune:{target_dir}:vocab={tmp_path / 'kept.json'}"
+    cfg = PairConfig(candidates=[str(target_dir), pruned, str(other)], prompts_per_domain=2, max_new_tokens=8,
+                     validate=3, validate_prompts=1, draft_quant=None)
+    board = run_pair(str(target_dir), tmp_path / "board", cfg, prompts=str(prompts), progress=False)
+    rows = {c["draft"]: c for c in board["candidates"]}
+    assert set(rows) == {str(target_dir), pruned, str(other)}
+    whole, p = rows[str(target_dir)], rows[pruned]
+    assert whole["alpha"] == pytest.approx(1.0) and p["alpha"] == pytest.approx(share, abs=1e-12)
+    assert p["compatible"] and p["kind"] == "same-tokenizer" and p["llama_cpp_compatible"] is False
+    assert p["draft_vocab"]["n"] == kept.n and whole["draft_vocab"] is None
+    assert any(n.startswith("vocabulary-pruned: proposes") for n in p["compat_notes"])
+    assert p["cost_ratio"] > 0 and p["validation"]["greedy_equal"] and whole["validation"]["greedy_equal"]
+    assert pruned in (tmp_path / "board" / "leaderboard.md").read_text()
