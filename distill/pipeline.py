@@ -228,14 +228,14 @@ def run_distill(target_spec: str, draft_spec: str, out: Path, cfg: DistillConfig
         "train_summary": summary,
     }
     if tuned is not None and cfg.speed_prompts:
-        torch.set_grad_enabled(False)
-        rows = list(refs)[: cfg.speed_prompts]
-        max_len = max(len(r["prompt_ids"]) for r in rows) + cfg.max_new_tokens + cfg.speed_k + 2
-        runners = {name: make_runner(m.model, max_len, quantize=draft_quant(m.model))
-                   for name, m in (("draft_before", draft), ("draft_after", tuned))}
-        val: Validation = validate_drafts(make_runner(target.model, max_len), runners, [r["prompt_ids"] for r in rows],
-                                          k=cfg.speed_k, max_new_tokens=cfg.max_new_tokens, eos_ids=eos_ids(target),
-                                          names=[r["id"] for r in rows], desc="before/after", device=device)
-        result["speed"] = val.to_dict()
+        with torch.no_grad():
+            rows = list(refs)[: cfg.speed_prompts]
+            max_len = max(len(r["prompt_ids"]) for r in rows) + cfg.max_new_tokens + cfg.speed_k + 2
+            runners = {name: make_runner(m.model, max_len, quantize=draft_quant(m.model))
+                       for name, m in (("draft_before", draft), ("draft_after", tuned))}
+            val: Validation = validate_drafts(make_runner(target.model, max_len), runners, [r["prompt_ids"] for r in rows],
+                                              k=cfg.speed_k, max_new_tokens=cfg.max_new_tokens, eos_ids=eos_ids(target),
+                                              names=[r["id"] for r in rows], desc="before/after", device=device)
+            result["speed"] = val.to_dict()
     atomic_write_json(out / "distill.json", result)
     return result

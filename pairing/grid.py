@@ -81,6 +81,7 @@ def policy_grid(cfg: GridConfig) -> list[KPolicy]:
     return list(out.values())
 
 
+@torch.no_grad()  # not torch.set_grad_enabled(False): that would leak into whatever runs next in the process
 def run_grid(target_spec: str, draft_spec: str, cfg: GridConfig, *, out: Path | None = None,
              device: str = "cpu") -> dict:
     """Time the target alone and the draft at every policy of the grid (and every quant) side by side on the same
@@ -89,7 +90,6 @@ def run_grid(target_spec: str, draft_spec: str, cfg: GridConfig, *, out: Path | 
     if not policies:
         raise DraftsmithError("the grid names no policy the decoder can run (siblings need a threshold; "
                               "sibling depth 2 needs siblings and K >= 2)")
-    torch.set_grad_enabled(False)
     target = load(target_spec, device=device)
     prompts = first_per_domain(load_prompts(cfg.prompts), cfg.prompts_per_domain)
     ids = [prompt_ids(target.tokenizer, p.prompt) for p in prompts]

@@ -193,6 +193,7 @@ def _max_len(ids: list[list[int]], drafts: list[DraftUnderTest], cfg: ValidateCo
     return max(max(len(i) for i in ids) + cfg.max_new_tokens, COST_CONTEXT) + most_k + 2
 
 
+@torch.no_grad()  # scoped: grad mode is the caller's again afterwards
 def validate(target_spec: str, drafts: list[DraftUnderTest], dev: list[Prompt], test: list[Prompt],
              cfg: ValidateConfig, *, out: Path, kind: str = "standalone", test_source: str = "test",
              device: str = "cpu") -> ValidationResult:
@@ -204,7 +205,6 @@ def validate(target_spec: str, drafts: list[DraftUnderTest], dev: list[Prompt], 
         raise ValueError("exactly one draft chooses the round policy")
     if not dev:
         raise DraftsmithError("validate: no held-out (dev) prompts to choose the round policy on")
-    torch.set_grad_enabled(False)
     target = load(target_spec, device=device)
     dev = first_per_domain(dev, cfg.prompts_per_domain)
     timed = first_per_domain(test or dev, cfg.prompts_per_domain)
