@@ -105,7 +105,7 @@ def test_the_env_is_speculators_on_the_cpu_torch(run) -> None:
     versions = run[4]
     assert versions["speculators"] == "0.9.0" and versions["transformers"] == "5.19.0"
     assert versions["torch"] == "2.13.0+cpu"
-    check = subprocess.run([str(speculators_python()), "-m", "pip", "check"], capture_output=True, text=True)
+    check = subprocess.run([str(speculators_python()), "-I", "-m", "pip", "check"], capture_output=True, text=True)
     problems = [line for line in check.stdout.splitlines() if line.strip()]
     assert problems and all("torchvision" in p or "torchaudio" in p for p in problems), problems
 
