@@ -29,9 +29,10 @@ from typing import Any, Protocol
 from decode.errors import DraftsmithError
 from decode.io import read_json
 from decode.prompts import Prompt, load_prompts, load_test_prompts
+from distill.fastest import FASTEST, FastestConfig, make_fastest
 from distill.heads.pipeline import HEAD, HeadRunConfig, head_result, held_rows, run_head
 from distill.pipeline import DistillConfig, run_distill, split_prompts
-from pairing.leaderboard import HEAD_PREFIX
+from pairing.leaderboard import HEAD_PREFIX, PairConfig
 from pairing.prune import parse_prune_spec
 from pairing.policy import DEFAULT_K
 from pairing.validate import DraftUnderTest
@@ -53,6 +54,8 @@ class RunContext:
     has_data_stage: bool = False  # the recipe has a data section: distill trains on its rows
     test_prompts: str = ""  # the recipe's test_prompts ("" = the built-in test split of `prompts`)
     config: dict = dataclasses.field(default_factory=dict)  # the resolved recipe (for wandb)
+    fastest: FastestConfig = dataclasses.field(default_factory=FastestConfig)  # the `fastest` kind's settings
+    pair: PairConfig | None = None  # the pair stage's settings (the `fastest` kind ranks with them)
 
     def held_out(self) -> list[Prompt]:
         """The dev prompts: never trained on, used to choose (a checkpoint, K): the first
@@ -240,7 +243,51 @@ class Head:
                 "serving": summary.get("serving"), "k": k, "k_source": source}
 
 
-KINDS: dict[str, type] = {HEAD: Head}  # distill.draft value -> kind; any other value is a standalone draft
+class Fastest:
+    """The fastest standalone draft: a whole model (`fastest.base`, or the pair stage's top whole model) beside its
+    vocabulary-pruned variants, ranked on dev prompts (`distill.fastest`); nothing is trained. Validation times
+    the winner beside the whole model, each at its own K."""
+
+    name = FASTEST
+
+    def __init__(self, draft: str = FASTEST) -> None:
+        self.draft = draft
+
+    def settings(self, recipe: dict) -> dict:
+        return {"fastest": recipe["fastest"], "pair": recipe["pair"]}
+
+    def base(self, ctx: RunContext) -> str:
+        if ctx.fastest.base != "best":
+            return ctx.fastest.base
+        return Standalone("best").chosen(ctx)
+
+    def data_draft(self, ctx: RunContext) -> str:
+        return self.base(ctx)
+
+    def train(self, ctx: RunContext) -> dict:
+        result = make_fastest(ctx.target, self.base(ctx), ctx.fastest, ctx.pair, out=ctx.folders["distill"],
+                              run=ctx.folders["distill"].parent, prompts=ctx.prompts,
+                              limit_per_domain=ctx.limit_per_domain, device=ctx.device)
+        return {"draft": result["draft"], "alpha": result["alpha"], "measured_speedup": result["measured_speedup"]}
+
+    def validation(self, ctx: RunContext) -> list[DraftUnderTest]:
+        made = read_json(ctx.folders["distill"] / "fastest.json", missing_ok=True, what="fastest result")
+        if made is None:
+            raise DraftsmithError("validate: no ranked drafts here; run the distill stage first")
+        ranked = {row["draft"]: row for row in made["ranking"]}
+        base = made["base"]
+        if made["draft"] == base:  # the whole model won: it alone, choosing its own policy
+            return [DraftUnderTest("draft_before", base, alpha=ranked[base]["alpha"], chooses=True)]
+        return [DraftUnderTest("draft_before", base, label=f"whole model ({base})", k=made["base_k"]),
+                DraftUnderTest("draft_after", made["draft"], label="pruned", alpha=made["alpha"], chooses=True)]
+
+    def export(self, ctx: RunContext) -> dict:
+        raise DraftsmithError("export: a vocabulary-pruned draft runs in draftsmith's decoder only (no engine takes "
+                              "one); export the whole model instead (distill.draft=MODEL), or leave export out of "
+                              "the recipe's stages")
+
+
+KINDS: dict[str, type] = {HEAD: Head, FASTEST: Fastest}  # distill.draft value -> kind; any other: standalone
 
 
 def kind_for(draft: str) -> DraftKind:

@@ -24,6 +24,7 @@ import yaml
 from decode import zoo
 from decode.errors import DraftsmithError
 from distill.export import ExportConfig
+from distill.fastest import FastestConfig
 from distill.heads.pipeline import HeadRunConfig
 from distill.kinds import is_model_spec
 from distill.pipeline import DataConfig, DistillConfig
@@ -60,6 +61,7 @@ class Recipe:
     validate: ValidateConfig = field(default_factory=ValidateConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     head: HeadRunConfig = field(default_factory=HeadRunConfig)  # used when distill.draft is 'head'
+    fastest: FastestConfig = field(default_factory=FastestConfig)  # used when distill.draft is 'fastest'
     stages: list[str] = field(default_factory=lambda: list(STAGES))  # pair, data, distill, validate, export (a subset)
 
     def __post_init__(self) -> None:
@@ -204,6 +206,8 @@ def _check_models(recipe: Recipe) -> None:
         if parse_prune_spec(recipe.distill.draft) is not None:
             raise RecipeError("distill.draft: distillation trains a whole model, not a vocabulary-pruned one: name its "
                               "MODEL (and prune the result: prune:RUN/distill/best:vocab=FILE)")
+    if recipe.distill.draft == "fastest" and recipe.fastest.base != "best":
+        check_model_spec(recipe.fastest.base, "fastest.base")
     check_prompts(recipe.prompts, "prompts")
     if recipe.test_prompts:
         check_prompts(recipe.test_prompts, "test_prompts")

@@ -219,10 +219,24 @@ def _head(doc: Doc, h: dict) -> None:
     plt.close(fig)
 
 
+def _fastest(doc: Doc, made: dict) -> None:
+    doc.h("Fastest draft: the whole model beside its pruned variants")
+    doc.p(f"Kept ids counted on the target's greedy answers to {len(made['counted_prompts'])} dev prompts the "
+          f"ranking does not read; ranked on dev prompts. Winner: `{made['draft']}` (in draft.txt: "
+          "`draftsmith pair --candidates \"$(cat draft.txt)\"` ranks it again).")
+    doc.table(["draft", "alpha", "best K", "predicted speedup", "measured speedup (dev)"],
+              [[r["draft"], r["alpha"], r["best_k"], r["predicted_speedup"], r["measured_speedup"]]
+               for r in made["ranking"]])
+
+
 def _distill(doc: Doc, run: Path) -> None:
     head = read_json(run / "distill" / "head.json", missing_ok=True, what="head result")
     if head:
         _head(doc, head)
+        return
+    made = read_json(run / "distill" / "fastest.json", missing_ok=True, what="fastest result")
+    if made:
+        _fastest(doc, made)
         return
     log = _jsonl(run / "distill" / "log.jsonl")
     result = read_json(run / "distill" / "distill.json", missing_ok=True, what="distill result")
@@ -358,7 +372,8 @@ def _validation(doc: Doc, run: Path) -> None:
                          "-" if name == "target_only" else fmt(val.greedy_equal[name])])
     doc.table(["decoder", "K", "tok/s", "vs target alone (range)", "mean tau", "accepted/drafted", "greedy equal"], rows)
     if "draft_after" in val.stats and "draft_before" in val.stats:
-        what = "Head vs standalone draft" if b.get("kind") == "head" else "Distilled vs un-distilled draft"
+        what = {"head": "Head vs standalone draft", "fastest": "Pruned vs whole draft"}.get(
+            b.get("kind"), "Distilled vs un-distilled draft")
         doc.p(f"{what}: {tps['draft_after'] / tps['draft_before']:.2f}x tokens/s.")
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 2.8))

@@ -119,7 +119,8 @@ def context(recipe: Recipe, run: RunFolder) -> RunContext:
                       limit_per_domain=recipe.limit_per_domain, device=recipe.device, distill=recipe.distill,
                       head=recipe.head, export_cfg=recipe.export,
                       folders={stage: run.path(stage) for stage in STAGE_DIRS}, has_data_stage=bool(recipe.data.n),
-                      config=recipe.to_dict(), test_prompts=recipe.test_prompts)
+                      config=recipe.to_dict(), test_prompts=recipe.test_prompts, fastest=recipe.fastest,
+                      pair=recipe.pair)
 
 
 # --- stages -----------------------------------------------------------------------------------------

@@ -372,3 +372,44 @@ def test_a_recipe_with_a_data_section_trains_on_what_the_target_wrote(world: dic
     assert json.loads((out / "data" / "rows" / "settings.json").read_text())["max_new_tokens"] == 5
     report = (out / "report.md").read_text()
     assert "## Data the target wrote" in report and "4 requests kept (code 2, chat 2)" in report
+
+
+def test_a_fastest_recipe_ranks_pruned_variants_and_writes_the_winner(world: dict) -> None:
+    """`distill.draft: fastest`: the distill stage counts the target's text on dev prompts the ranking does not
+    read, writes kept-ids files, ranks the whole model beside its pruned variants, and writes the winner's spec to
+    RUN/draft.txt, which `draftsmith pair --candidates` takes; validate times the winner beside the whole model
+    on test prompts, greedy-equal."""
+    root = world["root"]
+    test = root / "test-fastest.jsonl"
+    test.write_text("".join(json.dumps({"id": f"t{i}", "prompt": p, "domain": d}) + "\n" for i, (d, p) in
+                            enumerate([("code", "sort the list of data"), ("chat", "print this code for a list")])))
+    target, base = root / "target", root / "other"
+    recipe = {
+        "name": "tiny-fastest", "target": str(target), "prompts": str(root / "prompts.jsonl"),
+        "test_prompts": str(test), "stages": ["pair", "distill", "validate"],
+        "pair": {"candidates": [str(base)], "prompts_per_domain": 2, "max_new_tokens": 8, "draft_quant": None,
+                 "calibrate_prompts": 0, "validate": 2, "validate_prompts": 1},
+        "distill": {"draft": "fastest", "eval_per_domain": 2},
+        "fastest": {"sizes": [6, 20], "prompts_per_domain": 2, "max_new_tokens": 8},
+        "validate": {"prompts_per_domain": 1, "max_new_tokens": 8, "max_k": 3, "draft_quant": None},
+    }
+    path = root / "tiny-fastest.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    out = root / "runs" / "fastest"
+    r = draftsmith(world, "run", str(path), "--out", str(out))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    made = json.loads((out / "distill" / "fastest.json").read_text())
+    assert made["base"] == str(base) and len(made["ranking"]) == 3
+    assert len(made["counted_prompts"]) == 4  # prompts 3-4 of each domain: the ranking reads 1-2
+    for n in (6, 20):
+        kept = json.loads((out / "distill" / f"vocab-{n}.json").read_text())
+        assert len(kept["ids"]) == n
+    line = (out / "draft.txt").read_text().strip()
+    assert line == made["draft"] and "\n" not in line
+    bench = json.loads((out / "validate" / "bench.json").read_text())
+    assert all(bench["greedy_equal"].values()) and bench["prompts"] == ["t0", "t1"] and not bench["in_sample"]
+    again = draftsmith(world, "pair", "--target", str(target), "--candidates", line, "--prompts",
+                       str(root / "prompts.jsonl"), "--prompts-per-domain", "1", "--max-new-tokens", "4",
+                       "--draft-quant", "null", "--calibrate-prompts", "0", "--out", str(root / "runs" / "again"))
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    assert (out / "report.md").is_file()

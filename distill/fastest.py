@@ -1,0 +1,120 @@
+"""The fastest standalone draft for a target: a whole model beside its vocabulary-pruned variants (FR-Spec), ranked
+side by side on dev prompts (the recipe kind `fastest`: recipes/qwen-draft.yaml).
+
+    board = make_fastest(ctx_target, "qwen2.5-coder-0.5b-instruct", FastestConfig(sizes=[8192, 32768]), pair_cfg,
+                         out=RUN / "distill", prompts="code,chat")
+    board["winner"]   # e.g. "prune:qwen2.5-coder-0.5b-instruct:vocab=RUN/distill/vocab-8192.json"
+
+1. The kept ids: the target's greedy continuations of dev prompts that the ranking does not use (each domain's
+   prompts after the pair's own `prompts_per_domain`), generated with the base draft to go faster (exact: the
+   target's own greedy text), counted (`distill.vocab.count_tokens`), one kept-ids file per size
+   (`pairing.prune.build_vocab`; ties to the lower id, which in a BPE vocabulary is the earlier merge).
+2. The ranking: `pairing.leaderboard.run_pair` over the base and its pruned variants, with the recipe's pair
+   settings (alpha teacher-forced, cost timed, the top `validate` candidates decoded beside the target alone).
+3. The winner: the highest measured speedup among those decoded, else the highest predicted; its candidate spec
+   goes to `RUN/draft.txt`, one line that `draftsmith pair --candidates` takes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from decode.errors import DraftsmithError
+from decode.io import atomic_write_json, atomic_write_text, read_json
+from decode.loading import load
+from decode.prompts import Prompt, load_prompts
+from distill.vocab import count_tokens
+from pairing.leaderboard import PairConfig, run_pair
+from pairing.prune import build_vocab, target_rows
+from pairing.reference import reference_continuations
+
+
+FASTEST = "fastest"  # distill.draft's value that ranks a model and its pruned variants instead of training
+
+
+@dataclass
+class FastestConfig:
+    """A recipe's `fastest:` section."""
+
+    base: str = "best"  # the whole model to prune: a model spec, or `best` (the pair stage's top whole model)
+    sizes: list[int] = field(default_factory=lambda: [8192, 16384, 32768])  # kept ids per pruned variant
+    prompts_per_domain: int = 8  # dev prompts a domain whose target continuations are counted (after the pair's)
+    max_new_tokens: int = 96  # tokens of each counted continuation
+
+    def __post_init__(self) -> None:
+        if not self.sizes or any(n < 1 for n in self.sizes):
+            raise ValueError(f"sizes must list positive vocabulary sizes, got {self.sizes}")
+        if self.prompts_per_domain < 1 or self.max_new_tokens < 1:
+            raise ValueError("prompts_per_domain and max_new_tokens must be >= 1")
+
+
+def counting_prompts(prompts: str, skip: int, n: int, limit_per_domain: int | None = None) -> list[Prompt]:
+    """Each domain's prompts [skip, skip + n) of `prompts` (capped at `limit_per_domain` a domain): dev prompts the
+    ranking, which reads each domain's first `skip`, never sees."""
+    by: dict[str, list[Prompt]] = {}
+    for p in load_prompts(prompts, limit_per_domain=limit_per_domain):
+        by.setdefault(p.domain, []).append(p)
+    chosen = [p for rows in by.values() for p in rows[skip : skip + n]]
+    if not chosen:
+        raise DraftsmithError(f"fastest: no prompts left to count after the first {skip} of each domain of "
+                              f"{prompts!r}; lower pair.prompts_per_domain or give more prompts")
+    return chosen
+
+
+def build_vocabs(target: str, base: str, prompts: list[Prompt], cfg: FastestConfig, out: Path, *,
+                 device: str = "cpu") -> dict[int, Path]:
+    """One kept-ids file per size in `out` (vocab-N.json), counted on the target's greedy continuations of
+    `prompts` (generated with `base` as the draft: the same text, faster)."""
+    t = load(target, device=device)
+    d = load(base, device=device)
+    refs = reference_continuations(t, prompts, max_new_tokens=cfg.max_new_tokens, draft=d)
+    counts = count_tokens([list(c) for c in refs["continuation_ids"]], target_rows(t))
+    source = {"target": target, "prompts": [p.id for p in prompts], "max_new_tokens": cfg.max_new_tokens,
+              "temperature": 0.0, "tokens": int(counts.sum())}
+    files = {}
+    for n in sorted(set(cfg.sizes)):
+        files[n] = out / f"vocab-{n}.json"
+        build_vocab(counts, files[n], coverage=None, size=min(n, len(counts)), source=source)
+    return files
+
+
+def winner(board: dict) -> dict:
+    """The leaderboard row to serve: the highest measured speedup among the candidates decoded, else the highest
+    predicted one."""
+    rows = [c for c in board["candidates"] if c["compatible"]]
+    if not rows:
+        raise DraftsmithError("fastest: no candidate shares the target's tokenizer")
+    measured = [c for c in rows if c.get("measured_speedup") is not None]
+    if measured:
+        return max(measured, key=lambda c: c["measured_speedup"])
+    return max(rows, key=lambda c: c["predicted_speedup"])
+
+
+def make_fastest(target: str, base: str, cfg: FastestConfig, pair: PairConfig, *, out: Path, run: Path,
+                 prompts: str, limit_per_domain: int | None = None, device: str = "cpu") -> dict:
+    """Count, prune, rank (see the module docstring); writes out/vocab-*.json, out/ranking/ (the leaderboard),
+    out/fastest.json and run/draft.txt; returns fastest.json's content."""
+    done = read_json(out / "fastest.json", missing_ok=True, what="fastest result")
+    if done:
+        return done
+    if pair.prompts_per_domain < 1:
+        raise DraftsmithError("fastest: pair.prompts_per_domain must be >= 1 (the counted prompts are the ones after "
+                              "the ranking's own; 0 would rank on all of them)")
+    count_on = counting_prompts(prompts, pair.prompts_per_domain, cfg.prompts_per_domain, limit_per_domain)
+    files = build_vocabs(target, base, count_on, cfg, out, device=device)
+    candidates = [base] + [f"prune:{base}:vocab={path}" for path in files.values()]
+    board = run_pair(target, out / "ranking", dataclasses.replace(pair, candidates=candidates), prompts=prompts,
+                     limit_per_domain=limit_per_domain, device=device)
+    best = winner(board)
+    atomic_write_text(run / "draft.txt", best["draft"] + "\n")
+    result = {"draft": best["draft"], "base": base, "base_k": next(c["best_k"] for c in board["candidates"]
+                                                                   if c["draft"] == base),
+              "alpha": best["alpha"], "best_k": best["best_k"], "measured_speedup": best.get("measured_speedup"),
+              "predicted_speedup": best["predicted_speedup"], "vocab_files": {str(n): str(p) for n, p in files.items()},
+              "counted_prompts": [p.id for p in count_on],
+              "ranking": [{k: c.get(k) for k in ("draft", "alpha", "best_k", "predicted_speedup", "measured_speedup")}
+                          for c in board["candidates"]]}
+    atomic_write_json(out / "fastest.json", result)
+    return result
