@@ -17,22 +17,13 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from typing import Callable
 
 import torch
 from torch import nn
 
+from decode.kernels import best_time
+
 COST_CONTEXT = 64  # tokens of context, as pairing.cost times c and v(K)
-
-
-def _best(fn: Callable[[], object], reps: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def read_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> dict[str, float]:
@@ -42,9 +33,9 @@ def read_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> dict[str, float]:
     b = torch.empty_like(a)
     gb = a.numel() * 4 / 1e9
     out = {
-        "sum": gb / _best(a.sum, reps),
-        "amax": gb / _best(a.amax, reps),
-        "copy": 2 * gb / _best(lambda: b.copy_(a), reps),
+        "sum": gb / best_time(a.sum, reps),
+        "amax": gb / best_time(a.amax, reps),
+        "copy": 2 * gb / best_time(lambda: b.copy_(a), reps),
     }
     out["best"] = max(out.values())
     return out
@@ -53,7 +44,7 @@ def read_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> dict[str, float]:
 def compute_peak(n: int = 512, reps: int = 20) -> float:
     """The best float32 GFLOP/s of an (n x n) @ (n x n) matmul whose operands stay in cache: the compute roof."""
     a, b = torch.randn(n, n), torch.randn(n, n)
-    return 2 * n**3 / _best(lambda: torch.mm(a, b), reps) / 1e9
+    return 2 * n**3 / best_time(lambda: torch.mm(a, b), reps) / 1e9
 
 
 def weight_bytes(model: nn.Module) -> tuple[int, int]:

@@ -28,7 +28,8 @@ def _layout_setting() -> str:
     return value
 
 
-def _time(fn, reps: int = 5) -> float:
+def best_time(fn, reps: int = 5) -> float:
+    """The best of `reps` wall-clock timings of fn(), after one warm-up call."""
     fn()
     best = float("inf")
     for _ in range(reps):
@@ -79,8 +80,8 @@ def _weight_first(x: Tensor, layer: nn.Linear) -> bool:
     if key not in _CHOICE:
         probe = torch.randn_like(x)
         w, b = layer.weight.detach(), None if layer.bias is None else layer.bias.detach()
-        wx = _time(lambda: torch.mm(w, probe.t()))
-        xw = _time(lambda: F.linear(probe, w, b))
+        wx = best_time(lambda: torch.mm(w, probe.t()))
+        xw = best_time(lambda: F.linear(probe, w, b))
         _CHOICE[key] = wx < 0.9 * xw  # the plain layout unless the other is clearly faster
     return _CHOICE[key]
 
