@@ -23,7 +23,7 @@ from torch import nn
 
 from decode.kernels import best_time
 
-COST_CONTEXT = 64  # tokens of context, as pairing.cost times c and v(K)
+COST_CONTEXT = 64  # tokens of context when timing a forward: pair and validate (pairing.cost) time here too
 
 
 def read_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> dict[str, float]:
@@ -149,7 +149,6 @@ def format_floor(report: dict) -> str:
     return "\n".join(lines)
 
 
-
 PLAN_ROWS = 12  # row counts planned: verify steps up to K = 11
 PLAN_MIN_BYTES = 256 * 10**6  # smaller models (tests' tiny ones) are never timed: their steps are overhead
 _PLANS: dict[tuple, dict[int, int]] = {}  # per process: (model identity) -> row plan
@@ -169,7 +168,8 @@ def choose_rows(times: dict[int, float], *, gain: float = 0.95) -> dict[int, int
 def plan_rows(runner, key: tuple, nbytes: int, *, repeats: int = 3) -> dict[int, int]:
     """Give a lean runner on the CPU its `row_plan`: cached forwards over 1..PLAN_ROWS rows timed once per process
     and model (`key`), each row count then run at the fastest count at or above it (`choose_rows`). On the AMD
-    EPYC here the float32 Qwen2.5-Coder-1.5B ran 1 row in 337 ms and 6 rows in 265 (oneDNN). Models under
+    EPYC here the float32 Qwen2.5-Coder-1.5B's one-row step ran 228.6 ms planned against 277.9 unpadded
+    (docs/results/floor.md). Models under
     PLAN_MIN_BYTES of weights (`nbytes`, as loaded) and DRAFTSMITH_ROWS=off get no plan (every forward at its
     own row count)."""
     if (os.environ.get("DRAFTSMITH_ROWS", "auto") == "off" or not hasattr(runner, "row_plan")

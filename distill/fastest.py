@@ -24,11 +24,10 @@ from pathlib import Path
 from decode.errors import DraftsmithError
 from decode.io import atomic_write_json, atomic_write_text, read_json
 from decode.loading import load
-from decode.prompts import Prompt, load_prompts
-from distill.vocab import count_tokens
+from decode.prompts import Prompt, first_per_domain, load_prompts
+from distill.vocab import continuation_texts, count_tokens
 from pairing.leaderboard import PairConfig, run_pair
 from pairing.prune import build_vocab, target_rows
-from pairing.reference import reference_continuations
 
 
 FASTEST = "fastest"  # distill.draft's value that ranks a model and its pruned variants instead of training
@@ -53,10 +52,9 @@ class FastestConfig:
 def counting_prompts(prompts: str, skip: int, n: int, limit_per_domain: int | None = None) -> list[Prompt]:
     """Each domain's prompts [skip, skip + n) of `prompts` (capped at `limit_per_domain` a domain): dev prompts the
     ranking, which reads each domain's first `skip`, never sees."""
-    by: dict[str, list[Prompt]] = {}
-    for p in load_prompts(prompts, limit_per_domain=limit_per_domain):
-        by.setdefault(p.domain, []).append(p)
-    chosen = [p for rows in by.values() for p in rows[skip : skip + n]]
+    every = load_prompts(prompts, limit_per_domain=limit_per_domain)
+    ranked = {p.id for p in first_per_domain(every, skip)}
+    chosen = [p for p in first_per_domain(every, skip + n) if p.id not in ranked]
     if not chosen:
         raise DraftsmithError(f"fastest: no prompts left to count after the first {skip} of each domain of "
                               f"{prompts!r}; lower pair.prompts_per_domain or give more prompts")
@@ -69,8 +67,7 @@ def build_vocabs(target: str, base: str, prompts: list[Prompt], cfg: FastestConf
     `prompts` (generated with `base` as the draft: the same text, faster)."""
     t = load(target, device=device)
     d = load(base, device=device)
-    refs = reference_continuations(t, prompts, max_new_tokens=cfg.max_new_tokens, draft=d)
-    counts = count_tokens([list(c) for c in refs["continuation_ids"]], target_rows(t))
+    counts = count_tokens(continuation_texts(t, prompts, cfg.max_new_tokens, draft=d), target_rows(t))
     source = {"target": target, "prompts": [p.id for p in prompts], "max_new_tokens": cfg.max_new_tokens,
               "temperature": 0.0, "tokens": int(counts.sum())}
     files = {}

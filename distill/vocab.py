@@ -31,7 +31,7 @@ from torch import Tensor
 
 from decode.errors import DraftsmithError
 from decode.loading import Loaded, load
-from decode.prompts import load_prompts
+from decode.prompts import Prompt, load_prompts
 from distill.data import load_data_folder
 from distill.heads.data import head_data_texts
 from pairing.prune import KeptVocab, build_vocab, target_rows
@@ -62,6 +62,14 @@ def data_texts(folder: str | Path, target: Loaded) -> list[list[int]]:
     return texts
 
 
+def continuation_texts(target: Loaded, prompts: list[Prompt], max_new_tokens: int, *, draft: Loaded | None = None,
+                       progress: bool = True) -> list[list[int]]:
+    """The target's greedy continuations of `prompts` (`pairing.reference.reference_continuations`, cached);
+    `draft` (same tokenizer) only makes them come faster: the text is the target's own."""
+    refs = reference_continuations(target, prompts, max_new_tokens=max_new_tokens, draft=draft, progress=progress)
+    return [list(c) for c in refs["continuation_ids"]]
+
+
 def make_vocab(target: str, out: str | Path, *, data: str | Path | None = None, prompts: str | None = None,
                coverage: float | None = 0.99, size: int | None = None, max_new_tokens: int = 128,
                limit_per_domain: int | None = None, device: str = "cpu", progress: bool = True) -> KeptVocab:
@@ -75,8 +83,7 @@ def make_vocab(target: str, out: str | Path, *, data: str | Path | None = None, 
         source = {"data": str(Path(data).expanduser().resolve())}
     else:
         suite = load_prompts(prompts, limit_per_domain=limit_per_domain)
-        refs = reference_continuations(t, suite, max_new_tokens=max_new_tokens, progress=progress)
-        texts = [list(c) for c in refs["continuation_ids"]]
+        texts = continuation_texts(t, suite, max_new_tokens, progress=progress)
         source = {"prompts": prompts, "prompt_ids": [p.id for p in suite], "max_new_tokens": max_new_tokens,
                   "temperature": 0.0}
     source.update(target=target, rows=len(texts))
@@ -84,4 +91,4 @@ def make_vocab(target: str, out: str | Path, *, data: str | Path | None = None, 
     return build_vocab(counts, out, coverage=None if size is not None else coverage, size=size, source=source)
 
 
-__all__ = ["count_tokens", "data_texts", "make_vocab"]
+__all__ = ["continuation_texts", "count_tokens", "data_texts", "make_vocab"]

@@ -34,11 +34,11 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+from decode.floor import COST_CONTEXT  # tokens of context when timing c and v(K): pair, validate, floor alike
 from decode.runner import Runner
 from decode.speculative import KPolicy, RoundClock, generate
 
 K_RANGE = range(1, 17)
-COST_CONTEXT = 64  # tokens of context when timing c and v(K): pair and validate time at the same point
 
 
 @dataclass
