@@ -47,6 +47,17 @@ def keep_freed_memory() -> str:
     return _state["setting"]
 
 
+def release_freed_memory() -> None:
+    """Collect garbage and hand the heap's free memory back to the OS (glibc's malloc_trim): a process that kept
+    its peak (`keep_freed_memory`) and now waits on a child would otherwise hold it beside the child's."""
+    import gc
+
+    gc.collect()
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
 def allocator_setting() -> str:
     """What `keep_freed_memory` did in this process: "system" unless it changed glibc's thresholds."""
     return _state["setting"]

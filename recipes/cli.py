@@ -400,10 +400,23 @@ def cmd_export(args: argparse.Namespace) -> int:
                   f"{b['tokens_per_s']:.2f} tok/s, {b['speedup_vs_fastest_target_alone']:.2f}x the fastest target "
                   f"alone, {b['accepted']}/{b['drafted']} accepted, greedy equal on {b['greedy_equal']['equal']}/"
                   f"{b['greedy_equal']['prompts']}")
+    _print_prediction(summary.get("llama_cpp_prediction"))
     for w in summary.get("warnings") or []:
         print(f"warning: {w}")
     print(f"wrote {args.out}")
     return 0
+
+
+def _print_prediction(pred: dict | None) -> None:
+    """llama-server's predicted and measured speedup per K, and acceptance in both engines (export's check)."""
+    if not pred:
+        return
+    from distill.export.model_card import PREDICTION_HEADERS, prediction_rows
+
+    print(f"llama.cpp: {pred['verdict']}")
+    print("  " + " | ".join(PREDICTION_HEADERS))
+    for row in prediction_rows(pred):
+        print("  " + " | ".join(row))
 
 
 def cmd_export_head(args: argparse.Namespace) -> int:
@@ -424,6 +437,9 @@ def cmd_export_head(args: argparse.Namespace) -> int:
             speed = f"{r['speedup_vs_target_only']:.2f}x" if r["speedup_vs_target_only"] else "-"
             print(f"llama.cpp, head at K={k}: {r['accepted']}/{r['drafted']} accepted, {r['tokens_per_s'] or 0:.2f} "
                   f"tok/s ({speed}), greedy equal on {r['greedy_equal']['equal']}/{r['greedy_equal']['prompts']}")
+    _print_prediction(result.get("llama_cpp_prediction"))
+    for w in result.get("warnings") or []:
+        print(f"warning: {w}")
     return 0
 
 

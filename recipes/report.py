@@ -18,7 +18,7 @@ from typing import Any
 
 from decode.bench import Validation
 from decode.io import atomic_write_bytes, atomic_write_text, read_json
-from distill.export.model_card import llama_cpp_result
+from distill.export.model_card import PREDICTION_HEADERS, llama_cpp_result, prediction_lines, prediction_rows
 from pairing.leaderboard import png_bytes, table_rows
 
 _STYLE = ("<style>body{font-family:sans-serif;margin:2em;max-width:70em}table{border-collapse:collapse}"
@@ -323,7 +323,9 @@ def verdict(run: Path) -> tuple[str, bool] | None:
     e = read_json(run / "export" / "export.json", missing_ok=True, what="export result") or {}
     engines = [lc for lc in (((e.get("llama_cpp") or {}).get("runs") or {}).values() if _head_export(e)
                else (e.get("llama_cpp") or {}).values()) if lc and lc.get("speedup_vs_target_only")]
-    if engines:
+    if e.get("llama_cpp_prediction"):
+        text += f" In llama.cpp (llama-server) {e['llama_cpp_prediction']['verdict']}."
+    elif engines:
         top = max(engines, key=lambda lc: lc["speedup_vs_target_only"])
         x = top["speedup_vs_target_only"]
         text += (f" In llama.cpp (llama-server) it measured {x:.2f}x at K = {top.get('draft_max')}"
@@ -402,6 +404,7 @@ def _export(doc: Doc, run: Path) -> None:
             doc.table(["K", "accepted/drafted", "tok/s", "vs target alone", "greedy text equal"],
                       [[k, f"{r['accepted']}/{r['drafted']}", r["tokens_per_s"], f"{r['speedup_vs_target_only']:.2f}x",
                         f"{r['greedy_equal']['equal']}/{r['greedy_equal']['prompts']}"] for k, r in lc["runs"].items()])
+        _prediction(doc, e)
         doc.p(f"Serving lines, K = {e.get('k')}:" + _slow_note(run, "draft_after"))
         for name, line in (e.get("serving") or {}).items():
             doc.code(f"# {name}\n{line}")
@@ -420,11 +423,23 @@ def _export(doc: Doc, run: Path) -> None:
     for t, lc in (e.get("llama_cpp") or {}).items():
         doc.p(f"llama.cpp (llama-server, {t} draft, K = {lc.get('draft_max')}): "
               f"{llama_cpp_result(lc, e.get('llama_cpp_target_only'))}.")
+    _prediction(doc, e)
     doc.p(f"Serving lines, K = {e.get('best_k')} ({e.get('best_k_source')}):" + _slow_note(run, "draft_after"))
     for name, line in (e.get("serving") or {}).items():
         doc.code(f"# {name}\n{line}")
     for w in e.get("warnings") or []:
         doc.p(f"Warning: {w}")
+
+
+def _prediction(doc: Doc, e: dict) -> None:
+    """llama-server's speedup predicted from llama.cpp's costs beside measured, and acceptance in both engines."""
+    pred = e.get("llama_cpp_prediction")
+    if not pred:
+        return
+    lines = prediction_lines(pred)
+    doc.p(lines[0])
+    doc.table(PREDICTION_HEADERS, prediction_rows(pred))
+    doc.p(lines[-1])
 
 
 def _slow_note(run: Path, name: str) -> str:

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from decode.allocator import allocator_setting, keep_freed_memory
+from decode.allocator import allocator_setting, keep_freed_memory, release_freed_memory
 from decode.errors import DraftsmithError
 from decode.io import atomic_write_json, read_json
 from distill.kinds import RunContext, kind_for
@@ -187,6 +187,7 @@ def _stage_in_child(func: Callable[[Recipe, RunFolder], dict], recipe: Recipe, o
 def run_stage_fresh(func: Callable[[Recipe, RunFolder], dict], recipe: Recipe, run: RunFolder) -> dict:
     """`func(recipe, run)` (a module-level function) in a fresh Python process (spawn: nothing of this one's
     state); its result, or its exception re-raised here."""
+    release_freed_memory()  # what earlier stages freed goes back to the OS, not held beside the child's
     pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
     try:
         return pool.submit(_stage_in_child, func, recipe, str(run.out), allocator_setting() != "system").result()

@@ -214,6 +214,30 @@ def _check_llama_cpp(t_gguf: Path, drafts: dict[str, Path], prompts: list[list[i
     return runs, baseline
 
 
+def predict_llama_cpp(tgt: Loaded, draft: Any, t_gguf: Path, draft_gguf: Path, ks: list[int], n_prompts: int,
+                      warnings: list[str], progress: bool, *, spec_type: str = "draft-simple") -> dict:
+    """llama-server's speedup at each K predicted from llama.cpp's own costs and our acceptance by depth, beside
+    the measured one, and accepted / drafted in both engines (distill.export.llama_predict), on the first prompt
+    of each domain (calibration: the second). `draft`: a Loaded standalone draft or an Eagle3Head."""
+    from distill.export.llama_predict import check, ours
+
+    suites = [load_suite(s) for s in ("code", "chat", "json", "summarize")][:n_prompts]
+    _say(f"our acceptance by depth and our decoder's accepted / drafted at K = {list(ks)}", progress)
+    mine = ours(tgt, draft, [s[0] for s in suites], list(ks), progress=progress)
+    calibration = [prompt_ids(tgt.tokenizer, s[1].prompt) for s in suites]
+    result = check(t_gguf, draft_gguf, mine["prompt_ids"], calibration, mine["taus"], mine["decoder"],
+                   spec_type=spec_type, say=lambda m: _say(m, progress))
+    result["decoder_greedy_equal"] = mine["greedy_equal"]
+    if result["parity_flagged"]:
+        warnings.append(f"llama.cpp's accepted / drafted differs from our decoder's by more than the parity gap at "
+                        f"K = {result['parity_flagged']}: the export may have changed the draft")
+    eq = mine["greedy_equal"]
+    if eq["equal"] < eq["decodes"]:
+        warnings.append(f"our decoder's greedy text differs from the target's on {eq['decodes'] - eq['equal']} of "
+                        f"{eq['decodes']} decodes")
+    return result
+
+
 def before_gguf(before: str, out: Path, gguf_type: str, t_gguf: Path, prompts: list[list[int]],
                 failed: list[str]) -> tuple[Path, str]:
     """(GGUF, where it comes from) of the un-distilled draft `before`, to serve beside the distilled one: the
@@ -286,6 +310,8 @@ def export(draft: str, target: str, out: Path, cfg: ExportConfig | None = None, 
         if before:
             summary["llama_cpp_before"] = {**summary["llama_cpp"].pop("before"), "draft": before,
                                            "gguf": str(served["before"]), "gguf_source": source}
+        summary["llama_cpp_prediction"] = predict_llama_cpp(tgt, d, t_gguf, served[types[0]], cfg.llama_cpp_ks,
+                                                            n_prompts, warnings, progress)
         if cfg.llama_cpp_search:
             from distill.export.llama_cpp import search_llama_cpp
 
@@ -310,4 +336,5 @@ def export(draft: str, target: str, out: Path, cfg: ExportConfig | None = None, 
 
 
 __all__ = ["DEFAULT_K", "EXPORT_FORMATS", "PRUNED_NOT_EXPORTED", "ExportConfig", "GGUF_TOL", "GGUF_TYPES",
-           "before_gguf", "choose_k", "export", "load_draft", "provenance", "refuse_pruned", "target_gguf_for"]
+           "before_gguf", "choose_k", "export", "load_draft", "predict_llama_cpp", "provenance", "refuse_pruned",
+           "target_gguf_for"]

@@ -319,7 +319,9 @@ def export_head(head_dir: str | Path, target: str, out: str | Path, *, k: int, g
     `gguf`: also out/llama-cpp (the converter's input) and out/head-f16.gguf, converted by llama.cpp's own
     converter against the target's HF folder. `check_llama_cpp`: llama-server serves the target's GGUF with the
     head (`--spec-type draft-eagle3`) at each K in `ks` (default [k]), between two runs of the target alone;
-    greedy text compared. A head that does not fit the target is refused before anything is written."""
+    greedy text compared; and its speedup there predicted from llama.cpp's costs beside measured, with acceptance
+    in both engines (`llama_cpp_prediction`, distill.export.predict_llama_cpp). A head that does not fit the
+    target is refused before anything is written."""
     from decode.head import load_head
     from decode.loading import load
 
@@ -345,8 +347,14 @@ def export_head(head_dir: str | Path, target: str, out: str | Path, *, k: int, g
         path = convert_head_to_gguf(src, t.path, out / "head-f16.gguf", outtype="f16", progress=progress)
         result["gguf"] = {"path": str(path), "bytes": path.stat().st_size, "converter_input": str(src)}
     if check_llama_cpp:
+        from distill.export import predict_llama_cpp, target_gguf_for
+
         result["llama_cpp"] = check_head_with_llama_cpp(target, Path(result["gguf"]["path"]), ks or [k],
                                                        target_gguf=target_gguf, progress=progress)
+        result["warnings"] = []
+        result["llama_cpp_prediction"] = predict_llama_cpp(
+            t, head, target_gguf_for(target, target_gguf), Path(result["gguf"]["path"]), ks or [k], 4,
+            result["warnings"], progress, spec_type="draft-eagle3")
     atomic_write_json(out / "export.json", result)
     return result
 

@@ -57,6 +57,40 @@ def llama_cpp_result(lc: dict, target_only: dict | None) -> str:
     return text
 
 
+PREDICTION_HEADERS = ["K", "predicted", "measured", "error", "accepted/drafted llama.cpp", "our decoder",
+                      "expected (acceptance by depth)"]
+
+
+def prediction_rows(pred: dict) -> list[list[str]]:
+    """One row per K of `llama_cpp_prediction` (distill.export.llama_predict.check): predicted beside measured
+    llama-server speedup, and accepted / drafted in llama.cpp, in our decoder and from acceptance by depth."""
+    parity = {r["k"]: r for r in pred.get("parity") or []}
+    rows = []
+    for r in pred.get("curve") or []:
+        q = parity.get(r["k"], {})
+        rows.append([str(r["k"]), f"{r['predicted']:.2f}x", _num(r.get("measured"), "{:.2f}x"),
+                     _num(r.get("error"), "{:+.0%}"),
+                     _num(q.get("llama_cpp")) + (" (flagged)" if q.get("flagged") else ""),
+                     _num(q.get("decoder")), _num(q.get("expected"))])
+    return rows
+
+
+def prediction_lines(pred: dict) -> list[str]:
+    """Markdown: the prediction's verdict, its table and what the costs were."""
+    c = pred["cost"]
+    lines = [f"llama-server ({REQUIREMENT_NOTE}, one thread, greedy, {pred['prompts']} prompts x {pred['n_predict']} "
+             f"tokens): {pred['verdict']}.", "",
+             "| " + " | ".join(PREDICTION_HEADERS) + " |", "|" + "---|" * len(PREDICTION_HEADERS)]
+    lines += ["| " + " | ".join(row) + " |" for row in prediction_rows(pred)]
+    lines += ["", f"Predicted from llama.cpp's own costs: the target alone {1000 * c['target_token_s']:.1f} ms a token "
+              f"(llama-server), a draft step {1000 * c['draft_step_s']:.1f} ms, the rest of a round "
+              f"{1000 * c['rest_s']:.1f} ms, verify over K+1 tokens "
+              + ", ".join(f"{1000 * v:.1f} ms (K={k})" for k, v in c["verify_s"].items())
+              + f"; with tokens a round from our acceptance by depth. Calibration on {pred['calibration_prompts']} "
+              "other prompts; measured: llama-server with / without the draft, same prompts, same run."]
+    return lines
+
+
 def model_card(summary: dict) -> str:
     """README.md of the export: what the draft is, how well it does, how to serve it."""
     p, s = summary["provenance"], summary["serving"]
@@ -88,6 +122,8 @@ def model_card(summary: dict) -> str:
         lines += ["", f"llama.cpp counts accepted / drafted tokens; a step drafts K and stops at the first rejection, "
                   f"so with i.i.d. acceptance alpha = {alpha:.3f} one expects (alpha + ... + alpha^K) / K = "
                   f"{expected:.3f} at K = {k}."]
+    if summary.get("llama_cpp_prediction"):
+        lines += ["", *prediction_lines(summary["llama_cpp_prediction"])]
     lines += ["", "Measured speedup = tokens/s with the draft / tokens/s of the same decoder without it, same prompts, "
               "same run; below 1 the draft made decoding slower on that machine.", ""]
     for w in summary["warnings"]:

@@ -152,3 +152,21 @@ def test_a_paying_draft_gets_where_and_how_to_serve_it(tmp_path: Path) -> None:
             in first)
     assert "In llama.cpp (llama-server) it measured 0.60x at K = 2: don't use it there on this machine." in first
     assert "serving it would slow" not in md
+
+
+def test_report_shows_llama_cpp_predicted_beside_measured(tmp_path: Path) -> None:
+    from distill.export.llama_predict import EngineCost, curve, parity_row, verdict
+
+    cost = EngineCost(target_token_s=0.1, verify_s={1: 0.12, 2: 0.13}, draft_step_s=0.05, rest_s=0.03)
+    rows = curve(cost, {1: 1.8, 2: 2.4}, {1: 0.85, 2: 0.8})
+    pred = {"prompts": 3, "n_predict": 64, "calibration_prompts": 3, "cost": cost.to_dict(), "curve": rows,
+            "parity": [parity_row(1, (40, 50), (41, 50), 1.8), parity_row(2, (20, 100), (70, 100), 2.4)],
+            "verdict": verdict(rows)}
+    run = write_run_folder(tmp_path / "r", candidates={"d2": 0.6}, distilled=("d2", 0.6, 0.75),
+                           export={"llama_cpp_prediction": pred, "best_k": 3, "best_k_source": "given", "serving": {}})
+    write_report(run)
+    md = (run / "report.md").read_text()
+    assert "predicted best 0.92x at K = 2; measured best 0.85x at K = 1" in md and "don't use a draft" in md
+    assert "| 1 | 0.90x | 0.85x | +6% | 0.800 | 0.820 | 0.800 |" in md
+    assert "| 2 | 0.92x | 0.80x | +15% | 0.200 (flagged) | 0.700 | 0.700 |" in md
+    assert "a draft step 50.0 ms, the rest of a round 30.0 ms" in md

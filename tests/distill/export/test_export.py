@@ -273,6 +273,8 @@ def test_llama_cpp_check_compares_each_draft_with_the_target_alone_before_and_af
                 "server_version": "fake", "command": "llama-server ..."}
 
     monkeypatch.setattr(lc, "check_with_llama_cpp", fake_server)
+    import distill.export as ex  # the prediction beside it: test_llama_cpp_prediction_orchestration below
+    monkeypatch.setattr(ex, "predict_llama_cpp", lambda *a, **kw: None)
     out = tmp_path / "out"
     s = export(str(world["llama_draft"]), str(world["llama_target"]), out,
                ExportConfig(formats=["gguf"], gguf_types=["f16", "q8_0"], target_gguf=str(world["target_gguf"]),
@@ -305,3 +307,54 @@ def test_llama_cpp_check_compares_each_draft_with_the_target_alone_before_and_af
            progress=False)
     assert {k: v.name for k, v in searched.items()} == {"draftsmith f16": "draft-f16.gguf",
                                                         "before before-f16.gguf": "before-f16.gguf"}
+
+
+def test_llama_cpp_prediction_orchestration(world, tmp_path: Path, monkeypatch) -> None:
+    """predict_llama_cpp around a fake llama-server and llama-bench (the real ones: test_llama_cpp.py): our
+    acceptance and decoder run for real on the served prompts, calibration runs on other prompts, every K is
+    predicted and served, and a llama.cpp acceptance far from our decoder's is flagged."""
+    import distill.export.llama_cpp as lc
+    from decode.loading import load
+    from distill.export import predict_llama_cpp
+
+    calls = []
+
+    def fake_server(target_gguf, draft_gguf, prompts, n_predict=64, draft_max=3, **kw):
+        calls.append((draft_max if draft_gguf else None, prompts[0]))
+        n = n_predict * len(prompts)
+        drafted = 0 if draft_gguf is None else (n // 2) * draft_max
+        return {"drafted": drafted, "accepted": drafted // 20, "prompts": len(prompts), "predicted_n": n,
+                "predicted_ms": 1000.0 * n / (20.0 if draft_gguf is None else 18.0), "per_prompt": [],
+                "tokens_per_s": 20.0 if draft_gguf is None else 18.0, "contents": ["x"] * len(prompts),
+                "draft_max": draft_max if draft_gguf else None,
+                "server_version": "fake", "command": "llama-server ..."}
+
+    monkeypatch.setattr(lc, "check_with_llama_cpp", fake_server)
+    monkeypatch.setattr(lc, "find_llama_server", lambda **kw: Path("/nowhere/llama-server"))
+    monkeypatch.setattr(lc, "server_version", lambda server: "fake")
+    monkeypatch.setattr(lc, "llama_bench", lambda gguf, prompt_sizes=(), **kw: {1: 0.04, **{n: 0.05 + 0.002 * n
+                                                                                         for n in prompt_sizes}})
+    tgt, draft = load(str(world["llama_target"])), load(str(world["llama_draft"]))
+    warnings: list[str] = []
+    pred = predict_llama_cpp(tgt, draft, world["target_gguf"], tmp_path / "d.gguf", [1, 2, 4], 2, warnings, False)
+    assert [r["k"] for r in pred["curve"]] == [1, 2, 4] and [r["k"] for r in pred["parity"]] == [1, 2, 4]
+    measured, calibration = pred["runs"]["1"], [c for c in calls[:3]]
+    assert [k for k, _ in calibration] == [None, 1, 3]  # the target alone, then the draft at K = 1 and 3
+    assert all(p != pred_p for _, p in calibration for pred_p in [calls[3][1]])  # other prompts than the measured
+    assert [k for k, _ in calls[3:]] == [None, 1, 2, 4, None]
+    c = pred["cost"]
+    assert c["draft_step_s"] == 0.04 and c["verify_s"]["2"] == pytest.approx(0.056)
+    assert c["target_token_s"] == pytest.approx(1 / 20.0 * 32 * 2 / (32 * 2 - 2))  # 32 tokens a calibration prompt
+    for row in pred["curve"]:
+        assert row["measured"] == pytest.approx(18.0 / 20.0)
+        assert row["predicted"] == pytest.approx(row["tau"] * c["target_token_s"] / c["round_s"][str(row["k"])])
+    assert measured["speedup_vs_target_only"] == pytest.approx(0.9) and "contents" not in measured
+    dec = pred["parity"][0]
+    assert dec["decoder_counts"][1] > 0 and dec["expected"] == pytest.approx(pred["curve"][0]["tau"] - 1)
+    # the fake server accepts 1 in 20; the tiny draft agrees with its tiny target far less or far more: either
+    # way the row says so, and a flag becomes a warning
+    assert pred["parity_flagged"] == [r["k"] for r in pred["parity"] if r["flagged"]]
+    assert bool(pred["parity_flagged"]) == any("parity gap" in w for w in warnings)
+    assert pred["decoder_greedy_equal"]["decodes"] == 2 * 3
+    assert pred["decoder_greedy_equal"]["equal"] == 2 * 3  # our decoder is exact
+    assert "predicted best" in pred["verdict"]

@@ -125,6 +125,35 @@ def test_llama_server_accepts_an_exported_draft(tmp_path: Path) -> None:
     assert alone["contents"] == r["contents"], (alone["contents"], r["contents"])  # greedy: the same text
 
 
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.skipif(not _llama_cpp_available(), reason="llama.cpp not built: `.venv/bin/draftsmith models llama-cpp` builds it once (about "
+                           "25 min, cached in ~/.cache/draftsmith/llama-cpp); then this test runs")
+def test_llama_cpp_speedup_is_predicted_beside_measured(tmp_path: Path) -> None:
+    """The real engine through distill.export.predict_llama_cpp: SmolLM2 with a Q8_0 copy of itself as the draft.
+    Every K gets a prediction from llama.cpp's own costs and a measurement; both engines accept the copy's drafts
+    alike (no parity flag); our decoder stays exact."""
+    from decode.loading import load
+    from distill.export import predict_llama_cpp
+    from distill.export.gguf import write_gguf
+
+    zoo.pull(NAME, progress=False)
+    torch.set_num_threads(2)
+    target = load(NAME)
+    draft = tmp_path / "draft-q8_0.gguf"
+    write_gguf(target.model, target.tokenizer, draft, target_gguf=zoo.gguf_path(NAME), gguf_type="q8_0")
+    warnings: list[str] = []
+    pred = predict_llama_cpp(target, target, zoo.gguf_path(NAME), draft, [1, 3], 2, warnings, False)
+    assert [r["k"] for r in pred["curve"]] == [1, 3]
+    for row in pred["curve"]:
+        assert row["predicted"] > 0 and row["measured"] > 0 and abs(row["error"]) < 0.5, pred["curve"]
+    assert not pred["parity_flagged"], pred["parity"]
+    assert pred["decoder_greedy_equal"]["equal"] == pred["decoder_greedy_equal"]["decodes"]
+    c = pred["cost"]
+    assert 0 < c["draft_step_s"] and c["verify_s"]["3"] > 0 and c["target_token_s"] > 0
+    assert pred["verdict"].startswith("predicted best")
+
+
 def test_prompt_lists_are_told_apart_from_token_ids() -> None:
     assert lc._prompts("hi") == ["hi"] and lc._prompts([1, 2, 3]) == [[1, 2, 3]]
     assert lc._prompts(["a", [1, 2]]) == ["a", [1, 2]]
