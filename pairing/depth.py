@@ -184,28 +184,38 @@ def expected_rounds(accept: Tensor, K: int, *, budget: int | None = None) -> flo
     (a rejected position gets the target's token), so R(s) = 1 + sum_n P(n | s) R(s + n + 1), R(s >= T) = 0,
     is exact when acceptances are independent given their cells, and exact outright at temperature 0 (0/1).
     """
-    _check_k(K)
     if accept.dim() != 2:
         raise ValueError(f"accept must be (positions, depths), got shape {tuple(accept.shape)}")
-    a = accept.detach().to("cpu", torch.float64)
-    if not bool(((a >= 0) & (a <= 1)).all()):
+    if not bool(((accept >= 0) & (accept <= 1)).all()):
         raise ValueError("accept has values outside [0, 1]")
+    return expected_round_counts(accept, K, budget=budget)[0]
+
+
+def expected_round_counts(accept: Tensor, K: int, *, budget: int | None = None) -> tuple[float, float, float]:
+    """(E[target forwards], E[tokens drafted], E[drafts accepted]) for one row, walked as `expected_rounds`
+    walks it (same recursion: a round from s drafts K_s tokens and accepts a prefix of n); accepted / drafted
+    is what an engine that stops a round at the first rejection counts."""
+    _check_k(K)
+    a = accept.detach().to("cpu", torch.float64)
+    if a.dim() != 2 or not bool(((a >= 0) & (a <= 1)).all()):
+        raise ValueError("accept must be (positions, depths) with values in [0, 1]")
     T = a.shape[0]
     budget = T if budget is None else budget
     if budget < T:
         raise ValueError(f"budget ({budget}) must be >= the row's length ({T})")
-    R = [0.0] * (T + K + 2)
+    R, D, A = ([0.0] * (T + K + 2) for _ in range(3))
     for s in range(T - 1, -1, -1):
         k = max(0, min(K, budget - s - 1, T - s))
         if k > a.shape[1]:
             raise ValueError(f"K={K} needs {k} depths of acceptance, accept has {a.shape[1]}")
-        total, surv = 1.0, 1.0
+        r, d, acc, surv = 1.0, float(k), 0.0, 1.0
         for n in range(k):
-            p_n = surv * (1.0 - float(a[s, n]))
-            total += p_n * R[s + n + 1]
+            p_n = surv * (1.0 - float(a[s, n]))  # accepts exactly n
+            r, d, acc = r + p_n * R[s + n + 1], d + p_n * D[s + n + 1], acc + p_n * (n + A[s + n + 1])
             surv *= float(a[s, n])
-        R[s] = total + surv * R[s + k + 1]
-    return R[0]
+        nxt = s + k + 1
+        R[s], D[s], A[s] = r + surv * R[nxt], d + surv * D[nxt], acc + surv * (k + A[nxt])
+    return R[0], D[0], A[0]
 
 
 def tokens_per_round(rows: Sequence[Tensor], K: int, *, budgets: Sequence[int | None] | None = None) -> float:
@@ -260,7 +270,8 @@ def speedup_curve_from_depth(a: Sequence[float], c: float, v: dict[int, float]) 
 
 
 __all__ = [
-    "BetaRows", "depth_rates_from_rounds", "expected_rounds", "round_matrix", "tokens_per_round", "depth_rates", "depth_rates_censored", "depth_survival",
+    "BetaRows", "depth_rates_from_rounds", "expected_round_counts", "expected_rounds", "round_matrix",
+    "tokens_per_round", "depth_rates", "depth_rates_censored", "depth_survival",
     "expected_tau_from_depth_rates", "expected_tau_from_runs", "predicted_speedup_from_depth",
     "speedup_curve_from_depth",
 ]

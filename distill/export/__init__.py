@@ -75,7 +75,7 @@ class ExportConfig:
     best_k: int = 0  # K in the serving lines; 0 = the validate stage's (or 3)
     check_llama_cpp: bool = False  # serve the GGUF as llama-server's draft and measure it (builds llama.cpp once)
     llama_cpp_search: bool = False  # with check_llama_cpp: search K x p-min x threads for the fastest llama.cpp setup
-    llama_cpp_ks: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 6])  # K tried by the search
+    llama_cpp_ks: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 6])  # K predicted and served by the check
     llama_cpp_p_mins: list[float] = field(default_factory=lambda: [0.0, 0.6])  # --spec-draft-p-min tried
     llama_cpp_threads: list[int] = field(default_factory=lambda: [1, 2])  # -t tried (the target alone too)
 
@@ -226,7 +226,7 @@ def predict_llama_cpp(tgt: Loaded, draft: Any, t_gguf: Path, draft_gguf: Path, k
     mine = ours(tgt, draft, [s[0] for s in suites], list(ks), progress=progress)
     calibration = [prompt_ids(tgt.tokenizer, s[1].prompt) for s in suites]
     result = check(t_gguf, draft_gguf, mine["prompt_ids"], calibration, mine["taus"], mine["decoder"],
-                   spec_type=spec_type, say=lambda m: _say(m, progress))
+                   mine["expected"], spec_type=spec_type, say=lambda m: _say(m, progress))
     result["decoder_greedy_equal"] = mine["greedy_equal"]
     if result["parity_flagged"]:
         warnings.append(f"llama.cpp's accepted / drafted differs from our decoder's by more than the parity gap at "

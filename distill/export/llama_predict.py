@@ -104,13 +104,15 @@ def fit_rest(points: list[tuple[int, float]], verify_s: dict[int, float],
     return b, a
 
 
-def parity_row(K: int, llama: tuple[int, int], ours: tuple[int, int] | None, tau: float | None) -> dict[str, Any]:
-    """Accepted / drafted at K in llama-server and in our decoder, and the expected (tau - 1) / K from acceptance by
-    depth; `flagged` when llama.cpp's is more than PARITY_GAP from ours (or from the expected one)."""
+def parity_row(K: int, llama: tuple[int, int], ours: tuple[int, int] | None,
+               expected: float | None) -> dict[str, Any]:
+    """Accepted / drafted at K in llama-server and in our decoder, beside the `expected` one from acceptance by
+    depth (`pairing.depth.expected_round_counts`); `flagged` when llama.cpp's is more than PARITY_GAP from ours
+    (or from the expected one)."""
     acc = lambda pair: pair[0] / pair[1] if pair and pair[1] else None  # noqa: E731
     row = {"k": K, "llama_cpp": acc(llama), "llama_cpp_counts": list(llama), "decoder": acc(ours),
            "decoder_counts": list(ours) if ours else None,
-           "expected": (tau - 1.0) / K if tau is not None else None}
+           "expected": expected}
     ref = row["decoder"] if row["decoder"] is not None else row["expected"]
     row["gap"] = row["llama_cpp"] - ref if row["llama_cpp"] is not None and ref is not None else None
     row["flagged"] = row["gap"] is not None and abs(row["gap"]) > PARITY_GAP
@@ -187,13 +189,14 @@ def calibrate(target_gguf: Any, draft_gguf: Any, prompts: list[list[int]], ks: l
 
 
 def check(target_gguf: Any, draft_gguf: Any, prompts: list[list[int]], calibration_prompts: list[list[int]],
-          taus: dict[int, float], decoder: dict[int, tuple[int, int]] | None = None, *,
+          taus: dict[int, float], decoder: dict[int, tuple[int, int]] | None = None,
+          expected: dict[int, float] | None = None, *,
           spec_type: str = "draft-simple", n_predict: int = 64, say: Any = None) -> dict[str, Any]:
     """Predict llama-server's speedup at every K of `taus` (K -> tokens a round, from our acceptance by depth on
     `prompts`) from llama.cpp's costs, then serve the draft at each K between two runs of the target alone and
     put predicted beside measured, and accepted / drafted beside our decoder's (`decoder`: K -> (accepted,
-    drafted)) and the expected one. One thread throughout, as `check_with_llama_cpp` serves. Returns export.json's
-    `llama_cpp_prediction`."""
+    drafted)) and the `expected` one (K -> fraction). One thread throughout, as `check_with_llama_cpp` serves.
+    Returns export.json's `llama_cpp_prediction`."""
     from distill.export.llama_cpp import beside_target_alone, find_llama_server, server_version
 
     server = find_llama_server()
@@ -203,8 +206,8 @@ def check(target_gguf: Any, draft_gguf: Any, prompts: list[list[int]], calibrati
     drafts = {str(k): {"draft_gguf": draft_gguf, "draft_max": k, "spec_type": spec_type} for k in ks}
     runs, baseline = beside_target_alone(target_gguf, drafts, prompts, n_predict, server=server, say=say)
     rows = curve(cost, taus, {k: runs[str(k)]["speedup_vs_target_only"] for k in ks})
-    parity = [parity_row(k, (runs[str(k)]["accepted"], runs[str(k)]["drafted"]), (decoder or {}).get(k), taus[k])
-              for k in ks]
+    parity = [parity_row(k, (runs[str(k)]["accepted"], runs[str(k)]["drafted"]), (decoder or {}).get(k),
+                         (expected or {}).get(k)) for k in ks]
     for k in ks:
         runs[str(k)].pop("contents", None)
     return {"target_gguf": str(target_gguf), "draft_gguf": str(draft_gguf), "spec_type": spec_type,
@@ -218,9 +221,9 @@ def check(target_gguf: Any, draft_gguf: Any, prompts: list[list[int]], calibrati
 def ours(target: Any, draft: Any, prompts: list[Any], ks: list[int], *, n_predict: int = 64,
          progress: bool = True) -> dict[str, Any]:
     """Our side for the same prompts: tau(K) from acceptance by depth, teacher-forced on the target's greedy
-    continuations (`draft`: a Loaded standalone draft or an Eagle3Head), and accepted / drafted in our decoder at
-    each K (greedy; its text checked against the continuation). Returns {"taus", "decoder", "greedy_equal",
-    "prompt_ids"}."""
+    continuations (`draft`: a Loaded standalone draft or an Eagle3Head), the accepted / drafted those rows imply
+    when walked as the decoder walks them, and accepted / drafted in our decoder at each K (greedy; its text
+    checked against the continuation). Returns {"taus", "expected", "decoder", "greedy_equal", "prompt_ids"}."""
     import torch
 
     from decode.head import Eagle3Head, HeadDraft
@@ -228,6 +231,7 @@ def ours(target: Any, draft: Any, prompts: list[Any], ks: list[int], *, n_predic
     from decode.runner import make_runner
     from decode.speculative import KPolicy, generate
     from pairing.acceptance import measure_acceptance, measure_head_acceptance
+    from pairing.depth import expected_round_counts
     from pairing.reference import reference_continuations
 
     refs = reference_continuations(target, prompts, max_new_tokens=n_predict, progress=progress)
@@ -235,8 +239,13 @@ def ours(target: Any, draft: Any, prompts: list[Any], ks: list[int], *, n_predic
     acc = (measure_head_acceptance(target, draft, refs, "head", progress=progress) if head
            else measure_acceptance(target, [draft], refs, progress=progress)[0])
     taus = {k: acc.tokens_per_round(k) for k in ks}
+    mats = acc.accept_rows()
+    expected = {}
+    for k in ks:
+        counts = [expected_round_counts(m, k, budget=acc.budget) for m in mats]
+        expected[k] = sum(c[2] for c in counts) / max(sum(c[1] for c in counts), 1e-12)
     rows = [(list(r["prompt_ids"]), list(r["continuation_ids"])) for r in refs]
-    max_len = max(len(p) + len(c) for p, c in rows) + max(ks) + 8
+    max_len = max(len(p) for p, _ in rows) + n_predict + max(ks) + 8  # the decoder checks its whole budget
     eos = eos_ids(target)
     counts, equal = {}, 0
     with torch.inference_mode():
@@ -248,8 +257,8 @@ def ours(target: Any, draft: Any, prompts: list[Any], ks: list[int], *, n_predic
                 r = generate(t_run, ids, draft=d_run, max_new_tokens=n_predict, policy=KPolicy(k=k), eos_ids=eos)
                 a, d, equal = a + r.stats.accepted, d + r.stats.drafted, equal + (r.tokens == cont)
             counts[k] = (a, d)
-    return {"taus": taus, "decoder": counts, "greedy_equal": {"decodes": len(rows) * len(ks), "equal": equal},
-            "prompt_ids": [p for p, _ in rows]}
+    return {"taus": taus, "expected": expected, "decoder": counts,
+            "greedy_equal": {"decodes": len(rows) * len(ks), "equal": equal}, "prompt_ids": [p for p, _ in rows]}
 
 
 __all__ = ["CALIBRATION_KS", "EngineCost", "PARITY_GAP", "best", "calibrate", "check", "curve", "fit_rest", "ours",

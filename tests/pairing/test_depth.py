@@ -10,7 +10,7 @@ import torch
 
 from pairing.cost import CostModel, expected_tau, speedup_curve
 from pairing.depth import (
-    depth_rates, depth_rates_censored, depth_rates_from_rounds, depth_survival, expected_rounds,
+    depth_rates, depth_rates_censored, depth_rates_from_rounds, depth_survival, expected_round_counts, expected_rounds,
     expected_tau_from_depth_rates, expected_tau_from_runs, gated_walk, predicted_speedup_from_depth, round_matrix,
     speedup_curve_from_depth, tokens_per_round,
 )
@@ -338,6 +338,44 @@ def test_expected_rounds_equal_enumeration_over_cell_outcomes(seed: int) -> None
                     p *= float(a[s, j]) if b else 1.0 - float(a[s, j])
                 want += p * decoder_rounds(lambda s, j: out[(s, j - 1)] == 1, T, K, budget)
             assert expected_rounds(a, K, budget=budget) == pytest.approx(want, rel=1e-12)
+
+
+def decoder_counts(judge, T: int, K: int, budget: int) -> tuple[int, int, int]:
+    """(rounds, tokens drafted, drafts accepted) of the decoder's walk, as `decoder_rounds` walks it."""
+    s, rounds, drafted, accepted = 0, 0, 0, 0
+    while s < T:
+        k = min(K, budget - s - 1, T - s)
+        n = 0
+        while n < k and judge(s, n + 1):
+            n += 1
+        s, rounds, drafted, accepted = s + n + 1, rounds + 1, drafted + k, accepted + n
+    return rounds, drafted, accepted
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_expected_round_counts_equal_the_walk_and_enumeration(seed: int) -> None:
+    rng = random.Random(seed)
+    for _ in range(20):
+        row = [int(rng.random() < 0.7) for _ in range(rng.randint(1, 30))]
+        for K in (1, 3, 16):
+            for budget in (len(row), len(row) + 3):
+                want = decoder_counts(lambda s, j: row[s + j - 1] == 1, len(row), K, budget)
+                got = expected_round_counts(round_matrix(row, 16), K, budget=budget)
+                assert got == pytest.approx(want, abs=1e-12)
+    g = torch.Generator().manual_seed(seed)
+    T, J = 4, 3
+    a = torch.rand(T, J, generator=g, dtype=torch.float64)
+    cells = [(s, j) for s in range(T) for j in range(J)]
+    for K in (1, 3):
+        want = [0.0, 0.0, 0.0]
+        for bits in itertools.product((0, 1), repeat=len(cells)):
+            out = dict(zip(cells, bits))
+            p = 1.0
+            for (s, j), b in out.items():
+                p *= float(a[s, j]) if b else 1.0 - float(a[s, j])
+            for i, x in enumerate(decoder_counts(lambda s, j: out[(s, j - 1)] == 1, T, K, T + 1)):
+                want[i] += p * x
+        assert expected_round_counts(a, K, budget=T + 1) == pytest.approx(tuple(want), rel=1e-12)
 
 
 def test_expected_rounds_by_hand() -> None:

@@ -160,7 +160,7 @@ def test_report_shows_llama_cpp_predicted_beside_measured(tmp_path: Path) -> Non
     cost = EngineCost(target_token_s=0.1, verify_s={1: 0.12, 2: 0.13}, draft_step_s=0.05, rest_s=0.03)
     rows = curve(cost, {1: 1.8, 2: 2.4}, {1: 0.85, 2: 0.8})
     pred = {"prompts": 3, "n_predict": 64, "calibration_prompts": 3, "cost": cost.to_dict(), "curve": rows,
-            "parity": [parity_row(1, (40, 50), (41, 50), 1.8), parity_row(2, (20, 100), (70, 100), 2.4)],
+            "parity": [parity_row(1, (40, 50), (41, 50), 0.8), parity_row(2, (20, 100), (70, 100), 0.7)],
             "verdict": verdict(rows)}
     run = write_run_folder(tmp_path / "r", candidates={"d2": 0.6}, distilled=("d2", 0.6, 0.75),
                            export={"llama_cpp_prediction": pred, "best_k": 3, "best_k_source": "given", "serving": {}})

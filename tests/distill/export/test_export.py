@@ -350,7 +350,9 @@ def test_llama_cpp_prediction_orchestration(world, tmp_path: Path, monkeypatch) 
         assert row["predicted"] == pytest.approx(row["tau"] * c["target_token_s"] / c["round_s"][str(row["k"])])
     assert measured["speedup_vs_target_only"] == pytest.approx(0.9) and "contents" not in measured
     dec = pred["parity"][0]
-    assert dec["decoder_counts"][1] > 0 and dec["expected"] == pytest.approx(pred["curve"][0]["tau"] - 1)
+    assert dec["decoder_counts"][1] > 0 and 0 <= dec["expected"] <= 1
+    # greedy, standalone: the teacher-forced walk is the decoder's walk (same rows, same rounds)
+    assert all(r["expected"] == pytest.approx(r["decoder"], abs=0.02) for r in pred["parity"])
     # the fake server accepts 1 in 20; the tiny draft agrees with its tiny target far less or far more: either
     # way the row says so, and a flag becomes a warning
     assert pred["parity_flagged"] == [r["k"] for r in pred["parity"] if r["flagged"]]

@@ -78,15 +78,15 @@ def test_fit_rest_keeps_both_parts_non_negative() -> None:
 
 
 def test_parity_row_flags_a_gap_beyond_the_threshold_only() -> None:
-    row = parity_row(3, (30, 60), (45, 90), tau=2.5)
+    row = parity_row(3, (30, 60), (45, 90), expected=0.5)
     assert row["llama_cpp"] == 0.5 and row["decoder"] == 0.5 and row["expected"] == 0.5 and not row["flagged"]
     just = parity_row(2, (int(100 * (0.5 + PARITY_GAP)) - 1, 100), (50, 100), None)
     assert not just["flagged"]
-    far = parity_row(2, (20, 100), (50, 100), tau=2.0)  # the export changed the draft: 0.2 against 0.5
+    far = parity_row(2, (20, 100), (50, 100), expected=0.5)  # the export changed the draft: 0.2 against 0.5
     assert far["flagged"] and far["gap"] == pytest.approx(-0.3)
     # without our decoder's counts the expected value is the reference
-    assert parity_row(1, (10, 100), None, tau=1.5)["flagged"]
-    assert parity_row(1, (0, 0), None, tau=1.5)["gap"] is None
+    assert parity_row(1, (10, 100), None, expected=0.5)["flagged"]
+    assert parity_row(1, (0, 0), None, expected=0.5)["gap"] is None
 
 
 def test_curve_and_verdict() -> None:
