@@ -322,15 +322,17 @@ def _greedy_checks(items: list[Prompt], encoded: list[list[int]], results: dict[
 
 
 def run_bench(target: str, draft: str, cfg: BenchConfig | None = None, *, out: Path | None = None,
-              progress: bool = True) -> dict:
-    """Time every mode on the same prompts; returns (and writes to `out`) the JSON report."""
+              progress: bool = True, pair: Pair | None = None) -> dict:
+    """Time every mode on the same prompts; returns (and writes to `out`) the JSON report. `pair`: the target
+    and draft already loaded (a vocabulary-pruned draft: its runner proposes the kept ids, while transformers'
+    assisted generation runs its whole model, `pair.draft.model`)."""
     cfg = cfg or BenchConfig()
     prompts, n_prompts, max_new_tokens, ks = cfg.prompts, cfg.n_prompts, cfg.max_new_tokens, tuple(cfg.k)
     draft_quant, hf_modes = cfg.draft_quant, cfg.hf_modes
     items: list[Prompt] = load_prompts(prompts)
     if n_prompts:
         items = items[:n_prompts]
-    pair = load_pair(target, draft, draft_quant=draft_quant)
+    pair = pair or load_pair(target, draft, draft_quant=draft_quant)
     tok = pair.target.tokenizer
     eos = eos_ids(pair.target)
     encoded = [prompt_ids(tok, p.prompt) for p in items]

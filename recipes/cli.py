@@ -115,7 +115,7 @@ def _decode_pair(args: argparse.Namespace, policy):
     from dataclasses import replace
 
     from decode.pair import load_pair
-    from pairing.prune import draft_runner, load_model_draft, parse_prune_spec
+    from pairing.prune import parse_prune_spec
 
     draft = None if args.no_draft else args.draft
     head = _head_spec(draft)
@@ -132,9 +132,19 @@ def _decode_pair(args: argparse.Namespace, policy):
     if head is not None:
         pair = replace(pair, draft_runner=_head_draft(head, pair.target, args.max_seq_len, quant))
     elif pruned is not None:
-        loaded, kept = load_model_draft(pruned, pair.target)
-        pair = replace(pair, draft=loaded, draft_runner=draft_runner(loaded.model, kept, args.max_seq_len, quant)[0])
+        pair = _with_pruned_draft(pair, pruned, args.max_seq_len, quant)
     return pair
+
+
+def _with_pruned_draft(pair, spec: str, max_seq_len: int, quant: str | None):
+    """`pair` (target loaded, no draft) with the vocabulary-pruned draft `spec` (prune:MODEL:vocab=FILE): its
+    runner proposes the kept ids; `pair.draft` is the whole model (what transformers' assisted generation runs)."""
+    from dataclasses import replace
+
+    from pairing.prune import draft_runner, load_model_draft
+
+    loaded, kept = load_model_draft(spec, pair.target)
+    return replace(pair, draft=loaded, draft_runner=draft_runner(loaded.model, kept, max_seq_len, quant)[0])
 
 
 def _head_spec(draft: str | None) -> str | None:
@@ -175,8 +185,14 @@ def _check_positions(target, args: argparse.Namespace) -> None:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from decode.bench import BenchConfig, run_bench
+    from decode.pair import load_pair
+    from pairing.prune import parse_prune_spec
 
-    report = run_bench(args.target, args.draft, _config(BenchConfig, args), out=args.out)
+    cfg = _config(BenchConfig, args)
+    pair = None
+    if parse_prune_spec(args.draft) is not None:  # its runner proposes the kept ids; HF assisted runs it whole
+        pair = _with_pruned_draft(load_pair(args.target, None), args.draft, 2048, cfg.draft_quant)
+    report = run_bench(args.target, args.draft, cfg, out=args.out, pair=pair)
     fmt = lambda v: "-" if v is None else f"{v:.2f}"
     for mode in report["modes"]:
         m = report["modes"][mode]

@@ -174,6 +174,14 @@ def test_vocab_then_decode_with_the_pruned_draft_equals_the_target_alone(tiny_pa
                                 "--draft-quant", quant, "--json")
         assert code == 0, err
         assert json.loads(out)["tokens"] == alone
+    # bench with the same spec: our decoder runs the pruned runner, transformers' assisted generation the whole draft
+    report = tmp_path / "bench.json"
+    code = main(["bench", *target, "--draft", f"prune:{tiny_pair['draft']}:vocab={kept}", "--prompts", str(prompts),
+                 "--n-prompts", "2", "--max-new-tokens", "8", "--k", "2", "--out", str(report)])
+    printed, err = capsys.readouterr()
+    assert code == 0, err
+    r = json.loads(report.read_text())
+    assert r["draft"].startswith("prune:") and r["greedy_equal"] and set(r["modes"]) >= {"speculative_k2", "hf_assisted"}
 
 
 @pytest.mark.parametrize("content,needle", [(None, "no such kept-vocabulary file"), ("{", "not valid JSON"),
