@@ -8,7 +8,9 @@ Modes, all greedy, all timed the same way (wall time of the whole call, prefill 
 - `hf_generate`: transformers `generate` on the target alone;
 - `hf_assisted`: transformers assisted generation (`assistant_model=` the draft as loaded, float32).
 Prompts are interleaved (each prompt runs every mode before the next prompt) so that drift on a noisy
-machine hits all modes alike. `greedy_equal` checks, per prompt, speculative == target-only == HF greedy.
+machine hits all modes alike; with `repeats` > 1 the whole pass runs again with the mode that goes first rotating,
+and each `speedup_*` is the median over the repeats of that repeat's ratio (`*_range`: the lowest and highest).
+`greedy_equal` checks, per prompt and repeat, speculative == target-only == HF greedy.
 """
 
 from __future__ import annotations
@@ -242,8 +244,11 @@ class BenchConfig:
     k: list[int] = field(default_factory=lambda: [3])  # K values to time, e.g. 3,5 (3 measured best on a 2-core CPU)
     draft_quant: str | None = "int8"  # int8 | null: draft weights on CPU (the target always runs as loaded)
     hf_modes: bool = True  # also time transformers generate and assisted generation
+    repeats: int = 1  # interleaved passes over the prompts; speedups are the median over them, with the range
 
     def __post_init__(self) -> None:
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {self.repeats}")
         if self.n_prompts < 0:
             raise ValueError(f"n_prompts must be >= 0 (0 = all), got {self.n_prompts}")
         if self.max_new_tokens < 1:
@@ -268,25 +273,51 @@ def _run_mode(pair: Pair, mode: str, ids: list[int], n_new: int,
 
 
 def _time_modes(pair: Pair, items: list[Prompt], encoded: list[list[int]], modes: list[str], max_new_tokens: int,
-                eos: list[int], progress: bool) -> tuple[dict[str, list[dict]], dict[str, Stats]]:
-    """Every mode on every prompt, interleaved per prompt after a warm-up -> (mode -> per-prompt runs, mode ->
-    merged stats of our decoder's modes)."""
+                eos: list[int], progress: bool, repeats: int = 1) -> list[dict[str, list[dict]]]:
+    """Every mode on every prompt, interleaved per prompt after a warm-up, `repeats` times with the mode that goes
+    first rotating -> per repeat, mode -> its per-prompt runs (our decoder's runs keep their stats)."""
     for mode in modes:  # warm-up: first calls pay one-off costs (allocator, kernel selection)
         _run_mode(pair, mode, encoded[0][:16], 4, eos)
 
-    results: dict[str, list[dict]] = {m: [] for m in modes}
-    stats: dict[str, Stats] = {}
-    bar = tqdm(total=len(items) * len(modes), desc="bench", unit="run", disable=not progress)
-    for p, ids in zip(items, encoded):
-        for mode in modes:
-            bar.set_postfix_str(f"{p.id} {mode}")
-            toks, secs, st = _run_mode(pair, mode, ids, max_new_tokens, eos)
-            results[mode].append({"id": p.id, "tokens": len(toks), "seconds": secs, "ids": toks})
-            if st is not None:
-                stats[mode] = stats[mode].merge(st) if mode in stats else st
-            bar.update(1)
+    passes: list[dict[str, list[dict]]] = []
+    bar = tqdm(total=repeats * len(items) * len(modes), desc="bench", unit="run", disable=not progress)
+    for r in range(repeats):
+        results: dict[str, list[dict]] = {m: [] for m in modes}
+        order = modes[r % len(modes):] + modes[:r % len(modes)]
+        for p, ids in zip(items, encoded):
+            for mode in order:
+                bar.set_postfix_str(f"{p.id} {mode}" + (f" {r + 1}/{repeats}" if repeats > 1 else ""))
+                toks, secs, st = _run_mode(pair, mode, ids, max_new_tokens, eos)
+                results[mode].append({"id": p.id, "tokens": len(toks), "seconds": secs, "ids": toks, "stats": st})
+                bar.update(1)
+        passes.append(results)
     bar.close()
+    return passes
+
+
+def _merged(passes: list[dict[str, list[dict]]]) -> tuple[dict[str, list[dict]], dict[str, Stats]]:
+    """All repeats as one run: mode -> every per-prompt run (with its repeat), mode -> merged decoder stats."""
+    results: dict[str, list[dict]] = {m: [] for m in passes[0]}
+    stats: dict[str, Stats] = {}
+    for r, res in enumerate(passes):
+        for mode, rows in res.items():
+            for row in rows:
+                st = row["stats"]
+                results[mode].append({**{k: v for k, v in row.items() if k != "stats"},
+                                      **({"repeat": r} if len(passes) > 1 else {})})
+                if st is not None:
+                    stats[mode] = stats[mode].merge(st) if mode in stats else st
     return results, stats
+
+
+def _tok_per_s(rows: list[dict]) -> float:
+    secs = sum(r["seconds"] for r in rows)
+    return sum(r["tokens"] for r in rows) / secs if secs else 0.0
+
+
+def _repeat_ratios(passes: list[dict[str, list[dict]]], a: str, b: str) -> list[float]:
+    """tokens/s of mode `a` over mode `b`, repeat by repeat."""
+    return [_tok_per_s(p[a]) / _tok_per_s(p[b]) for p in passes if _tok_per_s(p[b])]
 
 
 def _mode_reports(modes: list[str], results: dict[str, list[dict]], stats: dict[str, Stats]) -> dict[str, dict]:
@@ -304,18 +335,21 @@ def _mode_reports(modes: list[str], results: dict[str, list[dict]], stats: dict[
     return report_modes
 
 
-def _greedy_checks(items: list[Prompt], encoded: list[list[int]], results: dict[str, list[dict]],
+def _greedy_checks(items: list[Prompt], encoded: list[list[int]], passes: list[dict[str, list[dict]]],
                    spec_modes: list[str], hf_modes: bool) -> list[dict]:
-    """Per prompt: speculative == target-only == HF greedy (target-only against itself without the HF modes)."""
-    ref = results["hf_generate"] if hf_modes else results["target_only"]
+    """Per prompt, in every repeat: speculative == target-only == HF greedy (target-only against itself without
+    the HF modes)."""
+    def same(a: str, b: str, i: int) -> bool:
+        return all(p[a][i]["ids"] == p[b][i]["ids"] for p in passes)
+
+    ref = "hf_generate" if hf_modes else "target_only"
     per_prompt = []
     for i, p in enumerate(items):
-        row = {"id": p.id, "prompt_tokens": len(encoded[i]),
-               "target_only_eq_hf": results["target_only"][i]["ids"] == ref[i]["ids"]}
+        row = {"id": p.id, "prompt_tokens": len(encoded[i]), "target_only_eq_hf": same("target_only", ref, i)}
         for m in spec_modes:
-            row[f"{m}_eq_target_only"] = results[m][i]["ids"] == results["target_only"][i]["ids"]
+            row[f"{m}_eq_target_only"] = same(m, "target_only", i)
         if hf_modes:
-            row["hf_assisted_eq_hf"] = results["hf_assisted"][i]["ids"] == ref[i]["ids"]
+            row["hf_assisted_eq_hf"] = same("hf_assisted", ref, i)
         row["greedy_equal"] = row["target_only_eq_hf"] and all(row[f"{m}_eq_target_only"] for m in spec_modes)
         per_prompt.append(row)
     return per_prompt
@@ -338,14 +372,25 @@ def run_bench(target: str, draft: str, cfg: BenchConfig | None = None, *, out: P
     encoded = [prompt_ids(tok, p.prompt) for p in items]
 
     modes = ["target_only", *[f"speculative_k{k}" for k in ks]] + (["hf_generate", "hf_assisted"] if hf_modes else [])
-    results, stats = _time_modes(pair, items, encoded, modes, max_new_tokens, eos, progress)
-    report_modes = _mode_reports(modes, results, stats)
+    passes = _time_modes(pair, items, encoded, modes, max_new_tokens, eos, progress, cfg.repeats)
+    report_modes = _mode_reports(modes, *_merged(passes))
     spec_modes = [m for m in modes if m.startswith("speculative")]
     best = max(spec_modes, key=lambda m: report_modes[m]["tok_per_s"])
-    per_prompt = _greedy_checks(items, encoded, results, spec_modes, hf_modes)
+    per_prompt = _greedy_checks(items, encoded, passes, spec_modes, hf_modes)
 
-    tps = {m: report_modes[m]["tok_per_s"] for m in modes}
-    ratio = lambda a, b: tps[a] / tps[b] if tps.get(b) else None  # noqa: E731
+    def ratio(a: str, b: str) -> float | None:  # the median over the repeats of the repeat's ratio
+        ratios = _repeat_ratios(passes, a, b)
+        return statistics.median(ratios) if ratios else None
+
+    def ranges(pairs: dict[str, tuple[str, str]]) -> dict[str, list[float]]:
+        return {f"{name}_range": [min(r), max(r)] for name, (a, b) in pairs.items()
+                if (r := _repeat_ratios(passes, a, b))}
+
+    compared = {"speedup_vs_target_only": (best, "target_only")}
+    if hf_modes:
+        compared.update(speedup_vs_hf_generate=(best, "hf_generate"), speedup_vs_hf_assisted=(best, "hf_assisted"),
+                        target_only_vs_hf_generate=("target_only", "hf_generate"),
+                        hf_assisted_vs_hf_generate=("hf_assisted", "hf_generate"))
     report = {
         "target": pair.target.name,
         "draft": pair.draft.name,
@@ -368,6 +413,10 @@ def run_bench(target: str, draft: str, cfg: BenchConfig | None = None, *, out: P
         "speedup_vs_hf_assisted": ratio(best, "hf_assisted") if hf_modes else None,
         "target_only_vs_hf_generate": ratio("target_only", "hf_generate") if hf_modes else None,
         "hf_assisted_vs_hf_generate": ratio("hf_assisted", "hf_generate") if hf_modes else None,
+        "repeats": cfg.repeats,
+        **(ranges(compared) if cfg.repeats > 1 else {}),
+        "speedup_definition": "median over the repeats of (tokens/s of one mode / tokens/s of the other) in that "
+                              "repeat, every prompt included; the modes of a repeat interleaved per prompt",
         "machine": machine_info(),
         "versions": versions(),
     }

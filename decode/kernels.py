@@ -8,6 +8,7 @@ weight (a head's training labels). DRAFTSMITH_LINEAR=auto|xw|wx|dnn fixes a layo
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 import weakref
@@ -47,9 +48,18 @@ def dnn_usable(weight: Tensor) -> bool:
 
 
 def dnn_layout(weight: Tensor) -> bool:
-    """`dnn_usable` without the autograd and torch.compile conditions: whether this weight's layout is oneDNN's."""
+    """`dnn_usable` without the autograd and torch.compile conditions: whether this weight's layout is oneDNN's
+    (bfloat16 only where this CPU has oneDNN's bfloat16 path: AVX-512 BF16 / AVX-NE-CONVERT; a CPU with AVX2
+    alone runs bfloat16 Linears in BLAS)."""
     return (_layout_setting() in ("auto", "dnn") and weight.device.type == "cpu"
-            and weight.dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available())
+            and (weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and _dnn_bf16()))
+            and torch.backends.mkldnn.is_available())
+
+
+@functools.cache
+def _dnn_bf16() -> bool:
+    """Whether oneDNN runs bfloat16 Linears on this CPU (it refuses without AVX-512 or AVX-NE-CONVERT)."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def _packed(weight: Tensor) -> Tensor:

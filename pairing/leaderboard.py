@@ -13,7 +13,8 @@ Steps: compatibility check per candidate -> the target's reference continuations
 -> measured cost c and v(K) and a short calibration decode that times rounds in the decoder -> predicted speedup
 (the rows walked round by round as the decoder walks them, over the round cost; docs/design.md) and best K
 (overall and per domain) -> optionally, the built-in decoder on the top N candidates at their best K (and at
-`validate_ks`) for the measured speedup, the prediction error and its breakdown; the top N cross-tokenizer
+`validate_ks`), side by side in one run over one target-alone baseline so that their speedups compare, for the
+measured speedup, the prediction error and its breakdown; the top N cross-tokenizer
 candidates, which the decoder cannot run, in transformers' universal assisted generation against transformers'
 `generate` alone (`decode.bench.hf_side_by_side`). Writes leaderboard.json, .md, .csv and .html (with PNG plots)
 into --out.
@@ -39,6 +40,7 @@ from decode.machine import machine_info, versions
 from decode.prompts import Prompt, load_prompts
 from decode.runner import make_runner
 from decode.sampling import SamplingParams
+from decode.speculative import KPolicy
 from pairing.acceptance import measure_acceptance, measure_head_acceptance
 from pairing.compat import Compat, check_pair
 from pairing.cost import CostModel, DecoderCost, calibrate_decoder, measure_cost, speedup_curve
@@ -134,28 +136,37 @@ def _params_million(model) -> float:
     return round(sum(p.numel() for p in model.parameters()) / 1e6, 1)
 
 
-def _validate(target: Loaded, t_run, cand: Candidate, prompts: list[Prompt], refs, k: int, cfg: PairConfig,
-              device: str) -> dict:
-    """Measured speedup of one candidate (decode.bench.validate_drafts), with the per-round view of the breakdown."""
+def _validate(target: Loaded, t_run, cands: list[Candidate], prompts: list[Prompt], refs, ks: dict[str, int],
+              cfg: PairConfig, device: str) -> dict[str, dict]:
+    """Measured speedups of candidates decoded side by side in one run over one target-alone baseline
+    (decode.bench.validate_drafts; candidate `spec` at K `ks[spec]`), so their speedups compare: each with the
+    per-round view of the breakdown, by spec."""
     by_id = {r["id"]: r for r in refs}
-    d_run = _draft(cand, t_run.max_seq_len, cfg)
-    val = validate_drafts(t_run, {"speculative": d_run}, [by_id[p.id]["prompt_ids"] for p in prompts], k=k,
+    names = {c.spec: f"draft{i}" for i, c in enumerate(cands)}
+    drafts = {names[c.spec]: _draft(c, t_run.max_seq_len, cfg) for c in cands}
+    policies = {names[c.spec]: KPolicy(k=ks[c.spec], k_max=max(16, ks[c.spec])) for c in cands}
+    what = cands[0].spec if len(cands) == 1 else f"{len(cands)} drafts"
+    val = validate_drafts(t_run, drafts, [by_id[p.id]["prompt_ids"] for p in prompts], k=max(ks.values()),
                           max_new_tokens=cfg.max_new_tokens, eos_ids=eos_ids(target), names=[p.id for p in prompts],
-                          greedy=cfg.temperature == 0, desc=f"validate {cand.spec}", device=device)
-    base, spec = val.stats["target_only"], val.stats["speculative"]
-    rounds = spec.target_forwards
-    return {
-        "k": k, "prompts": len(prompts), "target_only_tok_per_s": base.tokens_per_s,
-        "speculative_tok_per_s": spec.tokens_per_s, "target_only_seconds": base.seconds,
-        "speculative_seconds": spec.seconds, "tokens": spec.new_tokens,
-        "measured_speedup": val.speedup("speculative"),
-        "greedy_equal": val.greedy_equal["speculative"] is not False,
-        "mean_tau": spec.mean_tau,
-        "rounds": rounds,
-        "spec_tokens_per_round": spec.new_tokens / rounds,
-        "measured_round_s": spec.seconds / rounds,
-        "measured_target_step_s": base.seconds / base.new_tokens,
-    }
+                          greedy=cfg.temperature == 0, desc=f"validate {what}", device=device, policies=policies)
+    base = val.stats["target_only"]
+    out = {}
+    for spec, name in names.items():
+        st = val.stats[name]
+        out[spec] = {
+            "k": ks[spec], "prompts": len(prompts), "target_only_tok_per_s": base.tokens_per_s,
+            "speculative_tok_per_s": st.tokens_per_s, "target_only_seconds": base.seconds,
+            "speculative_seconds": st.seconds, "tokens": st.new_tokens,
+            "measured_speedup": val.speedup(name),
+            "greedy_equal": val.greedy_equal[name] is not False,
+            "mean_tau": st.mean_tau,
+            "rounds": st.target_forwards,
+            "spec_tokens_per_round": st.new_tokens / st.target_forwards,
+            "measured_round_s": st.seconds / st.target_forwards,
+            "measured_target_step_s": base.seconds / base.new_tokens,
+            "side_by_side_with": [c for c in names if c != spec],
+        }
+    return out
 
 
 def _relative_error(measured: float, predicted: float) -> float:
@@ -422,11 +433,12 @@ def _row(cand: Candidate, taus: dict[int, float], taus_by_domain: dict[str, dict
 
 def _validate_top(target: Loaded, cands: list[Candidate], t_runner, refs, val_prompts: list[Prompt],
                   cfg: PairConfig, device: str) -> None:
-    """The top `cfg.validate` candidates the decoder can run, measured in it; at temperature 0 the top
-    cross-tokenizer ones in transformers; a note on every cross-tokenizer row left unmeasured. `cands` sorted."""
+    """The top `cfg.validate` candidates the decoder can run, measured in it side by side; at temperature 0 the
+    top cross-tokenizer ones in transformers; a note on every cross-tokenizer row left unmeasured. `cands` sorted."""
     val_prompts = [p for p in val_prompts if p.id in set(refs["id"])]
-    for cand in [c for c in cands if c.compat.compatible][: cfg.validate]:
-        _validate_in_decoder(target, t_runner, cand, val_prompts, refs, cfg, device)
+    in_decoder = [c for c in cands if c.compat.compatible][: cfg.validate]
+    if in_decoder:
+        _validate_in_decoder(target, t_runner, in_decoder, val_prompts, refs, cfg, device)
     cross = [c for c in cands if not c.compat.compatible and c.loaded is not None] if cfg.temperature == 0 else []
     by_id = {r["id"]: r for r in refs}
     for cand in cross[: cfg.validate]:
@@ -437,28 +449,33 @@ def _validate_top(target: Loaded, cands: list[Candidate], t_runner, refs, val_pr
                                 "cross-tokenizer: the token-level decoder cannot run it; not validated")
 
 
-def _validate_in_decoder(target: Loaded, t_runner, cand: Candidate, val_prompts: list[Prompt], refs,
+def _validate_in_decoder(target: Loaded, t_runner, cands: list[Candidate], val_prompts: list[Prompt], refs,
                          cfg: PairConfig, device: str) -> None:
-    """Measured speedup at the predicted best K (and at `validate_ks`, for the measured best K), the prediction
-    error and its breakdown, into the candidate's row."""
-    row, best = cand.row, cand.row["best_k"]
-    vals = {K: _validate(target, t_runner, cand, val_prompts, refs, K, cfg, device)
-            for K in sorted({best, *cfg.validate_ks})}
-    val = vals[best]
-    val["expected_tau_same_prompts"] = cand.acc.tokens_per_round(best, ids={p.id for p in val_prompts})
-    row["validation"] = val
-    row["measured_speedup"] = val["measured_speedup"]
-    row["prediction_error"] = _relative_error(val["measured_speedup"], row["predicted_speedup"])
-    row["prediction_breakdown"] = _breakdown(row, val)
-    if len(vals) > 1:
-        measured = {K: v["measured_speedup"] for K, v in vals.items()}
-        mk = max(measured, key=lambda K: (measured[K], -K))  # the measured best, ties to the smaller K
-        row["validation_by_k"] = {str(K): v for K, v in vals.items()}
-        row["measured_speedup_by_k"] = {str(K): x for K, x in measured.items()}
-        row["prediction_error_by_k"] = {
-            str(K): _relative_error(x, row["predicted_speedup_by_k"][str(K)]) for K, x in measured.items()}
-        row["measured_best_k"] = mk
-        row["best_k_shortfall"] = 1 - measured[best] / measured[mk]  # 0 when the predicted K is best
+    """Measured speedups, all candidates side by side over one target-alone baseline: at each one's predicted
+    best K (and all at each of `validate_ks`, for the measured best K); the prediction error and its breakdown,
+    into each candidate's row."""
+    at_best = _validate(target, t_runner, cands, val_prompts, refs, {c.spec: c.row["best_k"] for c in cands}, cfg,
+                        device)
+    at_k = {K: _validate(target, t_runner, cands, val_prompts, refs, {c.spec: K for c in cands}, cfg, device)
+            for K in sorted(set(cfg.validate_ks))}
+    for cand in cands:
+        row, best = cand.row, cand.row["best_k"]
+        vals = {**{K: v[cand.spec] for K, v in at_k.items()}, best: at_best[cand.spec]}
+        val = vals[best]
+        val["expected_tau_same_prompts"] = cand.acc.tokens_per_round(best, ids={p.id for p in val_prompts})
+        row["validation"] = val
+        row["measured_speedup"] = val["measured_speedup"]
+        row["prediction_error"] = _relative_error(val["measured_speedup"], row["predicted_speedup"])
+        row["prediction_breakdown"] = _breakdown(row, val)
+        if len(vals) > 1:
+            measured = {K: v["measured_speedup"] for K, v in vals.items()}
+            mk = max(measured, key=lambda K: (measured[K], -K))  # the measured best, ties to the smaller K
+            row["validation_by_k"] = {str(K): v for K, v in sorted(vals.items())}
+            row["measured_speedup_by_k"] = {str(K): x for K, x in sorted(measured.items())}
+            row["prediction_error_by_k"] = {
+                str(K): _relative_error(x, row["predicted_speedup_by_k"][str(K)]) for K, x in measured.items()}
+            row["measured_best_k"] = mk
+            row["best_k_shortfall"] = 1 - measured[best] / measured[mk]  # 0 when the predicted K is best
 
 
 def _validate_cross_tokenizer(target: Loaded, cand: Candidate, prompt_ids: list[list[int]], cfg: PairConfig) -> None:

@@ -199,8 +199,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"{mode:18s} {m['tokens']:5d} tokens {m['seconds']:8.2f} s {m['tok_per_s']:7.2f} tok/s")
     print(f"greedy_equal {report['greedy_equal']}  K {report['k']}  mean tau {fmt(report['mean_tau'])}  "
           f"alpha {fmt(report['alpha'])}")
-    print(f"speedup vs target-only {fmt(report['speedup_vs_target_only'])}  vs HF generate "
-          f"{fmt(report['speedup_vs_hf_generate'])}  vs HF assisted {fmt(report['speedup_vs_hf_assisted'])}")
+    span = lambda key: (f" ({fmt(report[key + '_range'][0])}-{fmt(report[key + '_range'][1])})"  # noqa: E731
+                        if key + "_range" in report else "")
+    print(f"speedup vs target-only {fmt(report['speedup_vs_target_only'])}{span('speedup_vs_target_only')}  "
+          f"vs HF generate {fmt(report['speedup_vs_hf_generate'])}{span('speedup_vs_hf_generate')}  "
+          f"vs HF assisted {fmt(report['speedup_vs_hf_assisted'])}{span('speedup_vs_hf_assisted')}"
+          + (f"  (median of {report['repeats']} repeats)" if report.get("repeats", 1) > 1 else ""))
     if args.out:
         print(f"wrote {args.out}")
     return 0

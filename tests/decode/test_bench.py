@@ -121,3 +121,40 @@ def test_repeats_rotate_who_goes_first_and_report_the_median_and_range(target_mo
         assert val.speedup_range[name] == [min(ratios), max(ratios)]
     assert val.stats["same"].new_tokens == sum(r["same"].new_tokens for r in val.repeats)
     assert Validation.from_dict(val.to_dict()) == val
+
+
+def test_bench_repeats_rotate_the_first_mode_and_report_the_median_of_repeat_ratios(monkeypatch) -> None:
+    """decode.bench with repeats: each pass interleaves the modes per prompt, the mode that goes first rotating;
+    a speedup is the median of the per-repeat ratios (not the ratio of the totals), and a greedy mismatch in any
+    repeat is caught."""
+    import statistics
+
+    from decode import bench
+    from decode.prompts import Prompt
+
+    calls: list[tuple[int, str]] = []
+    speed = {"target_only": [1.0, 1.0, 1.0], "speculative_k2": [2.0, 3.0, 10.0]}  # seconds per token by repeat
+    wrong = {(2, "speculative_k2")}  # the third repeat's draft emits a wrong token
+
+    def fake_run_mode(pair, mode, ids, n, eos):
+        if n == 4:  # warm-up
+            return [0] * n, 1.0, None
+        r = sum(1 for _, m in calls if m == mode) // 2  # two prompts a repeat
+        calls.append((r, mode))
+        toks = [7] * n if (r, mode) in wrong else [5] * n
+        return toks, n / speed[mode][r], None
+
+    monkeypatch.setattr(bench, "_run_mode", fake_run_mode)
+    items = [Prompt(id=f"p{i}", prompt="x", domain="code") for i in range(2)]
+    modes = ["target_only", "speculative_k2"]
+    passes = bench._time_modes(None, items, [[1, 2], [3, 4]], modes, 6, [], False, repeats=3)
+    assert [m for _, m in calls[:2]] == modes and [m for _, m in calls[4:6]] == modes[::-1]  # rotated
+    ratios = bench._repeat_ratios(passes, "speculative_k2", "target_only")
+    assert ratios == pytest.approx([2.0, 3.0, 10.0])
+    assert statistics.median(ratios) == pytest.approx(3.0)  # the totals' ratio would be 5.0
+    merged, _ = bench._merged(passes)
+    assert [r["repeat"] for r in merged["target_only"]] == [0, 0, 1, 1, 2, 2]
+    checks = bench._greedy_checks(items, [[1, 2], [3, 4]], passes, ["speculative_k2"], hf_modes=False)
+    assert not any(c["greedy_equal"] for c in checks)  # repeat 2 differs: caught
+    assert all(c["greedy_equal"] for c in bench._greedy_checks(items, [[1, 2], [3, 4]], passes[:2],
+                                                                ["speculative_k2"], hf_modes=False))

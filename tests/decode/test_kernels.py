@@ -47,3 +47,21 @@ def test_onednn_layout_matches_plain_follows_weight_changes_and_stays_out_of_aut
     with torch.no_grad():
         assert not dk.dnn_usable(layer.weight)
         assert not dk.dnn_usable(layer.weight.double())
+
+
+def test_bfloat16_linears_run_on_every_cpu_and_take_onednn_only_where_it_has_a_bf16_path(monkeypatch) -> None:
+    """oneDNN refuses bfloat16 weights on a CPU with AVX2 alone ("bf16 path needs ... avx512"): there a bfloat16
+    Linear runs in BLAS; where it has the path, on oneDNN. Either way the numbers are the layer's."""
+    import decode.kernels as dk
+
+    monkeypatch.setenv("DRAFTSMITH_LINEAR", "auto")
+    layer = torch.nn.Linear(96, 80, bias=False).to(torch.bfloat16)
+    x = torch.randn(3, 96, dtype=torch.bfloat16)
+    with torch.no_grad():
+        has_path = torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        assert dk.dnn_usable(layer.weight) == has_path
+        ref = torch.nn.functional.linear(x.double(), layer.weight.double())
+        torch.testing.assert_close(dk.linear(x, layer).double(), ref, rtol=2e-2, atol=2e-2)
+        monkeypatch.setattr(dk, "_dnn_bf16", lambda: False)  # as on a CPU without the path
+        assert not dk.dnn_usable(layer.weight) and dk.dnn_usable(layer.weight.float())
+        torch.testing.assert_close(dk.linear(x, layer).double(), ref, rtol=2e-2, atol=2e-2)

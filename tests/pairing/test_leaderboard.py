@@ -61,6 +61,10 @@ def test_pair_end_to_end_writes_all_files_with_the_schema(setup, tmp_path: Path)
     assert by_name[str(target)]["alpha"] == pytest.approx(1.0)  # the target drafting for itself
     validated = [c for c in cands if c["measured_speedup"] is not None]
     assert len(validated) == 2 and all(c["validation"]["greedy_equal"] for c in validated)
+    # decoded side by side over one target-alone run, so that the two speedups compare
+    a, b = (c["validation"] for c in validated)
+    assert a["target_only_tok_per_s"] == b["target_only_tok_per_s"] and a["target_only_seconds"] > 0
+    assert a["side_by_side_with"] == [validated[1]["draft"]] and b["side_by_side_with"] == [validated[0]["draft"]]
     with open(out / "leaderboard.csv") as f:
         assert len(list(csv.reader(f))) == 4
     assert "<img" in (out / "leaderboard.html").read_text()

@@ -177,11 +177,14 @@ def test_vocab_then_decode_with_the_pruned_draft_equals_the_target_alone(tiny_pa
     # bench with the same spec: our decoder runs the pruned runner, transformers' assisted generation the whole draft
     report = tmp_path / "bench.json"
     code = main(["bench", *target, "--draft", f"prune:{tiny_pair['draft']}:vocab={kept}", "--prompts", str(prompts),
-                 "--n-prompts", "2", "--max-new-tokens", "8", "--k", "2", "--out", str(report)])
+                 "--n-prompts", "2", "--max-new-tokens", "8", "--k", "2", "--repeats", "2", "--out", str(report)])
     printed, err = capsys.readouterr()
     assert code == 0, err
     r = json.loads(report.read_text())
     assert r["draft"].startswith("prune:") and r["greedy_equal"] and set(r["modes"]) >= {"speculative_k2", "hf_assisted"}
+    low, high = r["speedup_vs_hf_assisted_range"]  # 2 repeats: the median of the two ratios, with their range
+    assert r["repeats"] == 2 and low <= r["speedup_vs_hf_assisted"] <= high and "median of 2 repeats" in printed
+    assert len(r["modes"]["target_only"]["per_prompt"]) == 4
 
 
 @pytest.mark.parametrize("content,needle", [(None, "no such kept-vocabulary file"), ("{", "not valid JSON"),
