@@ -12,7 +12,8 @@ from decode.allocator import allocator_setting
 
 
 def machine_info() -> dict:
-    """Where a number was measured: CPU model, cores, threads, platform."""
+    """Where a number was measured: CPU model, its vector instructions as torch uses them (AVX2 / AVX512: two
+    "AMD EPYC" machines differ), cores, threads, platform."""
     cpu = platform.processor() or ""
     try:
         with open("/proc/cpuinfo") as f:
@@ -25,6 +26,7 @@ def machine_info() -> dict:
     info = {
         "platform": platform.platform(),
         "cpu": cpu,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,

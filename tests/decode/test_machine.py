@@ -14,7 +14,8 @@ from decode.machine import machine_info, versions
 
 def test_machine_info_and_versions_say_where_a_number_was_measured() -> None:
     info = machine_info()
-    assert set(info) == {"platform", "cpu", "cpu_count", "torch_threads", "cuda", "allocator"}
+    assert set(info) == {"platform", "cpu", "cpu_capability", "cpu_count", "torch_threads", "cuda", "allocator"}
+    assert info["cpu_capability"] == torch.backends.cpu.get_cpu_capability()  # e.g. AVX2, AVX512
     assert info["allocator"] == allocator_setting()
     assert info["cpu_count"] == os.cpu_count() and info["torch_threads"] == torch.get_num_threads()
     assert isinstance(info["cpu"], str) and (info["cuda"] is None) == (not torch.cuda.is_available())
