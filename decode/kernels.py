@@ -59,7 +59,13 @@ def dnn_layout(weight: Tensor) -> bool:
 @functools.cache
 def _dnn_bf16() -> bool:
     """Whether oneDNN runs bfloat16 Linears on this CPU (it refuses without AVX-512 or AVX-NE-CONVERT)."""
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def bf16_fast() -> bool:
+    """Whether bfloat16 matmuls are worth asking for on this CPU: only with oneDNN's bfloat16 path (AVX-512 BF16,
+    AMX). With AVX2 alone they run in BLAS, several times slower than float32."""
+    return _dnn_bf16()
 
 
 def _packed(weight: Tensor) -> Tensor:

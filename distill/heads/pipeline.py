@@ -15,6 +15,8 @@ depth-1 agreement, resumable); `out/head.json`: this run's result. Every step re
 
 from __future__ import annotations
 
+import dataclasses
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,6 +25,7 @@ from pathlib import Path
 from decode.batch import GEN_DTYPES
 from decode.errors import DraftsmithError
 from decode.io import atomic_write_json, read_json
+from decode.kernels import bf16_fast
 from decode.loading import load
 from decode.prompts import load_prompts
 from distill.heads.data import HeadDataConfig, build_head_data, load_head_data
@@ -93,6 +96,16 @@ def aux_layers_for(n_layers: int) -> tuple[int, int, int]:
     return 2, n_layers // 2, n_layers - 3
 
 
+def fast_dtype(requested: str, device: str, name: str = "dtype") -> str:
+    """`requested`, unless it is bfloat16 on a CPU without a fast bfloat16 path (AVX2 alone: several times slower
+    than float32, `decode.kernels.bf16_fast`): float32 there, said in one line."""
+    if requested == "bfloat16" and str(device).startswith("cpu") and not bf16_fast():
+        print(f"head: {name} bfloat16 -> float32: this CPU has no fast bfloat16 path (AVX-512 BF16 / AMX)",
+              file=sys.stderr)
+        return "float32"
+    return requested
+
+
 def run_head(target_spec: str, out: Path, cfg: HeadRunConfig, *, prompts: str = "code,json,summarize,chat",
              limit_per_domain: int | None = None, eval_per_domain: int = 4, device: str = "cpu",
              progress: bool = True) -> dict:
@@ -101,6 +114,8 @@ def run_head(target_spec: str, out: Path, cfg: HeadRunConfig, *, prompts: str = 
 
     out = Path(out)
     target = load(target_spec, device=device)
+    cfg = dataclasses.replace(cfg, gen_dtype=fast_dtype(cfg.gen_dtype, device, "gen_dtype"),
+                              train_dtype=fast_dtype(cfg.train_dtype, device, "train_dtype"))
     aux = aux_layers_for(target.model.config.num_hidden_layers)
     train_p, held_p = split_prompts(load_prompts(prompts, limit_per_domain=limit_per_domain), eval_per_domain)
     t0 = time.perf_counter()

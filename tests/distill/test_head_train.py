@@ -302,3 +302,18 @@ def test_thin_rows_keeps_every_sth_prompt_and_at_most_n_rows_each() -> None:
     assert {p for p, _ in kept} == set(firsts)
     for p in firsts:  # the first two rows of each kept prompt, in their order
         assert [t for t in kept if t[0] == p] == [r["tag"] for r in rows if r["tag"][0] == p][:2]
+
+
+def test_bfloat16_falls_back_to_float32_on_a_cpu_without_a_fast_path(monkeypatch, capsys) -> None:
+    """A recipe's gen_dtype / train_dtype bfloat16 runs in bfloat16 only where the CPU has a fast path (AVX-512
+    BF16, AMX): with AVX2 alone bfloat16 matmuls are several times slower than float32 (the quickstart's data
+    generation stalled), so float32 there, said in one line."""
+    from distill.heads import pipeline
+
+    monkeypatch.setattr(pipeline, "bf16_fast", lambda: False)
+    assert pipeline.fast_dtype("bfloat16", "cpu", "gen_dtype") == "float32"
+    assert "gen_dtype bfloat16 -> float32" in capsys.readouterr().err
+    assert pipeline.fast_dtype("float32", "cpu") == "float32"
+    assert pipeline.fast_dtype("bfloat16", "cuda") == "bfloat16"  # GPUs: as asked
+    monkeypatch.setattr(pipeline, "bf16_fast", lambda: True)
+    assert pipeline.fast_dtype("bfloat16", "cpu") == "bfloat16" and not capsys.readouterr().err
