@@ -378,19 +378,12 @@ def run_bench(target: str, draft: str, cfg: BenchConfig | None = None, *, out: P
     best = max(spec_modes, key=lambda m: report_modes[m]["tok_per_s"])
     per_prompt = _greedy_checks(items, encoded, passes, spec_modes, hf_modes)
 
-    def ratio(a: str, b: str) -> float | None:  # the median over the repeats of the repeat's ratio
-        ratios = _repeat_ratios(passes, a, b)
-        return statistics.median(ratios) if ratios else None
-
-    def ranges(pairs: dict[str, tuple[str, str]]) -> dict[str, list[float]]:
-        return {f"{name}_range": [min(r), max(r)] for name, (a, b) in pairs.items()
-                if (r := _repeat_ratios(passes, a, b))}
-
-    compared = {"speedup_vs_target_only": (best, "target_only")}
-    if hf_modes:
-        compared.update(speedup_vs_hf_generate=(best, "hf_generate"), speedup_vs_hf_assisted=(best, "hf_assisted"),
-                        target_only_vs_hf_generate=("target_only", "hf_generate"),
-                        hf_assisted_vs_hf_generate=("hf_assisted", "hf_generate"))
+    pairs = {"speedup_vs_target_only": (best, "target_only"), "speedup_vs_hf_generate": (best, "hf_generate"),
+             "speedup_vs_hf_assisted": (best, "hf_assisted"),
+             "target_only_vs_hf_generate": ("target_only", "hf_generate"),
+             "hf_assisted_vs_hf_generate": ("hf_assisted", "hf_generate")}
+    # per pair of modes, repeat by repeat; the report gives the median (None without that mode) and the range
+    ratios = {name: _repeat_ratios(passes, a, b) if b in modes else [] for name, (a, b) in pairs.items()}
     report = {
         "target": pair.target.name,
         "draft": pair.draft.name,
@@ -408,13 +401,9 @@ def run_bench(target: str, draft: str, cfg: BenchConfig | None = None, *, out: P
         "greedy_equal": all(r["greedy_equal"] for r in per_prompt),
         "greedy_equal_per_prompt": per_prompt,
         "modes": {**{m: report_modes[m] for m in modes}, "speculative": report_modes[best]},
-        "speedup_vs_target_only": ratio(best, "target_only"),
-        "speedup_vs_hf_generate": ratio(best, "hf_generate") if hf_modes else None,
-        "speedup_vs_hf_assisted": ratio(best, "hf_assisted") if hf_modes else None,
-        "target_only_vs_hf_generate": ratio("target_only", "hf_generate") if hf_modes else None,
-        "hf_assisted_vs_hf_generate": ratio("hf_assisted", "hf_generate") if hf_modes else None,
+        **{name: statistics.median(r) if r else None for name, r in ratios.items()},
         "repeats": cfg.repeats,
-        **(ranges(compared) if cfg.repeats > 1 else {}),
+        **({f"{name}_range": [min(r), max(r)] for name, r in ratios.items() if r} if cfg.repeats > 1 else {}),
         "speedup_definition": "median over the repeats of (tokens/s of one mode / tokens/s of the other) in that "
                               "repeat, every prompt included; the modes of a repeat interleaved per prompt",
         "machine": machine_info(),

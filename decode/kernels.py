@@ -52,20 +52,16 @@ def dnn_layout(weight: Tensor) -> bool:
     (bfloat16 only where this CPU has oneDNN's bfloat16 path: AVX-512 BF16 / AVX-NE-CONVERT; a CPU with AVX2
     alone runs bfloat16 Linears in BLAS)."""
     return (_layout_setting() in ("auto", "dnn") and weight.device.type == "cpu"
-            and (weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and _dnn_bf16()))
+            and (weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and bf16_fast()))
             and torch.backends.mkldnn.is_available())
 
 
 @functools.cache
-def _dnn_bf16() -> bool:
-    """Whether oneDNN runs bfloat16 Linears on this CPU (it refuses without AVX-512 or AVX-NE-CONVERT)."""
-    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
 def bf16_fast() -> bool:
-    """Whether bfloat16 matmuls are worth asking for on this CPU: only with oneDNN's bfloat16 path (AVX-512 BF16,
-    AMX). With AVX2 alone they run in BLAS, several times slower than float32."""
-    return _dnn_bf16()
+    """Whether oneDNN runs bfloat16 Linears on this CPU (AVX-512 BF16, AMX, AVX-NE-CONVERT), which is also whether
+    bfloat16 matmuls are worth asking for: with AVX2 alone oneDNN refuses them and BLAS runs them several times
+    slower than float32."""
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def _packed(weight: Tensor) -> Tensor:

@@ -62,6 +62,6 @@ def test_bfloat16_linears_run_on_every_cpu_and_take_onednn_only_where_it_has_a_b
         assert dk.dnn_usable(layer.weight) == has_path
         ref = torch.nn.functional.linear(x.double(), layer.weight.double())
         torch.testing.assert_close(dk.linear(x, layer).double(), ref, rtol=2e-2, atol=2e-2)
-        monkeypatch.setattr(dk, "_dnn_bf16", lambda: False)  # as on a CPU without the path
+        monkeypatch.setattr(dk, "bf16_fast", lambda: False)  # as on a CPU without the path
         assert not dk.dnn_usable(layer.weight) and dk.dnn_usable(layer.weight.float())
         torch.testing.assert_close(dk.linear(x, layer).double(), ref, rtol=2e-2, atol=2e-2)
