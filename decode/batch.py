@@ -20,6 +20,7 @@ architectures use Hugging Face's forward with a DynamicCache.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -149,6 +150,7 @@ class BatchOutput:
     next: list[Tensor] = field(default_factory=list)
     topk_values: list[Tensor] = field(default_factory=list)  # with topk=k: (C, k) log-probs at T = 1 per new token
     topk_indices: list[Tensor] = field(default_factory=list)  # (C, k) their token ids
+    halted: bool = False  # the deadline stopped the rows that were still sampling (their answers are cut short)
 
 
 def _check_call(prompts, max_new_tokens, sampling, generators) -> list:
@@ -261,6 +263,11 @@ class _BatchDecode:
         self.out.next[b] = torch.cat([self.nxt_prompt[b], torch.tensor(self.nxt_new[b], dtype=torch.int32)])
         self.fed[b] = True
 
+    def halt(self) -> None:
+        """No row samples again (with capture, the rows still sampling have their last token fed once more)."""
+        self.out.halted = any(self.alive)
+        self.alive = [False] * len(self.alive)
+
     def waiting(self) -> list[bool]:
         """Which batch rows need another step: to sample, or (with capture) to have their last token fed."""
         return [not self.fed[b] for b in self.rows] if self.capture else [self.alive[b] for b in self.rows]
@@ -303,17 +310,22 @@ def decode_batch(
     vocab_size: int | None = None,
     capture: tuple[int, ...] = (),
     topk: int = 0,
+    deadline: float | None = None,
 ) -> BatchOutput:
     """Plain decoding of several prompts at once with a Llama-family HF model through `BatchLM` (see
     `generate_batch` for the contract). With `capture` (a head's aux layers) every row's final token is fed
     once more so that its features exist, and the output carries what a head trains on. With `topk` it also
     keeps, for every new token, the k largest log-probabilities (temperature 1) of the logits it was drawn
-    from: the teacher's top-k cache of distillation, with no second pass."""
+    from: the teacher's top-k cache of distillation, with no second pass. At `deadline` (a `time.perf_counter()`
+    value) the rows still sampling stop where they are (`halted`): a time budget cuts answers short, it does not
+    change a token of them."""
     generators = _check_call(prompts, max_new_tokens, sampling, generators)
     run = _BatchDecode(model, prompts, max_new_tokens, sampling, eos_ids, generators, vocab_size, capture, topk)
     logits = run.prefill()
     while True:
         feed = run.sample(logits)
+        if deadline is not None and not run.out.halted and time.perf_counter() >= deadline:
+            run.halt()
         waiting = run.waiting()
         if not any(waiting):
             break

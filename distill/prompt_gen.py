@@ -236,11 +236,14 @@ def generate_prompts(
     target: Loaded, n: int, domains: list[str], out: Path, *, temperature: float = 1.0, seed: int = 0,
     batch_size: int = 16, max_prompt_tokens: int = 256, min_chars: int = 16, dedup_threshold: float = 0.7,
     max_attempts: int | None = None, dtype: str = "float32", progress: bool = True,
+    max_seconds: float | None = None,
 ) -> datasets.Dataset:
     """`n` requests the target writes itself, ~n/len(domains) per domain (see the module docstring); resumes
     or loads `out`. Attempt indices stop at `max_attempts` (default 4n, i.e. ~4 tries per wanted prompt in
     every domain): fewer than n are kept then (stats.json says `"complete": false`). `dtype` bfloat16 writes
-    with a bfloat16 copy of the target (`decode.batch.writer_model`: 2-3x faster on CPUs with AMX)."""
+    with a bfloat16 copy of the target (`decode.batch.writer_model`: 2-3x faster on CPUs with AMX).
+    `max_seconds` stops starting new batches of attempts once this run has written for that long (fewer than n
+    kept then, as with `max_attempts`)."""
     domains = list(dict.fromkeys(domains))
     _check_arguments(domains, n=n, temperature=temperature, batch_size=batch_size,
                      max_prompt_tokens=max_prompt_tokens, min_chars=min_chars, dedup_threshold=dedup_threshold,
@@ -272,7 +275,7 @@ def generate_prompts(
     t0 = time.perf_counter()
     nxt, new_tokens = _write_until_full(target, attempts, filt, partial / ROWS, start=start, n=n,
                                         max_attempts=max_attempts, batch_size=batch_size, dtype=dtype,
-                                        progress=progress)
+                                        progress=progress, max_seconds=max_seconds)
     seconds = time.perf_counter() - t0
     stats = filt.stats(n, nxt) | {"new_tokens_this_run": new_tokens, "seconds_this_run": round(seconds, 3),
                                   "tokens_per_s": round(new_tokens / seconds, 1) if new_tokens else None}
@@ -369,15 +372,19 @@ class _Attempts:
 
 
 def _write_until_full(target: Loaded, attempts: _Attempts, filt: _Filter, rows_file: Path, *, start: int, n: int,
-                      max_attempts: int, batch_size: int, dtype: str, progress: bool) -> tuple[int, int]:
-    """Batches of attempts from index `start` until `filt` holds `n` or the indices reach `max_attempts`; every
-    batch's rows are appended to `rows_file` (a checkpoint) and replayed through `filt`. Returns (the next
-    attempt index, tokens generated)."""
+                      max_attempts: int, batch_size: int, dtype: str, progress: bool,
+                      max_seconds: float | None = None) -> tuple[int, int]:
+    """Batches of attempts from index `start` until `filt` holds `n`, the indices reach `max_attempts` or
+    `max_seconds` have passed; every batch's rows are appended to `rows_file` (a checkpoint) and replayed through
+    `filt`. Returns (the next attempt index, tokens generated)."""
     nxt, new_tokens, device = start, 0, next(target.model.parameters()).device
+    t0 = time.perf_counter()
     model = writer_model(target.model, dtype) if len(filt.kept) < n and nxt < max_attempts else None
     bar = tqdm(total=n, initial=len(filt.kept), desc="prompts", unit="prompt", disable=not progress)
     with rows_file.open("a", encoding="utf-8") as f:
         while len(filt.kept) < n and nxt < max_attempts:
+            if max_seconds is not None and time.perf_counter() - t0 >= max_seconds:
+                break
             batch, nxt = attempts.next_batch(filt, nxt, batch_size, max_attempts)
             if not batch:  # the last indices all belong to domains that are full
                 break

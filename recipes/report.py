@@ -188,6 +188,18 @@ def _written(h: dict) -> str:
             f"{w.get('generate_tokens_per_s', 0):.0f} tokens/s) answering {prompts} prompts the target wrote itself")
 
 
+def _data_cap(h: dict) -> str:
+    """What the data's share of the time budget cut, if anything."""
+    cap = h.get("data_cap") or {}
+    if not (cap.get("cut_shards") or cap.get("skipped_shards") or cap.get("left_out")):
+        return ""
+    what = [f"{cap['cut_shards']} batches of answers cut short"] if cap.get("cut_shards") else []
+    what += [f"{cap['skipped_shards']} batches not written"] if cap.get("skipped_shards") else []
+    what += [f"{' and '.join(cap['left_out'])} left out"] if cap.get("left_out") else []
+    return (f" (the data stopped at its share of the budget, {cap['seconds'] / 60:.1f} min: {', '.join(what)}; "
+            "a faster CPU writes it whole)")
+
+
 def _dtypes(cfg: dict) -> str:
     """Where bfloat16 wrote the data or ran training's matmuls."""
     parts = [what for key, what in (("gen_dtype", "data written"), ("train_dtype", "training's matmuls"))
@@ -205,7 +217,8 @@ def _head(doc: Doc, h: dict) -> None:
           f"prompts{_written(h)}; {ts['steps']} steps of {cfg['rows_per_step']} rows ({ts['tokens_seen']} tokens "
           f"seen) in {ts['seconds'] / 60:.1f} min{_dtypes(cfg)}; draft vocabulary {cfg['draft_vocab_size']} ids "
           f"({100 * ts['draft_vocab_coverage']:.1f}% of the target's predictions). Agreement with the target's "
-          f"greedy token on {h['held_out_prompts']} held-out prompts (teacher-forced; depths >= 2 fed by the head):")
+          f"greedy token on {h['held_out_prompts']} held-out prompts (teacher-forced; depths >= 2 fed by the head):"
+          f"{_data_cap(h)}")
     depths = len(h["agreement_after"])
     doc.table(["tokens seen", *[f"depth {j + 1}" for j in range(depths)]],
               [[c["tokens"], *c["agreement_by_depth"]] for c in h["curve"]])

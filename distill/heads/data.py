@@ -93,8 +93,12 @@ def _settings(target: Loaded, prompts: list[Prompt], cfg: HeadDataConfig) -> dic
 
 
 def build_head_data(target: Loaded, prompts: list[Prompt], out: Path, cfg: HeadDataConfig,
-                    progress: bool = True) -> dict:
-    """Generate (or resume) the folder; returns its stats (tokens, rows, seconds, tokens/s of generation)."""
+                    progress: bool = True, max_seconds: float | None = None) -> dict:
+    """Generate (or resume) the folder; returns its stats (tokens, rows, seconds, tokens/s of generation).
+
+    `max_seconds` caps the generation (counted over every run into the folder): each missing shard gets an
+    equal part of what is left and its answers stop there (cut short, every token still the target's); shards
+    with nothing left are not written. stats.json says how many (`cut_shards`, `skipped_shards`)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     settings = _settings(target, prompts, cfg)
@@ -117,11 +121,22 @@ def build_head_data(target: Loaded, prompts: list[Prompt], out: Path, cfg: HeadD
     eos = eos_ids(target)
     bar = tqdm(total=len(shards), desc="head data", unit="shard", disable=not progress)
     model = None  # the writer, made when a shard is missing
+    missing = sum(not (out / f"shard-{n:05d}.safetensors").is_file() for n in range(len(shards)))
+    stats["skipped_shards"] = 0
     for n, shard in enumerate(shards):
         path = out / f"shard-{n:05d}.safetensors"
         if path.is_file():
             bar.update(1)
             continue
+        deadline = None
+        if max_seconds is not None:
+            left = max_seconds - stats["generate_seconds"] - stats["feature_seconds"]
+            if left <= 0:
+                stats["skipped_shards"] += 1
+                bar.update(1)
+                continue
+            deadline = time.perf_counter() + left / missing
+        missing -= 1
         gens = [torch.Generator().manual_seed(cfg.seed * 1_000_003 + i * 1009 + s) for i, s in shard]
         model = model if model is not None else writer_model(target.model, cfg.dtype)
         t0 = time.perf_counter()
@@ -129,8 +144,9 @@ def build_head_data(target: Loaded, prompts: list[Prompt], out: Path, cfg: HeadD
                   generators=gens if cfg.temperature > 0 else None)
         batch = [encoded[i] for i, _ in shard]
         if lean:
-            got = decode_batch(model, batch, capture=cfg.aux_layers, **kw)
+            got = decode_batch(model, batch, capture=cfg.aux_layers, deadline=deadline, **kw)
             new = got.tokens
+            stats["cut_shards"] = stats.get("cut_shards", 0) + got.halted
             rows = [{"tokens": torch.tensor(p + t, dtype=torch.int32), "features": f, "final": h, "next": n}
                     for p, t, f, h, n in zip(batch, got.tokens, got.features, got.final, got.next)]
         else:
@@ -158,6 +174,8 @@ def build_head_data(target: Loaded, prompts: list[Prompt], out: Path, cfg: HeadD
         bar.update(1)
         bar.set_postfix(tok_s=f"{stats['generate_tokens_per_s']:.0f}", tokens=stats["tokens"])
     bar.close()
+    if stats["skipped_shards"]:
+        atomic_write_json(out / "stats.json", stats)
     return stats
 
 

@@ -57,6 +57,8 @@ class HeadRunConfig:
     train_minutes: float = 12.5  # training time budget (the cosine schedule is fitted to it); 0 = epochs decide
     budget_minutes: float = 0.0  # data and training together: training gets what the data's generation left
     # (its recorded seconds, so a resumed run plans the same), at most train_minutes; 0 = train_minutes alone
+    data_share: float = 0.7  # with budget_minutes: the data's generation stops at this share of the budget
+    # (answers cut short, fewer written prompts) so that a slower machine still trains
     eval_every: int = 50  # steps between held-out evaluations
     label_temperature: float = 1.0  # the target's distribution the head learns, at this temperature (< 1 sharpens)
     train_dtype: str = "float32"  # matmuls of training in bfloat16 (autocast; weights and optimizer stay float32)
@@ -87,6 +89,8 @@ class HeadRunConfig:
             raise ValueError(f"intermediate_size must be >= 1 (or null), got {self.intermediate_size}")
         if self.budget_minutes < 0:
             raise ValueError(f"budget_minutes must be >= 0, got {self.budget_minutes}")
+        if not 0 < self.data_share <= 1:
+            raise ValueError(f"data_share must be in (0, 1], got {self.data_share}")
 
 
 def aux_layers_for(n_layers: int) -> tuple[int, int, int]:
@@ -119,24 +123,35 @@ def run_head(target_spec: str, out: Path, cfg: HeadRunConfig, *, prompts: str = 
     aux = aux_layers_for(target.model.config.num_hidden_layers)
     train_p, held_p = split_prompts(load_prompts(prompts, limit_per_domain=limit_per_domain), eval_per_domain)
     t0 = time.perf_counter()
+    held = build_head_data(target, held_p, out / "held", HeadDataConfig(  # the references: always whole
+        samples=1, max_new_tokens=cfg.max_new_tokens, temperature=0.0, batch_size=cfg.gen_batch_size,
+        aux_layers=aux), progress=progress)
+    cap = DataCap(cfg.budget_minutes * 60 * cfg.data_share if cfg.budget_minutes else None,
+                  weights=PHASE_WEIGHTS if cfg.written_prompts else {"data": 1.0}, spent=_seconds(held))
     data = build_head_data(target, train_p, out / "data", HeadDataConfig(
         samples=cfg.samples, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed,
-        batch_size=cfg.gen_batch_size, aux_layers=aux, dtype=cfg.gen_dtype), progress=progress)
-    folders, written = [out / "data"], None
-    if cfg.written_prompts:
+        batch_size=cfg.gen_batch_size, aux_layers=aux, dtype=cfg.gen_dtype), progress=progress,
+        max_seconds=cap.allow("data"))
+    cap.spend(_seconds(data))
+    folders, written, prompt_s = [out / "data"], None, 0.0
+    if cfg.written_prompts and cap.has_time("prompts"):
         from distill.prompt_gen import DOMAINS, generate_prompts
 
         domains = [d for d in dict.fromkeys(p.domain for p in train_p) if d in DOMAINS] or list(DOMAINS)
         generate_prompts(target, cfg.written_prompts, domains, out / "prompts", temperature=cfg.temperature or 0.8,
                          seed=cfg.seed, batch_size=cfg.gen_batch_size, max_prompt_tokens=cfg.prompt_tokens,
-                         dtype=cfg.gen_dtype, progress=progress)
-        written = build_head_data(target, load_prompts(out / "prompts"), out / "written", HeadDataConfig(
-            samples=cfg.written_samples, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-            seed=cfg.seed, batch_size=cfg.gen_batch_size, aux_layers=aux, dtype=cfg.gen_dtype), progress=progress)
-        folders.append(out / "written")
-    held = build_head_data(target, held_p, out / "held", HeadDataConfig(
-        samples=1, max_new_tokens=cfg.max_new_tokens, temperature=0.0, batch_size=cfg.gen_batch_size,
-        aux_layers=aux), progress=progress)
+                         dtype=cfg.gen_dtype, progress=progress, max_seconds=cap.allow("prompts"))
+        prompt_s = read_json(out / "prompts" / "stats.json", what="prompt statistics")["seconds_this_run"]
+        cap.spend(prompt_s)
+        if cap.has_time("written"):
+            written = build_head_data(target, load_prompts(out / "prompts"), out / "written", HeadDataConfig(
+                samples=cfg.written_samples, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                seed=cfg.seed, batch_size=cfg.gen_batch_size, aux_layers=aux, dtype=cfg.gen_dtype),
+                progress=progress, max_seconds=cap.allow("written"))
+            folders.append(out / "written")
+    if cap.skipped:
+        print(f"head: the data's share of the budget ({cap.total / 60:.1f} min) was spent before "
+              f"{' and '.join(PHASE_NAMES[p] for p in cap.skipped)}: left out", file=sys.stderr)
     data_seconds = time.perf_counter() - t0
     for extra in cfg.extra_data:
         if not any(Path(extra).expanduser().glob("shard-*.safetensors")):
@@ -144,9 +159,7 @@ def run_head(target_spec: str, out: Path, cfg: HeadRunConfig, *, prompts: str = 
         folders.append(Path(extra).expanduser())
     rows = thin_rows([r for folder in folders for r in load_head_data(folder)], cfg.prompt_stride,
                      cfg.rows_per_prompt)
-    generation_s = sum(d["generate_seconds"] + d["feature_seconds"] for d in (data, written, held) if d)
-    if cfg.written_prompts:
-        generation_s += read_json(out / "prompts" / "stats.json", what="prompt statistics")["seconds_this_run"]
+    generation_s = sum(_seconds(d) for d in (data, written, held) if d) + prompt_s
     train_minutes = cfg.train_minutes
     if cfg.budget_minutes:
         left = cfg.budget_minutes - generation_s / 60
@@ -169,12 +182,55 @@ def run_head(target_spec: str, out: Path, cfg: HeadRunConfig, *, prompts: str = 
         "held_out_ids": [p.id for p in held_p], "data": data, "written_data": written, "held_data": held,
         "data_seconds_this_session": data_seconds, "generation_seconds": generation_s,
         "train_minutes": train_minutes,
+        "data_cap": {"seconds": cap.total, "left_out": [PHASE_NAMES[p] for p in cap.skipped],
+                     "cut_shards": sum(d.get("cut_shards", 0) for d in (data, written) if d),
+                     "skipped_shards": sum(d.get("skipped_shards", 0) for d in (data, written) if d)},
         "agreement_before": evals[0]["agreement_by_depth"], "agreement_after": best["agreement_by_depth"],
         "curve": [{"tokens": e["tokens"], "agreement_by_depth": e["agreement_by_depth"]} for e in evals],
         "train_summary": {k: v for k, v in summary.items() if k != "evals"},
     }
     atomic_write_json(out / HEAD_RESULT, result)
     return result
+
+
+PHASE_WEIGHTS = {"data": 0.55, "prompts": 0.18, "written": 0.27}  # the data's parts, as measured on a fast CPU
+PHASE_NAMES = {"data": "the answers to the training prompts", "prompts": "the prompts the target writes",
+               "written": "its answers to them"}
+
+
+def _seconds(stats: dict) -> float:
+    return stats["generate_seconds"] + stats["feature_seconds"]
+
+
+@dataclass
+class DataCap:
+    """The data's time budget (`total` seconds; None: none) shared by its parts in order: each gets what is
+    left times its weight over the weights still to come, so a part that ends early leaves more to the next."""
+
+    total: float | None
+    weights: dict[str, float]
+    spent: float = 0.0
+    skipped: list[str] = field(default_factory=list)
+    _done: list[str] = field(default_factory=list)
+
+    def allow(self, part: str) -> float | None:
+        """The seconds `part` may take (None: no budget; <= 0: none left, and `part` is noted as skipped)."""
+        if self.total is None:
+            return None
+        to_come = [p for p in self.weights if p not in self._done]
+        left = (self.total - self.spent) * self.weights[part] / sum(self.weights[p] for p in to_come)
+        if left <= 0 and part not in self.skipped:
+            self.skipped.append(part)
+        return left
+
+    def has_time(self, part: str) -> bool:
+        allowed = self.allow(part)
+        return allowed is None or allowed > 0
+
+    def spend(self, seconds: float) -> None:
+        """The part asked for last took `seconds`."""
+        self.spent += seconds
+        self._done.append(next(p for p in self.weights if p not in self._done))
 
 
 def thin_rows(rows: list[dict], stride: int = 1, per_prompt: int = 0) -> list[dict]:

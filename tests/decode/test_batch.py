@@ -102,6 +102,45 @@ def test_captured_features_are_the_targets_teacher_forced_ones(n) -> None:
         assert out.next[b].tolist() == ref.logits[0].argmax(-1).tolist()
 
 
+class _Clock:
+    """A fake `time` whose perf_counter reads 1, 2, 3, ... (one tick per call)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += 1
+        return self.now
+
+
+@pytest.mark.parametrize("capture", [(), (0, 2)])
+def test_a_deadline_cuts_each_row_short_without_changing_a_token(monkeypatch, capture) -> None:
+    """At the deadline the rows still sampling stop: each is a prefix of its row without one (rows ended by EOS
+    before stay whole), and with capture the features are still the teacher-forced ones of what was kept."""
+    import decode.batch as batch
+
+    m = helpers.tiny_llama(4, V, eos_id=EOS, layers=3, dtype=torch.float64)
+
+    def run(deadline):
+        gens = [torch.Generator().manual_seed(7 + b) for b in range(len(PROMPTS))]
+        return decode_batch(m, PROMPTS, max_new_tokens=12, sampling=SamplingParams(1.3), eos_ids=[EOS],
+                            generators=gens, capture=capture, deadline=deadline)
+
+    whole = run(None)
+    assert not whole.halted and not run(float("inf")).halted and run(float("inf")).tokens == whole.tokens
+    monkeypatch.setattr(batch, "time", _Clock())
+    cut = run(3.0)  # the clock reaches 3 after the third token: rows still sampling then stop there
+    assert cut.halted
+    for full, short in zip(whole.tokens, cut.tokens):
+        assert short == full[: len(short)] and len(short) == min(3, len(full))
+    assert any(len(full) > 3 for full in whole.tokens)  # the deadline did cut something
+    for b, p in enumerate(PROMPTS if capture else []):
+        ref = m(input_ids=torch.tensor([p + cut.tokens[b]]), output_hidden_states=True)
+        feats = torch.cat([ref.hidden_states[0][0], ref.hidden_states[2][0]], dim=-1)
+        torch.testing.assert_close(cut.features[b].double(), feats, rtol=2e-3, atol=2e-3)
+        assert cut.next[b].tolist() == ref.logits[0].argmax(-1).tolist()
+
+
 def test_capture_layers_outside_the_model_are_refused(model) -> None:
     with pytest.raises(ValueError, match="capture layer 5"):
         decode_batch(model, [[1]], max_new_tokens=2, sampling=SamplingParams(0.0), capture=(0, 5))

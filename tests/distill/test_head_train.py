@@ -283,6 +283,48 @@ def test_a_head_run_trains_on_prompts_the_target_wrote_within_the_budget(tmp_pat
                  prompts=str(prompts), eval_per_domain=1, progress=False)
 
 
+def test_a_data_budget_cuts_answers_short_and_skips_what_it_cannot_pay_for(tmp_path) -> None:
+    """`max_seconds`: the first shard gets what there is and its answers stop there (prefixes of the whole
+    ones, features intact); shards with nothing left are not written; a rerun without the cap writes them."""
+    words = "the a of to and in is it that for on with as was be by this are or at from code data".split()
+    tok = helpers.word_tokenizer(["[UNK]", "<s>", "</s>", *words], eos="</s>", bos="<s>")
+    folder = helpers.save_tiny(tmp_path / "target", tok, 0, eos_id=2, bos_id=1, layers=4, head_scale=4.0)
+    from decode.loading import load
+    from decode.prompts import Prompt
+
+    target: Loaded = load(str(folder))
+    prompts = [Prompt(f"p{i}", "code", " ".join(words[i : i + 4])) for i in range(6)]
+    cfg = HeadDataConfig(samples=2, max_new_tokens=8, batch_size=4, aux_layers=(1, 2, 3))
+    build_head_data(target, prompts, tmp_path / "whole", cfg, progress=False)
+    whole = load_head_data(tmp_path / "whole")
+    stats = build_head_data(target, prompts, tmp_path / "cut", cfg, progress=False, max_seconds=1e-9)
+    assert [p.name for p in sorted((tmp_path / "cut").glob("shard-*"))] == ["shard-00000.safetensors"]
+    assert stats["cut_shards"] == 1 and stats["skipped_shards"] == 2
+    cut = load_head_data(tmp_path / "cut")
+    assert len(cut) == 4 and any(len(w["tokens"]) > int(w["prompt_len"]) + 1 for w in whole[:4])
+    for c, w in zip(cut, whole):  # one new token each: the deadline fell at the first step
+        n = len(c["tokens"])
+        assert n == int(c["prompt_len"]) + 1 and torch.equal(c["tokens"], w["tokens"][:n])
+        torch.testing.assert_close(c["features"].float(), w["features"][:n].float(), rtol=2e-3, atol=2e-3)
+    stats = build_head_data(target, prompts, tmp_path / "cut", cfg, progress=False)  # no cap: the rest is written
+    assert stats["skipped_shards"] == 0 and len(load_head_data(tmp_path / "cut")) == 12
+
+
+def test_the_data_cap_shares_what_is_left_by_weight_in_order() -> None:
+    from distill.heads.pipeline import DataCap
+
+    cap = DataCap(100.0, {"data": 0.5, "prompts": 0.25, "written": 0.25}, spent=20.0)
+    assert cap.allow("data") == pytest.approx(40.0)  # (100 - 20) * 0.5
+    cap.spend(30.0)  # data ended early: the next parts share the 50 left
+    assert cap.allow("prompts") == pytest.approx(25.0) and cap.has_time("prompts")
+    cap.spend(45.0)  # prompts ran over: 5 left, all of it the last part's
+    assert cap.allow("written") == pytest.approx(5.0)
+    cap.spend(10.0)
+    over = DataCap(10.0, {"data": 0.5, "prompts": 0.5}, spent=12.0)
+    assert over.allow("data") < 0 and over.skipped == ["data"]
+    assert DataCap(None, {"data": 1.0}).allow("data") is None and DataCap(None, {"data": 1.0}).has_time("data")
+
+
 def load_prompts_folder(path):
     from decode.prompts import load_prompts
 

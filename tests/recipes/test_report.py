@@ -114,6 +114,14 @@ def test_a_head_paragraph_names_the_rows_the_target_wrote_and_the_bfloat16_parts
     assert _dtypes({"gen_dtype": "bfloat16", "train_dtype": "bfloat16"}) == (
         " (data written and training's matmuls in bfloat16)")
     assert _dtypes({}) == ""
+    from recipes.report import _data_cap
+
+    assert _data_cap({}) == "" == _data_cap({"data_cap": {"seconds": 294.0, "left_out": [], "cut_shards": 0,
+                                                          "skipped_shards": 0}})
+    assert _data_cap({"data_cap": {"seconds": 294.0, "left_out": ["its answers to them"], "cut_shards": 2,
+                                   "skipped_shards": 1}}) == (
+        " (the data stopped at its share of the budget, 4.9 min: 2 batches of answers cut short, 1 batches not "
+        "written, its answers to them left out; a faster CPU writes it whole)")
 
 
 def _bench(before: float, after: float, **extra) -> dict:
