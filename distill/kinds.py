@@ -276,10 +276,13 @@ class Fastest:
             raise DraftsmithError("validate: no ranked drafts here; run the distill stage first")
         ranked = {row["draft"]: row for row in made["ranking"]}
         base = made["base"]
-        if made["draft"] == base:  # the whole model won: it alone, choosing its own policy
-            return [DraftUnderTest("draft_before", base, alpha=ranked[base]["alpha"], chooses=True)]
-        return [DraftUnderTest("draft_before", base, label=f"whole model ({base})", k=made["base_k"]),
-                DraftUnderTest("draft_after", made["draft"], label="pruned", alpha=made["alpha"], chooses=True)]
+        stock = DraftUnderTest("draft_before", base, label=f"whole model ({base}), K = {made['base_k']}",
+                               k=made["base_k"])
+        if made["draft"] == base:  # the whole model won: beside itself at its ranking's K, its rounds walked
+            return [stock, DraftUnderTest("draft_after", base, label="whole model, rounds chosen on dev prompts",
+                                          alpha=ranked[base]["alpha"], chooses=True, walk=True)]
+        return [stock, DraftUnderTest("draft_after", made["draft"], label="pruned", alpha=made["alpha"],
+                                      chooses=True, walk=True)]
 
     def export(self, ctx: RunContext) -> dict:
         raise DraftsmithError("export: a vocabulary-pruned draft runs in draftsmith's decoder only (no engine takes "

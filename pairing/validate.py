@@ -33,9 +33,10 @@ from decode.speculative import KPolicy, check_siblings
 from decode.machine import machine_info, versions
 from decode.textgen import prompt_ids
 from pairing.cost import COST_CONTEXT, calibrate_decoder, measure_cost
-from pairing.head_rounds import depth_records
+from pairing.head_rounds import depth_records, standalone_records
 from pairing.leaderboard import HEAD_PREFIX, load_head_candidate
 from pairing.prune import draft_runner, load_model_draft
+from pairing.reference import reference_continuations
 from pairing.policy import PolicyChoice, choose_policy, policy_dict, taus_from_alpha, taus_from_rates
 
 
@@ -49,9 +50,10 @@ class ValidateConfig:
     k: int = 0  # draft tokens per round; 0 = the best predicted from the measured cost and the draft's acceptance
     max_k: int = 8  # largest K considered when k = 0
     draft_quant: str | None = "int8"  # int8 | null: draft weights on CPU (exactness is unaffected)
-    gate: bool = True  # heads, k = 0: also pick a draft probability below which a round stops early
-    siblings: int = 2  # heads, with gate: also predict rounds that propose this many first tokens side by side
-    # where the head is unsure (a tree verify; 0 = never), and run them if they predict best
+    gate: bool = True  # heads (and standalone drafts that walk their rounds), k = 0: also pick a draft probability
+    # below which a round stops early
+    siblings: int = 2  # with gate: also predict rounds that propose this many first tokens side by side where the
+    # draft is unsure (a tree verify; 0 = never), and run them if they predict best
     sibling_depth: int = 1  # 2: also predict those rounds with the head's next token after each sibling (2m + 1 rows)
 
     def __post_init__(self) -> None:
@@ -81,6 +83,9 @@ class DraftUnderTest:
     held: list[dict] | None = None
     k: int | None = None
     chooses: bool = False
+    walk: bool = False  # a standalone chooser: walk its rounds on the target's greedy answers to the dev prompts
+    # (`standalone_records`) for K, a stop threshold and sibling rounds (with `ValidateConfig.gate`)
+    refs: list[tuple[list[int], list[int]]] | None = None  # those answers (prompt ids, continuation), set by validate
 
 
 @dataclass
@@ -157,7 +162,8 @@ def _choose(d: DraftUnderTest, opened: Opened, t_run, ids: list[list[int]], cfg:
             device: str) -> tuple[PolicyChoice, dict]:
     """The chooser's policy and the cost it was chosen on, timed as this draft runs."""
     k_max = cfg.max_k
-    if not getattr(opened.runner, "reads_target", False):  # a standalone step times alone
+    standalone = not getattr(opened.runner, "reads_target", False)
+    if standalone and not (d.refs and cfg.gate and not cfg.k):  # a standalone step times alone
         cost = measure_cost(t_run, opened.runner, ks=range(1, k_max + 1), context=COST_CONTEXT, repeats=3,
                             warmup=1, device=device)
         taus = taus_from_alpha(d.alpha, k_max) if d.alpha is not None else None
@@ -167,7 +173,8 @@ def _choose(d: DraftUnderTest, opened: Opened, t_run, ids: list[list[int]], cfg:
     if cfg.k:  # a head's step is only timed inside the decoder: with K set, nothing to time
         return choose_policy(None, fixed_k=cfg.k, max_k=k_max), {}
     siblings = cfg.siblings if cfg.gate and hasattr(t_run, "forward_tree") and cfg.siblings <= k_max else 0
-    tree_k = 2 * siblings if siblings and cfg.sibling_depth == 2 else 0
+    sibling_depth = 1 if standalone else cfg.sibling_depth  # children need a head's forward_siblings
+    tree_k = 2 * siblings if siblings and sibling_depth == 2 else 0
     # 9 interleaved repeats (median): with 3, one stall on a busy machine set v(2..4) ~1.29 where they are ~1.01,
     # which ruled out sibling rounds that measured 1.41-1.43x
     iso = measure_cost(t_run, None, ks=range(1, max(k_max, tree_k) + 1), context=COST_CONTEXT, repeats=9, warmup=2,
@@ -177,10 +184,11 @@ def _choose(d: DraftUnderTest, opened: Opened, t_run, ids: list[list[int]], cfg:
     timed = {"cost_ratio": dc.draft_step_s / dc.target_token_s,
              "verify_cost": {str(K): v / dc.target_token_s for K, v in dc.verify_s.items()},
              "decoder_cost": dc.to_dict()}
-    if d.held:
-        records = depth_records(opened.head, d.held, k_max, ranks=True)
+    if d.held or d.refs:
+        records = (depth_records(opened.head, d.held, k_max, ranks=True) if d.held else
+                   standalone_records(opened.runner, d.refs, k_max, vocab=t_run.vocab_size, ranks=True))
         return choose_policy(dc, records=records, tokens=cfg.max_new_tokens, max_k=k_max, gate=cfg.gate,
-                             siblings=siblings, sibling_depth=cfg.sibling_depth), timed
+                             siblings=siblings, sibling_depth=sibling_depth), timed
     taus = taus_from_rates(d.rates, k_max) if d.rates else None
     return choose_policy(dc, taus=taus, tokens=cfg.max_new_tokens, max_k=k_max,
                          evidence="the draft's held-out acceptance by depth and its round cost timed in the decoder"
@@ -215,6 +223,9 @@ def validate(target_spec: str, drafts: list[DraftUnderTest], dev: list[Prompt], 
     opened = {d.name: open_draft(d.spec, target, max_len, cfg.draft_quant, device) for d in drafts}
     chooser = next(d for d in drafts if d.chooses)
     eos = eos_ids(target)
+    if chooser.walk and cfg.gate and not cfg.k and chooser.refs is None:
+        refs = reference_continuations(target, dev, max_new_tokens=cfg.max_new_tokens)
+        chooser.refs = [(list(r["prompt_ids"]), list(r["continuation_ids"])) for r in refs]
     choice, cost = _choose(chooser, opened[chooser.name], t_run, dev_ids, cfg, eos, device)
     policies = {d.name: (KPolicy(k=d.k, k_max=max(16, d.k)) if d.k else choice.policy) for d in drafts}
     val = validate_drafts(t_run, {n: o.runner for n, o in opened.items()}, ids, k=choice.k, policies=policies,

@@ -408,6 +408,9 @@ def test_a_fastest_recipe_ranks_pruned_variants_and_writes_the_winner(world: dic
     assert line == made["draft"] and "\n" not in line
     bench = json.loads((out / "validate" / "bench.json").read_text())
     assert all(bench["greedy_equal"].values()) and bench["prompts"] == ["t0", "t1"] and not bench["in_sample"]
+    # the stock model at its ranking's K beside the winner, whose rounds were walked on the dev prompts' answers
+    assert set(bench["greedy_equal"]) == {"draft_before", "draft_after"}
+    assert bench["policies"]["draft_before"]["k"] == made["base_k"] and "walked" in bench["k_reason"]
     again = draftsmith(world, "pair", "--target", str(target), "--candidates", line, "--prompts",
                        str(root / "prompts.jsonl"), "--prompts-per-domain", "1", "--max-new-tokens", "4",
                        "--draft-quant", "null", "--calibrate-prompts", "0", "--out", str(root / "runs" / "again"))
