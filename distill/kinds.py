@@ -281,8 +281,9 @@ class Fastest:
         if made["draft"] == base:  # the whole model won: beside itself at its ranking's K, its rounds walked
             return [stock, DraftUnderTest("draft_after", base, label="whole model, rounds chosen on dev prompts",
                                           alpha=ranked[base]["alpha"], chooses=True, walk=True)]
-        return [stock, DraftUnderTest("draft_after", made["draft"], label="pruned", alpha=made["alpha"],
-                                      chooses=True, walk=True)]
+        size = next((n for n, path in made["vocab_files"].items() if made["draft"].endswith(f"vocab={path}")), None)
+        return [stock, DraftUnderTest("draft_after", made["draft"], label=f"{base} pruned to {size} ids" if size
+                                      else "pruned", alpha=made["alpha"], chooses=True, walk=True)]
 
     def export(self, ctx: RunContext) -> dict:
         raise DraftsmithError("export: a vocabulary-pruned draft runs in draftsmith's decoder only (no engine takes "

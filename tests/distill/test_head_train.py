@@ -111,16 +111,21 @@ def test_unrolled_logits_equal_the_decoders_at_every_entry_and_depth(N) -> None:
             torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5, msg=f"entry {e} depth {j}")
 
 
-def test_head_data_resumes_and_training_lowers_the_loss(tmp_path) -> None:
-    words = "the a of to and in is it that for on with as was be by this are or at from code data".split()
-    tok = helpers.word_tokenizer(["[UNK]", "<s>", "</s>", *words], eos="</s>", bos="<s>")
-    folder = helpers.save_tiny(tmp_path / "target", tok, 0, eos_id=2, bos_id=1, layers=4, head_scale=4.0)
+def _word_target(tmp_path):
+    """A tiny target over a word vocabulary, 6 prompts and a small data config (2 samples, batches of 4)."""
     from decode.loading import load
     from decode.prompts import Prompt
 
+    words = "the a of to and in is it that for on with as was be by this are or at from code data".split()
+    tok = helpers.word_tokenizer(["[UNK]", "<s>", "</s>", *words], eos="</s>", bos="<s>")
+    folder = helpers.save_tiny(tmp_path / "target", tok, 0, eos_id=2, bos_id=1, layers=4, head_scale=4.0)
     target: Loaded = load(str(folder))
     prompts = [Prompt(f"p{i}", "code", " ".join(words[i : i + 4])) for i in range(6)]
-    cfg = HeadDataConfig(samples=2, max_new_tokens=8, batch_size=4, aux_layers=(1, 2, 3))
+    return target, prompts, HeadDataConfig(samples=2, max_new_tokens=8, batch_size=4, aux_layers=(1, 2, 3))
+
+
+def test_head_data_resumes_and_training_lowers_the_loss(tmp_path) -> None:
+    target, prompts, cfg = _word_target(tmp_path)
     stats = build_head_data(target, prompts, tmp_path / "data", cfg, progress=False)
     rows = load_head_data(tmp_path / "data")
     assert len(rows) == 12 == stats["rows"] and stats["tokens"] == sum(len(r["tokens"]) for r in rows)
@@ -286,15 +291,7 @@ def test_a_head_run_trains_on_prompts_the_target_wrote_within_the_budget(tmp_pat
 def test_a_data_budget_cuts_answers_short_and_skips_what_it_cannot_pay_for(tmp_path) -> None:
     """`max_seconds`: the first shard gets what there is and its answers stop there (prefixes of the whole
     ones, features intact); shards with nothing left are not written; a rerun without the cap writes them."""
-    words = "the a of to and in is it that for on with as was be by this are or at from code data".split()
-    tok = helpers.word_tokenizer(["[UNK]", "<s>", "</s>", *words], eos="</s>", bos="<s>")
-    folder = helpers.save_tiny(tmp_path / "target", tok, 0, eos_id=2, bos_id=1, layers=4, head_scale=4.0)
-    from decode.loading import load
-    from decode.prompts import Prompt
-
-    target: Loaded = load(str(folder))
-    prompts = [Prompt(f"p{i}", "code", " ".join(words[i : i + 4])) for i in range(6)]
-    cfg = HeadDataConfig(samples=2, max_new_tokens=8, batch_size=4, aux_layers=(1, 2, 3))
+    target, prompts, cfg = _word_target(tmp_path)
     build_head_data(target, prompts, tmp_path / "whole", cfg, progress=False)
     whole = load_head_data(tmp_path / "whole")
     stats = build_head_data(target, prompts, tmp_path / "cut", cfg, progress=False, max_seconds=1e-9)
