@@ -92,6 +92,17 @@ def _settings(target: Loaded, prompts: list[Prompt], cfg: HeadDataConfig) -> dic
     return settings
 
 
+def _write_shard(path: Path, rows: list[dict], prompt_lens: list[int]) -> torch.Tensor:
+    """One shard file, written atomically -> its rows' lengths."""
+    lengths = torch.tensor([len(r["tokens"]) for r in rows])
+    with atomic_path(path) as tmp:
+        save_file({"offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
+                   "prompt_len": torch.tensor(prompt_lens),
+                   **{key: torch.cat([r[key] for r in rows]) for key in ("tokens", "features", "final", "next")}},
+                  str(tmp))
+    return lengths
+
+
 def build_head_data(target: Loaded, prompts: list[Prompt], out: Path, cfg: HeadDataConfig,
                     progress: bool = True, max_seconds: float | None = None) -> dict:
     """Generate (or resume) the folder; returns its stats (tokens, rows, seconds, tokens/s of generation).
@@ -158,12 +169,7 @@ def build_head_data(target: Loaded, prompts: list[Prompt], out: Path, cfg: HeadD
             for k in range(0, len(seqs), 8):  # features in small batches: the hidden states of 30 layers add up
                 rows += target_features(model, seqs[k : k + 8], cfg.aux_layers)
         t2 = time.perf_counter()
-        lengths = torch.tensor([len(r["tokens"]) for r in rows])
-        with atomic_path(path) as tmp:
-            save_file({"offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
-                       "prompt_len": torch.tensor([len(encoded[i]) for i, _ in shard]),
-                       **{key: torch.cat([r[key] for r in rows]) for key in ("tokens", "features", "final", "next")}},
-                      str(tmp))
+        lengths = _write_shard(path, rows, [len(encoded[i]) for i, _ in shard])
         stats["rows"] += len(rows)
         stats["tokens"] += int(lengths.sum())
         stats["new_tokens"] += sum(len(t) for t in new)

@@ -110,19 +110,11 @@ def fast_dtype(requested: str, device: str, name: str = "dtype") -> str:
     return requested
 
 
-def run_head(target_spec: str, out: Path, cfg: HeadRunConfig, *, prompts: str = "code,json,summarize,chat",
-             limit_per_domain: int | None = None, eval_per_domain: int = 4, device: str = "cpu",
-             progress: bool = True) -> dict:
-    """Data, held-out references and training into `out`; returns (and writes out/head.json) the result."""
-    from distill.pipeline import split_prompts
-
-    out = Path(out)
-    target = load(target_spec, device=device)
-    cfg = dataclasses.replace(cfg, gen_dtype=fast_dtype(cfg.gen_dtype, device, "gen_dtype"),
-                              train_dtype=fast_dtype(cfg.train_dtype, device, "train_dtype"))
-    aux = aux_layers_for(target.model.config.num_hidden_layers)
-    train_p, held_p = split_prompts(load_prompts(prompts, limit_per_domain=limit_per_domain), eval_per_domain)
-    t0 = time.perf_counter()
+def _build_data(target, cfg: HeadRunConfig, out: Path, train_p: list, held_p: list, aux: tuple[int, ...],
+                progress: bool) -> tuple[dict, dict | None, dict, float, DataCap, list[Path]]:
+    """The held-out references (whole), then the training answers, the target's own prompts and its answers to
+    them within the data's share of the budget (`DataCap`) -> (data, written, held stats, prompt seconds, the cap,
+    the training folders)."""
     held = build_head_data(target, held_p, out / "held", HeadDataConfig(  # the references: always whole
         samples=1, max_new_tokens=cfg.max_new_tokens, temperature=0.0, batch_size=cfg.gen_batch_size,
         aux_layers=aux), progress=progress)
@@ -152,6 +144,23 @@ def run_head(target_spec: str, out: Path, cfg: HeadRunConfig, *, prompts: str = 
     if cap.skipped:
         print(f"head: the data's share of the budget ({cap.total / 60:.1f} min) was spent before "
               f"{' and '.join(PHASE_NAMES[p] for p in cap.skipped)}: left out", file=sys.stderr)
+    return data, written, held, prompt_s, cap, folders
+
+
+def run_head(target_spec: str, out: Path, cfg: HeadRunConfig, *, prompts: str = "code,json,summarize,chat",
+             limit_per_domain: int | None = None, eval_per_domain: int = 4, device: str = "cpu",
+             progress: bool = True) -> dict:
+    """Data, held-out references and training into `out`; returns (and writes out/head.json) the result."""
+    from distill.pipeline import split_prompts
+
+    out = Path(out)
+    target = load(target_spec, device=device)
+    cfg = dataclasses.replace(cfg, gen_dtype=fast_dtype(cfg.gen_dtype, device, "gen_dtype"),
+                              train_dtype=fast_dtype(cfg.train_dtype, device, "train_dtype"))
+    aux = aux_layers_for(target.model.config.num_hidden_layers)
+    train_p, held_p = split_prompts(load_prompts(prompts, limit_per_domain=limit_per_domain), eval_per_domain)
+    t0 = time.perf_counter()
+    data, written, held, prompt_s, cap, folders = _build_data(target, cfg, out, train_p, held_p, aux, progress)
     data_seconds = time.perf_counter() - t0
     for extra in cfg.extra_data:
         if not any(Path(extra).expanduser().glob("shard-*.safetensors")):
