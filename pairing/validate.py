@@ -158,12 +158,18 @@ class ValidationResult:
         return out
 
 
+def _walks(d: DraftUnderTest, cfg: ValidateConfig) -> bool:
+    """Whether a standalone chooser's policy comes from walking its rounds on references (else: alpha and the
+    isolated cost)."""
+    return (d.walk or d.refs is not None) and cfg.gate and not cfg.k
+
+
 def _choose(d: DraftUnderTest, opened: Opened, t_run, ids: list[list[int]], cfg: ValidateConfig, eos: list[int],
             device: str) -> tuple[PolicyChoice, dict]:
     """The chooser's policy and the cost it was chosen on, timed as this draft runs."""
     k_max = cfg.max_k
     standalone = not getattr(opened.runner, "reads_target", False)
-    if standalone and not (d.refs and cfg.gate and not cfg.k):  # a standalone step times alone
+    if standalone and not _walks(d, cfg):  # a standalone step times alone
         cost = measure_cost(t_run, opened.runner, ks=range(1, k_max + 1), context=COST_CONTEXT, repeats=3,
                             warmup=1, device=device)
         taus = taus_from_alpha(d.alpha, k_max) if d.alpha is not None else None
@@ -223,7 +229,7 @@ def validate(target_spec: str, drafts: list[DraftUnderTest], dev: list[Prompt], 
     opened = {d.name: open_draft(d.spec, target, max_len, cfg.draft_quant, device) for d in drafts}
     chooser = next(d for d in drafts if d.chooses)
     eos = eos_ids(target)
-    if chooser.walk and cfg.gate and not cfg.k and chooser.refs is None:
+    if _walks(chooser, cfg) and chooser.refs is None:
         refs = reference_continuations(target, dev, max_new_tokens=cfg.max_new_tokens)
         chooser.refs = [(list(r["prompt_ids"]), list(r["continuation_ids"])) for r in refs]
     choice, cost = _choose(chooser, opened[chooser.name], t_run, dev_ids, cfg, eos, device)

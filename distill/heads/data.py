@@ -92,6 +92,11 @@ def _settings(target: Loaded, prompts: list[Prompt], cfg: HeadDataConfig) -> dic
     return settings
 
 
+def generation_seconds(stats: dict) -> float:
+    """The seconds a head data folder's stats record for writing it (generation and features, every run)."""
+    return stats["generate_seconds"] + stats["feature_seconds"]
+
+
 def _write_shard(path: Path, rows: list[dict], prompt_lens: list[int]) -> torch.Tensor:
     """One shard file, written atomically -> its rows' lengths."""
     lengths = torch.tensor([len(r["tokens"]) for r in rows])
@@ -107,9 +112,9 @@ def build_head_data(target: Loaded, prompts: list[Prompt], out: Path, cfg: HeadD
                     progress: bool = True, max_seconds: float | None = None) -> dict:
     """Generate (or resume) the folder; returns its stats (tokens, rows, seconds, tokens/s of generation).
 
-    `max_seconds` caps the generation (counted over every run into the folder): each missing shard gets an
-    equal part of what is left and its answers stop there (cut short, every token still the target's); shards
-    with nothing left are not written. stats.json says how many (`cut_shards`, `skipped_shards`)."""
+    `max_seconds` caps `generation_seconds` (over every run into the folder): each missing shard gets an equal part
+    of what is left and, in the lean runner, its answers stop there (every token still the target's; other models
+    write whole shards); shards with nothing left are not written (stats: `cut_shards`, `skipped_shards`)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     settings = _settings(target, prompts, cfg)
@@ -141,7 +146,7 @@ def build_head_data(target: Loaded, prompts: list[Prompt], out: Path, cfg: HeadD
             continue
         deadline = None
         if max_seconds is not None:
-            left = max_seconds - stats["generate_seconds"] - stats["feature_seconds"]
+            left = max_seconds - generation_seconds(stats)
             if left <= 0:
                 stats["skipped_shards"] += 1
                 bar.update(1)

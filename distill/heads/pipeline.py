@@ -28,7 +28,7 @@ from decode.io import atomic_write_json, read_json
 from decode.kernels import bf16_fast
 from decode.loading import load
 from decode.prompts import load_prompts
-from distill.heads.data import HeadDataConfig, build_head_data, load_head_data
+from distill.heads.data import HeadDataConfig, build_head_data, generation_seconds, load_head_data
 from distill.heads.train import HeadTrainConfig, prompt_key, train_head
 
 HEAD = "head"  # distill.draft's value that trains a head instead of distilling a standalone draft
@@ -119,12 +119,12 @@ def _build_data(target, cfg: HeadRunConfig, out: Path, train_p: list, held_p: li
         samples=1, max_new_tokens=cfg.max_new_tokens, temperature=0.0, batch_size=cfg.gen_batch_size,
         aux_layers=aux), progress=progress)
     cap = DataCap(cfg.budget_minutes * 60 * cfg.data_share if cfg.budget_minutes else None,
-                  weights=PHASE_WEIGHTS if cfg.written_prompts else {"data": 1.0}, spent=_seconds(held))
+                  weights=PHASE_WEIGHTS if cfg.written_prompts else {"data": 1.0}, spent=generation_seconds(held))
     data = build_head_data(target, train_p, out / "data", HeadDataConfig(
         samples=cfg.samples, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed,
         batch_size=cfg.gen_batch_size, aux_layers=aux, dtype=cfg.gen_dtype), progress=progress,
         max_seconds=cap.allow("data"))
-    cap.spend(_seconds(data))
+    cap.spend("data", generation_seconds(data))
     folders, written, prompt_s = [out / "data"], None, 0.0
     if cfg.written_prompts and cap.has_time("prompts"):
         from distill.prompt_gen import DOMAINS, generate_prompts
@@ -134,7 +134,7 @@ def _build_data(target, cfg: HeadRunConfig, out: Path, train_p: list, held_p: li
                          seed=cfg.seed, batch_size=cfg.gen_batch_size, max_prompt_tokens=cfg.prompt_tokens,
                          dtype=cfg.gen_dtype, progress=progress, max_seconds=cap.allow("prompts"))
         prompt_s = read_json(out / "prompts" / "stats.json", what="prompt statistics")["seconds_this_run"]
-        cap.spend(prompt_s)
+        cap.spend("prompts", prompt_s)
         if cap.has_time("written"):
             written = build_head_data(target, load_prompts(out / "prompts"), out / "written", HeadDataConfig(
                 samples=cfg.written_samples, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
@@ -168,7 +168,7 @@ def run_head(target_spec: str, out: Path, cfg: HeadRunConfig, *, prompts: str = 
         folders.append(Path(extra).expanduser())
     rows = thin_rows([r for folder in folders for r in load_head_data(folder)], cfg.prompt_stride,
                      cfg.rows_per_prompt)
-    generation_s = sum(_seconds(d) for d in (data, written, held) if d) + prompt_s
+    generation_s = sum(generation_seconds(d) for d in (data, written, held) if d) + prompt_s
     train_minutes = cfg.train_minutes
     if cfg.budget_minutes:
         left = cfg.budget_minutes - generation_s / 60
@@ -207,10 +207,6 @@ PHASE_NAMES = {"data": "the answers to the training prompts", "prompts": "the pr
                "written": "its answers to them"}
 
 
-def _seconds(stats: dict) -> float:
-    return stats["generate_seconds"] + stats["feature_seconds"]
-
-
 @dataclass
 class DataCap:
     """The data's time budget (`total` seconds; None: none) shared by its parts in order: each gets what is
@@ -236,10 +232,10 @@ class DataCap:
         allowed = self.allow(part)
         return allowed is None or allowed > 0
 
-    def spend(self, seconds: float) -> None:
-        """The part asked for last took `seconds`."""
+    def spend(self, part: str, seconds: float) -> None:
+        """`part` took `seconds`: the parts after it share what is left."""
         self.spent += seconds
-        self._done.append(next(p for p in self.weights if p not in self._done))
+        self._done.append(part)
 
 
 def thin_rows(rows: list[dict], stride: int = 1, per_prompt: int = 0) -> list[dict]:

@@ -312,11 +312,11 @@ def test_the_data_cap_shares_what_is_left_by_weight_in_order() -> None:
 
     cap = DataCap(100.0, {"data": 0.5, "prompts": 0.25, "written": 0.25}, spent=20.0)
     assert cap.allow("data") == pytest.approx(40.0)  # (100 - 20) * 0.5
-    cap.spend(30.0)  # data ended early: the next parts share the 50 left
+    cap.spend("data", 30.0)  # data ended early: the next parts share the 50 left
     assert cap.allow("prompts") == pytest.approx(25.0) and cap.has_time("prompts")
-    cap.spend(45.0)  # prompts ran over: 5 left, all of it the last part's
+    cap.spend("prompts", 45.0)  # prompts ran over: 5 left, all of it the last part's
     assert cap.allow("written") == pytest.approx(5.0)
-    cap.spend(10.0)
+    cap.spend("written", 10.0)
     over = DataCap(10.0, {"data": 0.5, "prompts": 0.5}, spent=12.0)
     assert over.allow("data") < 0 and over.skipped == ["data"]
     assert DataCap(None, {"data": 1.0}).allow("data") is None and DataCap(None, {"data": 1.0}).has_time("data")
