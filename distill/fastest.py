@@ -41,6 +41,7 @@ class FastestConfig:
     sizes: list[int] = field(default_factory=lambda: [8192, 16384, 32768])  # kept ids per pruned variant
     prompts_per_domain: int = 8  # dev prompts a domain whose target continuations are counted (after the pair's)
     max_new_tokens: int = 96  # tokens of each counted continuation
+    context_ids: bool = True  # the pruned drafts also propose the ids they have read (`decode.pruned`)
 
     def __post_init__(self) -> None:
         if not self.sizes or any(n < 1 for n in self.sizes):
@@ -73,7 +74,8 @@ def build_vocabs(target: str, base: str, prompts: list[Prompt], cfg: FastestConf
     files = {}
     for n in sorted(set(cfg.sizes)):
         files[n] = out / f"vocab-{n}.json"
-        build_vocab(counts, files[n], coverage=None, size=min(n, len(counts)), source=source)
+        build_vocab(counts, files[n], coverage=None, size=min(n, len(counts)), source=source,
+                    context_ids=cfg.context_ids)
     return files
 
 

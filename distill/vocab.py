@@ -72,9 +72,11 @@ def continuation_texts(target: Loaded, prompts: list[Prompt], max_new_tokens: in
 
 def make_vocab(target: str, out: str | Path, *, data: str | Path | None = None, prompts: str | None = None,
                coverage: float | None = 0.99, size: int | None = None, max_new_tokens: int = 128,
-               limit_per_domain: int | None = None, device: str = "cpu", progress: bool = True) -> KeptVocab:
+               limit_per_domain: int | None = None, device: str = "cpu", progress: bool = True,
+               context_ids: bool = True) -> KeptVocab:
     """Count the target ids in text the target wrote (`data` or `prompts`) and keep the `size` most frequent, or
-    the fewest that hold `coverage` of them; written to `out` (`pairing.prune.build_vocab`)."""
+    the fewest that hold `coverage` of them; written to `out` (`pairing.prune.build_vocab`; `context_ids`: the
+    draft also proposes the ids it has read)."""
     if (data is None) == (prompts is None):
         raise DraftsmithError("vocab: give one of data (a folder of text the target wrote) or prompts")
     t = load(target, device=device)
@@ -88,7 +90,8 @@ def make_vocab(target: str, out: str | Path, *, data: str | Path | None = None, 
                   "temperature": 0.0}
     source.update(target=target, rows=len(texts))
     counts = count_tokens(texts, target_rows(t))
-    return build_vocab(counts, out, coverage=None if size is not None else coverage, size=size, source=source)
+    return build_vocab(counts, out, coverage=None if size is not None else coverage, size=size, source=source,
+                       context_ids=context_ids)
 
 
 __all__ = ["continuation_texts", "count_tokens", "data_texts", "make_vocab"]

@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 
 from decode.errors import DraftsmithError
 from decode.loading import Loaded, eos_ids
-from decode.pruned import restrict_logits
+from decode.pruned import Proposes, restrict_logits
 from decode.sampling import SamplingParams, fit_vocab, greedy_token, to_probs
 from decode.textgen import prompt_ids
 from pairing.cost import expected_tau
@@ -187,6 +187,20 @@ def _continuation_rows(rows: list[dict], logits: Tensor, first: int) -> Tensor:
     return logits[torch.tensor(b_idx, device=logits.device), torch.tensor(cols, device=logits.device)]
 
 
+def _restrict(q_logits: Tensor, kept: Tensor | Proposes, rows: list[dict], lengths: list[int]) -> Tensor:
+    """A pruned draft's continuation rows (`_continuation_rows`) as it decodes them: -inf outside its kept ids, and
+    with context ids outside those and the ids each row has read (its prompt and the continuation before it)."""
+    kept = kept if isinstance(kept, Proposes) else Proposes(kept)
+    if not kept.context:
+        return restrict_logits(q_logits, kept.ids)
+    parts = []
+    for r, part in zip(rows, q_logits.split(lengths)):
+        P = len(r["prompt_ids"])
+        seq = torch.tensor(list(r["prompt_ids"]) + list(r["continuation_ids"]), dtype=torch.long)
+        parts.append(restrict_logits(part, kept.ids, context=seq, at=torch.arange(P - 1, P - 1 + part.shape[0])))
+    return torch.cat(parts)
+
+
 def _decode(tokenizer: Any, ids: list[int]) -> str:
     return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
@@ -271,13 +285,14 @@ def measure_acceptance(
     params: SamplingParams = SamplingParams(),
     batch_size: int = 4,
     progress: bool = True,
-    kept: list[Tensor | None] | None = None,
+    kept: list[Tensor | Proposes | None] | None = None,
 ) -> list[Acceptance]:
     """alpha (overall, per domain, per continuation index) and E[tau] for K = 1..16, for each draft in order.
 
     `refs` has the columns of `pairing.reference.reference_continuations`. Drafts whose tokenizer differs
     from the target's are measured through text at temperature 0 (see the module docstring). `kept[i]`: the
-    target ids a vocabulary-pruned draft i proposes (`decode.pruned`); its q is 0 outside them, as it decodes.
+    target ids a vocabulary-pruned draft i proposes (`decode.pruned`; a `Proposes` with context: and the ids
+    each row has read); its q is 0 outside them, as it decodes.
     """
     if batch_size < 1:
         raise DraftsmithError(f"batch_size must be >= 1, got {batch_size}")
@@ -313,7 +328,7 @@ def measure_acceptance(
             if not through_text[k]:
                 q_logits = _continuation_rows(batch, _forward(draft.model, seqs, first), first)
                 if kept[k] is not None:
-                    q_logits = restrict_logits(q_logits, kept[k])
+                    q_logits = _restrict(q_logits, kept[k], batch, lengths)
                 betas = _beta_given_p(p, q_logits, params).split(lengths)
                 for r, b in zip(batch, betas):
                     tallies[k].add_row(r["_index"], r["domain"], b.tolist(), r.get("id"))

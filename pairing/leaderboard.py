@@ -301,7 +301,7 @@ def _measure_acceptance(target: Loaded, cands: list[Candidate], refs, cfg: PairC
     models = [c for c in cands if c.head is None]
     by_model = dict(zip((c.spec for c in models), measure_acceptance(
         target, [c.loaded for c in models], refs, params=params, batch_size=cfg.batch_size, progress=progress,
-        kept=[c.kept.ids if c.kept is not None else None for c in models])))
+        kept=[c.kept.proposes if c.kept is not None else None for c in models])))
     for c in cands:
         c.acc = by_model[c.spec] if c.head is None else measure_head_acceptance(
             target, c.head, refs, c.spec, params=params, depth=MAX_K, progress=progress)
@@ -398,7 +398,8 @@ def _row(cand: Candidate, taus: dict[int, float], taus_by_domain: dict[str, dict
         "kind": cand.compat.kind,
         "compat_notes": cand.compat.notes,
         "draft_vocab": None if cand.kept is None else {"n": cand.kept.n, "vocab_size": cand.kept.vocab_size,
-                                                       "covered": cand.kept.covered, "source": cand.kept.source},
+                                                       "covered": cand.kept.covered, "source": cand.kept.source,
+                                                       "context_ids": cand.kept.context},
         "llama_cpp_compatible": cand.compat.llama_cpp,
         "llama_cpp_notes": cand.compat.llama_cpp_notes,
         "alpha": acc.alpha,

@@ -17,7 +17,8 @@ where only a whole model will do: distillation and export (no engine takes a pru
 
 The file (JSON): {"format": "draftsmith-kept-vocab", "version": 1, "vocab_size": V, "n": N, "ids": [...],
 "coverage": the share asked for (null when N was given), "covered": the share of the counted target tokens the
-ids hold, "counted_tokens", "source": where the counts came from}.
+ids hold, "counted_tokens", "source": where the counts came from, "context_ids": whether the draft also proposes
+the ids it has read in the sequence (`decode.pruned`; false when absent, as files before it)}.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from decode.errors import DraftsmithError
 from decode.io import atomic_write_json, read_json
 from decode.loading import Loaded, load
 from decode.pair import check_vocab
-from decode.pruned import PrunedRunner, coverage_size, vocab_ids
+from decode.pruned import Proposes, PrunedRunner, coverage_size, vocab_ids
 from decode.quant import draft_quant
 from decode.runner import Runner, make_runner
 from pairing.derive import resolve_candidate
@@ -66,22 +67,29 @@ class KeptVocab:
     coverage: float | None = None  # the share asked for; None when N was given
     counted_tokens: int = 0
     source: dict = field(default_factory=dict)
+    context: bool = False  # the draft also proposes the ids it has read in the sequence
 
     @property
     def n(self) -> int:
         return int(self.ids.numel())
 
+    @property
+    def proposes(self) -> Proposes:
+        return Proposes(self.ids, self.context)
+
     def describe(self) -> str:
-        return (f"vocabulary-pruned: proposes {self.n} of {self.vocab_size} target ids (they hold "
+        more = " and any id it has read in the sequence" if self.context else ""
+        return (f"vocabulary-pruned: proposes {self.n} of {self.vocab_size} target ids{more} (they hold "
                 f"{100 * self.covered:.1f}% of {self.counted_tokens} target-written tokens counted); LM head cut to "
                 f"{self.n} rows")
 
 
 def build_vocab(counts: Tensor, out: str | Path, *, coverage: float | None = 0.99, size: int | None = None,
-                source: dict | None = None) -> KeptVocab:
+                source: dict | None = None, context_ids: bool = True) -> KeptVocab:
     """Keep the `size` target ids counted most often, or the fewest that hold `coverage` of the counts
     (`decode.pruned.coverage_size`); write them to `out` (JSON, atomically) and return them. `counts` (V,) over
-    the target's vocabulary, e.g. `distill.vocab.count_tokens` of text the target wrote."""
+    the target's vocabulary, e.g. `distill.vocab.count_tokens` of text the target wrote. `context_ids`: the draft
+    also proposes the ids it has read in the sequence (`decode.pruned`)."""
     if (coverage is None) == (size is None):
         raise DraftsmithError("give one of coverage (a share of the counted tokens) or size (a number of ids)")
     counts = torch.as_tensor(counts).flatten()
@@ -92,10 +100,10 @@ def build_vocab(counts: Tensor, out: str | Path, *, coverage: float | None = 0.9
     ids = vocab_ids(counts, n)
     total = float(counts.double().sum())
     kept = KeptVocab(ids, V, float(counts.double()[ids].sum()) / total if total > 0 else 0.0, coverage,
-                     int(round(total)), dict(source or {}))
+                     int(round(total)), dict(source or {}), bool(context_ids))
     atomic_write_json(out, {"format": FORMAT, "version": VERSION, "vocab_size": V, "n": n, "coverage": coverage,
                             "covered": kept.covered, "counted_tokens": kept.counted_tokens, "source": kept.source,
-                            "ids": ids.tolist()})
+                            "context_ids": kept.context, "ids": ids.tolist()})
     return kept
 
 
@@ -121,10 +129,13 @@ def read_vocab(path: str | Path, vocab_size: int) -> KeptVocab:
                               f"{int(t.min())}..{int(t.max())}")
     if torch.unique(t).numel() != t.numel():
         raise DraftsmithError(f"{path}: an id is kept more than once")
-    covered, coverage = d.get("covered"), d.get("coverage")
+    covered, coverage, context = d.get("covered"), d.get("coverage"), d.get("context_ids", False)
+    if not isinstance(context, bool):
+        raise DraftsmithError(f"{path}: context_ids must be true or false, got {context!r}")
     return KeptVocab(torch.sort(t).values, V, float(covered) if isinstance(covered, (int, float)) else float("nan"),
                      float(coverage) if isinstance(coverage, (int, float)) else None,
-                     int(d.get("counted_tokens") or 0), d.get("source") if isinstance(d.get("source"), dict) else {})
+                     int(d.get("counted_tokens") or 0), d.get("source") if isinstance(d.get("source"), dict) else {},
+                     context)
 
 
 def target_rows(target: Loaded) -> int:
@@ -154,7 +165,7 @@ def draft_runner(model, kept: KeptVocab | None, max_seq_len: int, quant: str | N
     them (`decode.quant.draft_quant`), its head cut to the kept ids when pruned. -> (runner, the quantisation)."""
     q = draft_quant(model, quant)
     runner = make_runner(model, max_seq_len, quantize=q)
-    return (PrunedRunner(runner, kept.ids) if kept is not None else runner), q
+    return (PrunedRunner(runner, kept.ids, context=kept.context) if kept is not None else runner), q
 
 
 __all__ = ["FORMAT", "KeptVocab", "PRUNE_PREFIX", "build_vocab", "draft_runner", "load_model_draft",

@@ -294,7 +294,7 @@ def cmd_vocab(args: argparse.Namespace) -> int:
 
     kept = make_vocab(args.target, args.out, data=args.data, prompts=args.prompts, coverage=args.coverage,
                       size=args.size, max_new_tokens=args.max_new_tokens, limit_per_domain=args.limit_per_domain,
-                      device=args.device)
+                      device=args.device, context_ids=not args.no_context_ids)
     print(f"kept {kept.n} of {kept.vocab_size} target ids: {100 * kept.covered:.2f}% of {kept.counted_tokens} "
           f"target-written tokens counted")
     print(f"wrote {args.out}; use it as prune:DRAFT:vocab={args.out}")
@@ -616,6 +616,8 @@ def _vocab_parser(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128, help="with --prompts: tokens the target writes each")
     p.add_argument("--limit-per-domain", type=int, default=None, help="with --prompts: the first N of each domain")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--no-context-ids", action="store_true",
+                   help="propose the kept ids only (by default the draft also proposes any id it has read)")
     p.add_argument("--out", type=Path, required=True, help="the kept-ids file (JSON)")
     p.set_defaults(func=cmd_vocab)
 

@@ -13,7 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import decode.sampling
 from decode.errors import DraftsmithError
 from decode.head import vocab_map
-from decode.pruned import PrunedRunner, coverage_size, restrict_logits, vocab_ids
+from decode.pruned import PrunedRunner, coverage_size, restrict_logits, seen_ids, vocab_ids
 from decode.runner import HFRunner, make_runner
 from decode.sampling import SamplingParams, accept_probability, residual, to_probs
 from decode.speculative import KPolicy, generate
@@ -100,6 +100,53 @@ def test_a_soft_capped_model_on_the_generic_runner_keeps_minus_inf_outside() -> 
     assert torch.allclose(b[:, KEPT], a[:, KEPT], atol=1e-6, rtol=0) and int(b.isinf().sum()) == 3 * (61 - 8)
 
 
+# --- context ids: the kept ids and every id the draft has read ----------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_seen_ids_and_restrict_with_context_equal_brute_force(seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    V, L, T = 23, 17, 6
+    context = torch.randint(0, V, (L,), generator=g)
+    ids = torch.randperm(V, generator=g)[:5].sort().values
+    extra, first = seen_ids(context, ids)
+    brute = {}
+    for i, t in enumerate(context.tolist()):
+        if t not in ids.tolist() and t not in brute:
+            brute[t] = i
+    assert extra.tolist() == sorted(brute) and first.tolist() == [brute[t] for t in sorted(brute)]
+    logits = torch.randn(T, V, generator=g, dtype=torch.float64)
+    at = torch.randint(0, L, (T,), generator=g)
+    out = restrict_logits(logits, ids, context=context, at=at)
+    for t in range(T):
+        allowed = set(ids.tolist()) | set(context[: int(at[t]) + 1].tolist())
+        for v in range(V):
+            assert out[t, v] == (logits[t, v] if v in allowed else float("-inf"))
+
+
+@pytest.mark.parametrize("lean,quantize", [(True, None), (False, None), (True, "int8")])
+def test_context_logits_are_the_whole_heads_on_what_each_row_has_read(lean: bool, quantize) -> None:
+    """Forwards of 4, 1 and 2 tokens (the last rolls back): row t's logits are the whole head's on the kept ids
+    and the ids of the tokens read up to it, -inf elsewhere; rolled-back tokens are forgotten."""
+    dtype = torch.float32 if quantize else torch.float64
+    hf = tiny_hf(7, vocab=61, dtype=dtype)
+    whole = make_runner(hf, 64, lean=lean, quantize=quantize)
+    pruned = PrunedRunner(make_runner(hf, 64, lean=lean, quantize=quantize), KEPT, context=True)
+    # int8: the kept logits come from the int8 kernel in both; the context ones from dequantised rows (float h)
+    tol = 0.05 if quantize else 1e-12
+    seq = torch.zeros(64, dtype=torch.long)
+    for tokens, pos, keep in ((torch.tensor([1, 2, 3, 40]), 0, 0), (torch.tensor([7]), 4, 1),
+                              (torch.tensor([8, 50]), 2, 0)):
+        a, b = whole.forward(tokens, pos, keep), pruned.forward(tokens, pos, keep)
+        seq[pos : pos + len(tokens)] = tokens
+        end = pos + len(tokens)
+        want = restrict_logits(a, KEPT, context=seq[:end], at=torch.arange(end - a.shape[0], end))
+        assert torch.equal(b.isinf(), want.isinf())
+        assert torch.allclose(b[~b.isinf()], want[~want.isinf()], atol=tol, rtol=0)
+    assert not b[:, 3].isinf().any() and b[0, 50].isinf() and not b[1, 50].isinf()  # 3 read at 2, 50 at 3
+    assert b[:, 40].isinf().all()  # 40 was read at 3, then rolled back
+
+
 def head_shape(head) -> tuple[int, ...]:
     return tuple((head.weight() if callable(head.weight) else head.weight).shape)
 
@@ -158,15 +205,20 @@ def test_greedy_equals_the_target_even_where_its_token_is_outside_the_kept_ids()
     dropped = written[torch.argsort(counts[written], descending=True, stable=True)[:2]]  # the two most written
     kept = torch.tensor([i for i in range(V) if i not in set(dropped.tolist())][:40])
     assert set(dropped.tolist()) & set(sum(refs, []))  # the target writes ids the draft cannot propose
-    drafts = {"self": lambda: PrunedRunner(make_runner(t_hf, 128), kept),
-              "self-int8": lambda: PrunedRunner(make_runner(tiny_hf(4, vocab=V, dtype=torch.float32), 128,
-                                                            quantize="int8"), kept),
-              "other": lambda: PrunedRunner(make_runner(tiny_hf(5, vocab=V, layers=1), 128, lean=False), kept)}
+    runners = {"self": lambda: make_runner(t_hf, 128),
+               "self-int8": lambda: make_runner(tiny_hf(4, vocab=V, dtype=torch.float32), 128, quantize="int8"),
+               "other": lambda: make_runner(tiny_hf(5, vocab=V, layers=1), 128, lean=False)}
+    drafts = {name + ("-context" if context else ""): (lambda make=make, context=context:
+                                                       PrunedRunner(make(), kept, context=context))
+              for (name, make), context in itertools.product(runners.items(), (False, True))}
+    accepted = {}
     for (name, make), (prompt, ref), k in itertools.product(drafts.items(), zip(prompts, refs), (1, 3, 6)):
         out = generate(target, prompt, draft=make(), max_new_tokens=30, policy=KPolicy(k=k))
         assert out.tokens == ref, (name, prompt, k)
+        accepted[name] = accepted.get(name, 0) + out.stats.accepted
         if name == "self":  # right wherever the target's token is kept, wrong wherever it is not
             assert 0 < out.stats.accepted < out.stats.drafted
+    assert accepted["self-context"] > accepted["self"]  # once read, the dropped ids are proposed, and right
     for policy in (KPolicy(k=2, dynamic=True), KPolicy(k=4, confidence=0.5)):
         assert generate(target, prompts[0], draft=drafts["self"](), max_new_tokens=30, policy=policy).tokens == refs[0]
 
@@ -240,25 +292,29 @@ def test_a_round_with_a_pruned_draft_samples_the_target_exactly(params: Sampling
         assert 0.5 * float((broken - target).abs().sum()) > 0.05  # total variation
 
 
-def law_setup(params: SamplingParams):
-    """V = 4, a draft pruned to ids 0 and 2, the target's exact law of 3-token continuations."""
+def law_setup(params: SamplingParams, context: bool = False):
+    """V = 4, a draft pruned to ids 0 and 2 (with context ids: and 1, read in the prompt, and 3 once written), the
+    target's exact law of 3-token continuations of the prompt."""
     t_hf, d_hf = tiny_hf(20, vocab=4, layers=1, scale=8.0), tiny_hf(21, vocab=4, layers=1, scale=8.0)
-    draft = PrunedRunner(make_runner(d_hf, 32), torch.tensor([0, 2]))
-    return make_runner(t_hf, 32), draft, target_sequence_law(t_hf, [1, 3], params)
+    draft = PrunedRunner(make_runner(d_hf, 32), torch.tensor([0, 2]), context=context)
+    prompt = [1, 1] if context else [1, 3]
+    return make_runner(t_hf, 32), draft, prompt, target_sequence_law(t_hf, prompt, params)
 
 
-def test_sampled_output_with_a_pruned_draft_follows_the_target_law() -> None:
+@pytest.mark.parametrize("context", [False, True])
+def test_sampled_output_with_a_pruned_draft_follows_the_target_law(context: bool) -> None:
     """The decoder end to end: chi-square over all 64 continuations, n = 3000 draws (power stated in
     tests/decode/test_speculative.py)."""
     params, n = SamplingParams(1.0), 3000
-    target, draft, law = law_setup(params)
-    assert chi2_pvalue(sample_counts(target, draft, [1, 3], params, 2, n, seed=0), law, n) > 1e-3
+    target, draft, prompt, law = law_setup(params, context)
+    assert chi2_pvalue(sample_counts(target, draft, prompt, params, 2, n, seed=0), law, n) > 1e-3
 
 
-def test_the_law_test_rejects_a_decoder_without_the_residual(monkeypatch) -> None:
+@pytest.mark.parametrize("context", [False, True])
+def test_the_law_test_rejects_a_decoder_without_the_residual(monkeypatch, context: bool) -> None:
     """Negative control: after a rejection, sample p instead of max(0, p - q) normalised. With a pruned draft
     that over-weights the kept ids; the same test must reject it."""
     params, n = SamplingParams(1.0), 3000
-    target, draft, law = law_setup(params)
+    target, draft, prompt, law = law_setup(params, context)
     monkeypatch.setattr(decode.sampling, "residual", lambda p, q: p)
-    assert chi2_pvalue(sample_counts(target, draft, [1, 3], params, 2, n, seed=0), law, n) < 1e-6
+    assert chi2_pvalue(sample_counts(target, draft, prompt, params, 2, n, seed=0), law, n) < 1e-6

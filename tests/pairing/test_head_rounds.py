@@ -102,6 +102,33 @@ def test_walking_a_standalone_drafts_records_gives_the_decoders_tokens_and_round
         assert differ == 0  # fixed rounds and K = 1 never read a probability past a miss
 
 
+@pytest.mark.parametrize("K,threshold,siblings", [(3, 0.0, 0), (3, 0.5, 0), (2, 0.7, 2)])
+def test_the_walk_of_a_pruned_draft_with_context_ids_is_the_decoders(K, threshold, siblings) -> None:
+    """The same for a draft pruned to ids the target mostly does not write, with context ids: the walk's one
+    teacher-forced forward proposes, row by row, what the decoder's draft steps propose (the kept ids and the ones
+    read so far), so it yields the decoder's tokens in the decoder's rounds."""
+    from decode.pruned import PrunedRunner
+    from decode.runner import make_runner
+    from decode.speculative import KPolicy, RoundClock, generate
+    from pairing.depth import round_walk
+    from pairing.head_rounds import standalone_records
+
+    hf = target_hf(5, mix=0.3)
+    target = make_runner(hf, 128)
+    kept = torch.arange(0, 61, 3)  # a third of the vocabulary
+    budget = 24
+    for prompt in ([1, 5, 7, 9], [11, 2, 4, 6, 8, 10]):
+        draft = PrunedRunner(make_runner(_noisy_copy(hf, 1, 0.15), 128), kept, context=True)
+        ref = generate(target, prompt, max_new_tokens=40).tokens
+        records = standalone_records(draft, [(prompt, ref)], K, vocab=61, ranks=True)
+        n, rounds = round_walk(records, K, threshold, budget=budget, siblings=siblings)
+        clock = RoundClock()
+        res = generate(target, prompt, draft=draft, max_new_tokens=budget, clock=clock,
+                       policy=KPolicy(k=K, confidence=threshold or None, siblings=siblings))
+        assert res.tokens == ref[:budget] and n == budget and len(rounds) == len(clock.rounds)
+        assert any(t % 3 for t in ref[:budget])  # the target writes ids outside the kept ones
+
+
 def test_standalone_records_by_hand() -> None:
     """Depth j of the round from new token n reads the draft's row at P + n + j - 2; ranks count the ids the draft
     prefers to the target's token."""

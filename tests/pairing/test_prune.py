@@ -61,8 +61,12 @@ def test_build_and_read_back_by_coverage_and_by_size(tmp_path: Path) -> None:
     assert back.covered == pytest.approx(26 / 29) and back.counted_tokens == 29 and back.source == {"data": "x"}
     on_disk = json.loads((tmp_path / "c.json").read_text())
     assert on_disk["format"] == "draftsmith-kept-vocab" and on_disk["n"] == len(on_disk["ids"]) == 4
-    sized = build_vocab(counts, tmp_path / "s.json", coverage=None, size=5)
+    sized = build_vocab(counts, tmp_path / "s.json", coverage=None, size=5, context_ids=False)
     assert sized.ids.tolist() == [1, 3, 4, 6, 7] and read_vocab(tmp_path / "s.json", 8).coverage is None
+    assert back.context and not read_vocab(tmp_path / "s.json", 8).context  # the default; and as asked
+    old = {k: v for k, v in on_disk.items() if k != "context_ids"}  # a file from before context ids: without them
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert not read_vocab(tmp_path / "old.json", 8).context
 
 
 def test_build_vocab_coverage_takes_the_fewest_ids(tmp_path: Path) -> None:
@@ -100,6 +104,7 @@ def vocab_file(path: Path, **fields) -> Path:
     ({"ids": [1, "3", 4]}, "corrupt kept-vocabulary file"),
     ({"ids": None}, "corrupt kept-vocabulary file"),
     ({"format": "something-else"}, "not a kept-vocabulary file"),
+    ({"context_ids": "yes"}, "context_ids must be true or false"),
 ])
 def test_read_vocab_errors_are_one_line(tmp_path: Path, fields: dict, message: str) -> None:
     with pytest.raises(DraftsmithError, match=message) as e:
@@ -162,11 +167,13 @@ def test_validate_opens_a_pruned_spec_as_the_decoder_runs_it(setup, tmp_path: Pa
 # --- the pair leaderboard ---------------------------------------------------------------------------------------
 
 
-def test_a_pruned_candidate_ranks_beside_its_whole_model(setup, tmp_path: Path) -> None:
+@pytest.mark.parametrize("context", [False, True])
+def test_a_pruned_candidate_ranks_beside_its_whole_model(setup, tmp_path: Path, context: bool) -> None:
     """The target drafting for itself, whole and pruned to the ids it writes most often less the most written
-    one: teacher-forced at temperature 0 the pruned copy is accepted exactly where the target's token is kept,
-    so its alpha is the share of kept tokens in the references (the whole copy's is 1). Both validate
-    greedy-equal; the row says what was kept and that llama.cpp cannot run it pruned."""
+    one: teacher-forced at temperature 0 the pruned copy is accepted exactly where the target's token is kept
+    (with context ids: or read before, in the prompt or the continuation), so its alpha is the share of such
+    tokens in the references (the whole copy's is 1). Both validate greedy-equal; the row says what was kept and
+    that llama.cpp cannot run it pruned."""
     from decode.prompts import load_prompts
     from distill.vocab import count_tokens
     from pairing.leaderboard import PairConfig, run_pair
@@ -179,9 +186,14 @@ def test_a_pruned_candidate_ranks_beside_its_whole_model(setup, tmp_path: Path) 
     conts = [list(c) for c in refs["continuation_ids"]]
     counts = count_tokens(conts, len(WORDS) + 3)
     counts[int(counts.argmax())] = 0  # drop the most written id: the draft cannot propose it
-    kept = build_vocab(counts, tmp_path / "kept.json", coverage=1.0)
-    share = sum(t in set(kept.ids.tolist()) for c in conts for t in c) / sum(len(c) for c in conts)
+    kept = build_vocab(counts, tmp_path / "kept.json", coverage=1.0, context_ids=context)
+    ids = set(kept.ids.tolist())
+    hits = [t in ids or (context and t in set(list(p) + c[:j]))
+            for p, c in zip(refs["prompt_ids"], conts) for j, t in enumerate(c)]
+    share = sum(hits) / len(hits)
     assert 0 < share < 1
+    if context:  # the dropped id is read before it is written again: context ids recover some of it
+        assert share > sum(t in ids for c in conts for t in c) / len(hits)
     pruned = f"prune:{target_dir}:vocab={tmp_path / 'kept.json'}"
     cfg = PairConfig(candidates=[str(target_dir), pruned, str(other)], prompts_per_domain=2, max_new_tokens=8,
                      validate=3, validate_prompts=1, draft_quant=None)
@@ -193,5 +205,6 @@ def test_a_pruned_candidate_ranks_beside_its_whole_model(setup, tmp_path: Path) 
     assert p["compatible"] and p["kind"] == "same-tokenizer" and p["llama_cpp_compatible"] is False
     assert p["draft_vocab"]["n"] == kept.n and whole["draft_vocab"] is None
     assert any(n.startswith("vocabulary-pruned: proposes") for n in p["compat_notes"])
+    assert p["draft_vocab"]["context_ids"] is context
     assert p["cost_ratio"] > 0 and p["validation"]["greedy_equal"] and whole["validation"]["greedy_equal"]
     assert pruned in (tmp_path / "board" / "leaderboard.md").read_text()
