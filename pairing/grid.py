@@ -7,8 +7,11 @@ Every combination of K, stop threshold (0: never stop early), siblings (0: none;
 most probable first tokens side by side where its first token falls below the threshold) and sibling depth (2:
 each sibling with the draft's next token; heads only) that the decoder accepts becomes one `KPolicy`, and each
 runs beside the target alone on the same prompts, interleaved prompt by prompt, with the draft's weights as each
-`quant` asks (int8 or none, side by side). Use it on prompts kept for choosing (dev prompts), never on the ones a
-speedup is reported on.
+`quant` asks (int8 or none, side by side). `--policy LABEL` adds policies one by one (`policy_label`'s form);
+`--repeats N` times N interleaved passes (speedups: median and range over them). Use it on prompts kept for
+choosing (dev prompts), never on the ones a speedup is reported on; the one use on test prompts is as a check
+that chooses nothing of one's own: a policy chosen elsewhere beside a stock draft at every K, which favours the
+stock (its K picked in hindsight on the prompts themselves).
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ class GridConfig:
     siblings: list[int] = field(default_factory=lambda: [0])  # first tokens side by side below the threshold
     sibling_depth: list[int] = field(default_factory=lambda: [1])  # 2: each sibling with the draft's next token
     quant: list[str] = field(default_factory=lambda: ["int8"])  # the draft's weights: int8 and/or none
+    policy: list[str] = field(default_factory=list)  # more policies by label, e.g. "K=8 stop<0.6 siblings=2"
+    repeats: int = 1  # interleaved passes over the prompts (speedups: median and range over them)
 
     def __post_init__(self) -> None:
         if self.prompts_per_domain < 1 or self.max_new_tokens < 1:
@@ -62,6 +67,10 @@ class GridConfig:
         bad = [q for q in self.quant if q not in QUANTS]
         if bad or not self.quant:
             raise DraftsmithError(f"quant must list {' and/or '.join(QUANTS)}, got {self.quant}")
+        if self.repeats < 1:
+            raise DraftsmithError(f"repeats must be >= 1, got {self.repeats}")
+        for label in self.policy:
+            parse_policy_label(label)  # a bad label fails here, in one line
 
 
 def policy_label(p: KPolicy) -> str:
@@ -69,14 +78,40 @@ def policy_label(p: KPolicy) -> str:
             + (f" siblings={p.siblings}" if p.siblings else "") + (" children" if p.sibling_depth == 2 else ""))
 
 
+def parse_policy_label(label: str) -> KPolicy:
+    """'K=8 stop<0.6 siblings=2 [children]' (`policy_label`'s form) -> the KPolicy; a one-line DraftsmithError."""
+    fields: dict = {}
+    try:
+        for part in label.split():
+            if part.startswith("K="):
+                fields["k"] = int(part[2:])
+            elif part.startswith("stop<"):
+                fields["confidence"] = float(part[5:])
+            elif part.startswith("siblings="):
+                fields["siblings"] = int(part[9:])
+            elif part == "children":
+                fields["sibling_depth"] = 2
+            else:
+                raise ValueError(part)
+        if "k" not in fields:
+            raise ValueError("no K")
+        return KPolicy(k_max=max(16, fields["k"]), **fields)
+    except (ValueError, DraftsmithError) as e:
+        raise DraftsmithError(f"policy {label!r}: expected 'K=N [stop<P] [siblings=M] [children]' ({e})") from None
+
+
 def policy_grid(cfg: GridConfig) -> list[KPolicy]:
     """Every distinct policy the grid names that the decoder can run: a threshold stops a round of K >= 2 early
-    (a round of one has nothing to stop), or with siblings branches below it; children need K >= 2."""
+    (a round of one has nothing to stop), or with siblings branches below it; children need K >= 2. Then the
+    policies `cfg.policy` names one by one."""
     out: dict[str, KPolicy] = {}
     for K, c, m, d in itertools.product(cfg.k, cfg.confidence, cfg.siblings, cfg.sibling_depth):
         if (m and not c) or (d == 2 and (not m or K < 2)) or (c and not m and K == 1):
             continue
         p = KPolicy(k=K, k_max=max(16, K), confidence=c or None, siblings=m if c else 0, sibling_depth=d)
+        out.setdefault(policy_label(p), p)
+    for label in cfg.policy:
+        p = parse_policy_label(label)
         out.setdefault(policy_label(p), p)
     return list(out.values())
 
@@ -109,7 +144,8 @@ def run_grid(target_spec: str, draft_spec: str, cfg: GridConfig, *, out: Path | 
                                                                                quantize=opened.quant)
             named[name] = p
     val = validate_drafts(t_run, drafts, ids, k=policies[0].k, policies=named, max_new_tokens=cfg.max_new_tokens,
-                          eos_ids=eos_ids(target), names=[p.id for p in prompts], desc="grid", device=device)
+                          eos_ids=eos_ids(target), names=[p.id for p in prompts], desc="grid", device=device,
+                          repeats=cfg.repeats)
     result = {"target": target_spec, "draft": draft_spec, **val.to_dict(),
               "policies": {n: policy_dict(p) for n, p in named.items()},
               "drafted_per_round": {n: val.stats[n].drafted / max(1, val.stats[n].target_forwards) for n in drafts},

@@ -12,7 +12,7 @@ import torch
 from decode.errors import DraftsmithError
 from decode.head import save_head
 from decode.loading import load
-from pairing.grid import GridConfig, policy_grid, policy_label, run_grid
+from pairing.grid import GridConfig, parse_policy_label, policy_grid, policy_label, run_grid
 from tests import helpers
 from tests.decode.test_head import mimic_head
 
@@ -28,10 +28,19 @@ def test_policy_grid_keeps_what_the_decoder_runs() -> None:
         "K=3", "K=3 stop<0.5", "K=3 stop<0.5 siblings=3", "K=3 stop<0.5 siblings=3 children"]
     assert len(labels) == len(set(labels))
     assert [policy_label(p) for p in policy_grid(GridConfig(k=[4]))] == ["K=4"]
+    named = GridConfig(k=[2, 4], policy=["K=8 stop<0.6 siblings=2", "K=4", "K=3 stop<0.5 siblings=3 children"])
+    assert [policy_label(p) for p in policy_grid(named)] == [
+        "K=2", "K=4", "K=8 stop<0.6 siblings=2", "K=3 stop<0.5 siblings=3 children"]  # K=4 once
+
+
+@pytest.mark.parametrize("label", ["K=2", "K=5 stop<0.6", "K=8 stop<0.6 siblings=2", "K=3 stop<0.5 siblings=3 children"])
+def test_policy_labels_read_back(label: str) -> None:
+    assert policy_label(parse_policy_label(label)) == label
 
 
 @pytest.mark.parametrize("bad", [{"k": [0]}, {"confidence": [1.0]}, {"siblings": [1]}, {"sibling_depth": [3]},
-                                 {"quant": ["fp8"]}, {"prompts_per_domain": 0}])
+                                 {"quant": ["fp8"]}, {"prompts_per_domain": 0}, {"repeats": 0},
+                                 {"policy": ["K=2 fast"]}, {"policy": ["stop<0.5"]}, {"policy": ["K=2 siblings=2"]}])
 def test_bad_grid_settings_are_one_line_errors(bad: dict) -> None:
     with pytest.raises(DraftsmithError) as e:
         GridConfig(**bad)
@@ -66,6 +75,14 @@ def test_a_grid_times_every_policy_greedy_equal(world: dict, tmp_path: Path) -> 
         # each policy ran as named: no round drafted more than its K (a sibling round proposes its m)
         for n, p in result["policies"].items():
             assert max(map(int, result["stats"][n]["tau_hist"])) <= p["k"] + 1
+
+
+def test_named_policies_and_repeats(world: dict) -> None:
+    cfg = GridConfig(prompts=world["prompts"], prompts_per_domain=1, max_new_tokens=6, k=[2],
+                     policy=["K=3 stop<0.9 siblings=2"], quant=["none"], repeats=2)
+    result = run_grid(world["target"], world["draft"], cfg)
+    assert list(result["greedy_equal"]) == ["K=2", "K=3 stop<0.9 siblings=2"] and all(result["greedy_equal"].values())
+    assert len(result["repeats"]) == 2 and all(len(v) == 2 for v in result["speedup_repeats"].values())
 
 
 def test_two_quants_run_side_by_side(world: dict) -> None:
