@@ -19,6 +19,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from tqdm import tqdm
@@ -69,29 +70,37 @@ def _summary(tokens: int, seconds: float, per_prompt: list[dict]) -> dict:
             "per_prompt": per_prompt}
 
 
+class Run(NamedTuple):
+    """One decoder over the prompts of one pass: its stats merged, its tokens and its stats per prompt."""
+
+    stats: Stats
+    tokens: list[list[int]]
+    per_prompt: list[Stats]
+
+
 def side_by_side(
     target: Runner, drafts: dict[str, Runner | None], prompts: list[list[int]], *, k: int, max_new_tokens: int,
     eos_ids: list[int], desc: str | None = None, device: str | torch.device = "cpu",
     policies: dict[str, KPolicy] | None = None, rotate: int = 0, warmup: bool = True,
-) -> dict[str, tuple[Stats, list[list[int]]]]:
+) -> dict[str, Run]:
     """Our decoder on the same prompts with each draft (None = target only), interleaved per prompt so that
     drift on a noisy machine hits every mode alike; a short warm-up first. Which decoder goes first rotates from
     prompt to prompt (prompt i starts at the (i + `rotate`)-th), so none always runs on a cache another has just
     warmed. Each draft runs `policies[name]` where given (K, stop threshold, siblings: one `KPolicy`), else fixed
-    rounds of `k`. Returns name -> (merged stats, tokens)."""
+    rounds of `k`. Returns name -> `Run` (merged stats, tokens, per-prompt stats)."""
     policies = {name: (policies or {}).get(name) or KPolicy(k=k, k_max=max(16, k)) for name in drafts}
     names = list(drafts)
     if warmup:
         for name, d in drafts.items():
             generate(target, prompts[0][:16], draft=d, max_new_tokens=4, policy=policies[name], device=device)
-    out: dict[str, tuple[Stats, list[list[int]]]] = {name: (Stats(), []) for name in drafts}
+    out = {name: Run(Stats(), [], []) for name in drafts}
     for i, ids in enumerate(tqdm(prompts, desc=desc, unit="prompt", disable=desc is None)):
         start = (i + rotate) % len(names)
         for name in names[start:] + names[:start]:
             res = generate(target, list(ids), draft=drafts[name], max_new_tokens=max_new_tokens, eos_ids=eos_ids,
                            policy=policies[name], device=device)
-            stats, toks = out[name]
-            out[name] = (stats.merge(res.stats), toks + [res.tokens])
+            run = out[name]
+            out[name] = Run(run.stats.merge(res.stats), run.tokens + [res.tokens], run.per_prompt + [res.stats])
     return out
 
 
@@ -131,6 +140,8 @@ class Validation:
     greedy_equal: dict[str, bool | None]
     ks: dict[str, int] = field(default_factory=dict)  # drafts timed at another K than `k`
     repeats: list[dict[str, Stats]] = field(default_factory=list)  # each repeat's stats (stats merges them)
+    groups: list[str] = field(default_factory=list)  # each prompt's group (its domain); empty: not grouped
+    prompt_stats: list[dict[str, list[Stats]]] = field(default_factory=list)  # per repeat, decoder and prompt
 
     @property
     def drafts(self) -> list[str]:
@@ -149,6 +160,32 @@ class Validation:
     def repeat_speedups(self, name: str) -> list[float]:
         """The speedup of draft `name` in each repeat, in the order they ran."""
         return [_ratio(r, name) for r in self.repeats]
+
+    def ratio_repeats(self, a: str, b: str = "target_only", group: str | None = None) -> list[float]:
+        """tokens/s of decoder `a` over tokens/s of decoder `b` in each repeat, over the prompts of `group`
+        (all prompts when None)."""
+        if group is None:
+            return [r[a].tokens_per_s / r[b].tokens_per_s if r[b].tokens_per_s else 0.0 for r in self.repeats]
+        if group not in self.groups:
+            raise DraftsmithError(f"no prompt in group {group!r}; groups: {sorted(set(self.groups))}")
+        pick = [i for i, g in enumerate(self.groups) if g == group]
+        out = []
+        for r in self.prompt_stats:
+            ta, tb = (_merge(r[n][i] for i in pick).tokens_per_s for n in (a, b))
+            out.append(ta / tb if tb else 0.0)
+        return out
+
+    def by_group(self) -> dict[str, dict]:
+        """Per group (in first-seen order): its prompts and each draft's speedup over the target alone, the
+        median over the repeats with the range and every repeat's value."""
+        out = {}
+        for g in dict.fromkeys(self.groups):
+            reps = {n: self.ratio_repeats(n, group=g) for n in self.drafts}
+            out[g] = {"prompts": [p for p, pg in zip(self.prompts, self.groups) if pg == g],
+                      "speedup_vs_target_only": {n: statistics.median(r) for n, r in reps.items()},
+                      "speedup_range": {n: [min(r), max(r)] for n, r in reps.items()},
+                      "speedup_repeats": reps}
+        return out
 
     @property
     def speedup_vs_target_only(self) -> dict[str, float]:
@@ -179,26 +216,32 @@ class Validation:
             "stats": {n: st.to_dict() for n, st in self.stats.items()},
             "repeats": [{n: st.to_dict() for n, st in r.items()} for r in self.repeats],
             "tau_definition": "tokens emitted per target forward, including the bonus/corrected token",
+            **({"groups": self.groups, "by_group": self.by_group(),
+                "prompt_stats": [{n: [st.to_dict() for st in sts] for n, sts in r.items()} for r in self.prompt_stats]}
+               if self.groups and self.prompt_stats else {}),
         }
 
     @classmethod
     def from_dict(cls, d: dict) -> "Validation":
         stats = {n: Stats.from_dict(s) for n, s in d["stats"].items()}
         repeats = [{n: Stats.from_dict(s) for n, s in r.items()} for r in d.get("repeats") or []]
+        per_prompt = [{n: [Stats.from_dict(s) for s in sts] for n, sts in r.items()} for r in d.get("prompt_stats") or []]
         return cls(d["k"], list(d["prompts"]), d["max_new_tokens"], d["device"], stats, dict(d["greedy_equal"]),
-                   dict(d.get("ks") or {}), repeats)
+                   dict(d.get("ks") or {}), repeats, list(d.get("groups") or []), per_prompt)
 
 
 def validate_drafts(
     target: Runner, drafts: dict[str, Runner], prompts: list[list[int]], *, k: int, max_new_tokens: int,
     eos_ids: list[int], names: list[str] | None = None, greedy: bool = True, desc: str | None = "validate",
     device: str | torch.device = "cpu", policies: dict[str, KPolicy] | None = None, repeats: int = 1,
+    groups: list[str] | None = None,
 ) -> Validation:
     """The measured speedup: target alone and with each draft on the same prompts, side by side in one run.
 
     Each draft runs `policies[name]` (one `KPolicy`) where given, else fixed rounds of `k`. The timing core of
     every validation: `pairing.validate` (the recipe's validate stage), `pair --validate` and `distill`'s
-    before/after call it. `greedy=False` (sampled decoding) records greedy_equal as None: sampled outputs need not match."""
+    before/after call it. `greedy=False` (sampled decoding) records greedy_equal as None: sampled outputs need not match.
+    `groups` (each prompt's domain) adds per-group speedups (`Validation.by_group`)."""
     if not drafts:
         raise DraftsmithError("validation needs at least one draft")
     if "target_only" in drafts:
@@ -208,18 +251,22 @@ def validate_drafts(
     if repeats < 1:
         raise DraftsmithError(f"repeats must be >= 1, got {repeats}")
     names = names or [str(i) for i in range(len(prompts))]
-    repeats_stats, equal = [], {n: (True if greedy else None) for n in drafts}
+    if groups is not None and len(groups) != len(prompts):
+        raise DraftsmithError(f"{len(groups)} groups for {len(prompts)} prompts")
+    repeats_stats, per_prompt, equal = [], [], {n: (True if greedy else None) for n in drafts}
     for r in range(repeats):
         runs = side_by_side(target, {"target_only": None, **drafts}, prompts, k=k, max_new_tokens=max_new_tokens,
                             eos_ids=eos_ids, desc=desc if repeats == 1 else f"{desc} {r + 1}/{repeats}" if desc else None,
                             device=device, policies=policies, rotate=r, warmup=r == 0)
-        reference = runs["target_only"][1]
+        reference = runs["target_only"].tokens
         if greedy:
-            equal = {n: equal[n] and runs[n][1] == reference for n in drafts}
-        repeats_stats.append({n: st for n, (st, _) in runs.items()})
+            equal = {n: equal[n] and runs[n].tokens == reference for n in drafts}
+        repeats_stats.append({n: run.stats for n, run in runs.items()})
+        per_prompt.append({n: run.per_prompt for n, run in runs.items()})
     merged = {n: _merge(r[n] for r in repeats_stats) for n in repeats_stats[0]}
     return Validation(k, names, max_new_tokens, str(device), merged, equal,
-                      {n: p.k for n, p in (policies or {}).items() if p.k != k}, repeats_stats)
+                      {n: p.k for n, p in (policies or {}).items() if p.k != k}, repeats_stats,
+                      list(groups or []), per_prompt if groups else [])
 
 
 def _merge(stats) -> Stats:

@@ -145,7 +145,7 @@ def run_grid(target_spec: str, draft_spec: str, cfg: GridConfig, *, out: Path | 
             named[name] = p
     val = validate_drafts(t_run, drafts, ids, k=policies[0].k, policies=named, max_new_tokens=cfg.max_new_tokens,
                           eos_ids=eos_ids(target), names=[p.id for p in prompts], desc="grid", device=device,
-                          repeats=cfg.repeats)
+                          repeats=cfg.repeats, groups=[p.domain for p in prompts])
     result = {"target": target_spec, "draft": draft_spec, **val.to_dict(),
               "policies": {n: policy_dict(p) for n, p in named.items()},
               "drafted_per_round": {n: val.stats[n].drafted / max(1, val.stats[n].target_forwards) for n in drafts},

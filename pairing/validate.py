@@ -17,6 +17,8 @@ target's greedy output is refused after its numbers are written (the decoder's c
 
 from __future__ import annotations
 
+import statistics
+
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -155,7 +157,20 @@ class ValidationResult:
         tps = self.validation.tok_per_s
         if "draft_before" in tps and "draft_after" in tps:
             out["speedup_after_vs_before"] = tps["draft_after"] / tps["draft_before"]
+            out["after_vs_before"] = after_vs_before(self.validation)
         return out
+
+
+def after_vs_before(val: Validation) -> dict:
+    """tokens/s of draft_after over draft_before in each repeat (both timed in it), over all the prompts and over
+    each domain's: {"all" | domain: {"median", "range", "repeats"}}."""
+    out = {}
+    for group in [None, *dict.fromkeys(val.groups)]:
+        reps = val.ratio_repeats("draft_after", "draft_before", group=group)
+        if reps:
+            out["all" if group is None else group] = {"median": statistics.median(reps), "range": [min(reps), max(reps)],
+                                                      "repeats": reps}
+    return out
 
 
 def _walks(d: DraftUnderTest, cfg: ValidateConfig) -> bool:
@@ -236,7 +251,7 @@ def validate(target_spec: str, drafts: list[DraftUnderTest], dev: list[Prompt], 
     policies = {d.name: (KPolicy(k=d.k, k_max=max(16, d.k)) if d.k else choice.policy) for d in drafts}
     val = validate_drafts(t_run, {n: o.runner for n, o in opened.items()}, ids, k=choice.k, policies=policies,
                           max_new_tokens=cfg.max_new_tokens, eos_ids=eos, names=[p.id for p in timed],
-                          device=device, repeats=cfg.repeats)
+                          device=device, repeats=cfg.repeats, groups=[p.domain for p in timed])
     roles = {"chosen_on": [p.id for p in dev], "timed_on": [p.id for p in timed],
              "timed_split": test_source if test else "dev (no test prompts for this source: in-sample)"}
     result = ValidationResult(target_spec, drafts, val, policies, choice, {n: o.quant for n, o in opened.items()},

@@ -386,10 +386,19 @@ def _validation(doc: Doc, run: Path) -> None:
                          st.mean_tau, st.acceptance_rate,
                          "-" if name == "target_only" else fmt(val.greedy_equal[name])])
     doc.table(["decoder", "K", "tok/s", "vs target alone (range)", "mean tau", "accepted/drafted", "greedy equal"], rows)
+    groups = val.by_group() if val.prompt_stats else {}
+    if len(groups) > 1:
+        doc.table(["domain", "prompts", *(f"{labels.get(n, n)} vs target alone" for n in val.drafts)],
+                  [[g, len(v["prompts"]), *(f"{v['speedup_vs_target_only'][n]:.2f}x ({v['speedup_range'][n][0]:.2f}-"
+                                            f"{v['speedup_range'][n][1]:.2f})" for n in val.drafts)]
+                   for g, v in groups.items()])
     if "draft_after" in val.stats and "draft_before" in val.stats:
         what = {"head": "Head vs standalone draft", "fastest": "Pruned vs whole draft"}.get(
             b.get("kind"), "Distilled vs un-distilled draft")
-        doc.p(f"{what}: {tps['draft_after'] / tps['draft_before']:.2f}x tokens/s.")
+        per = "".join(f"; {g} {v['median']:.2f}x ({v['range'][0]:.2f}-{v['range'][1]:.2f})"
+                      for g, v in (b.get("after_vs_before") or {}).items())
+        doc.p(f"{what}: {tps['draft_after'] / tps['draft_before']:.2f}x tokens/s"
+              + (f" (each repeat's ratio, median and range: {per[2:]})" if per else "") + ".")
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 2.8))
     names = [r[0] for r in rows]

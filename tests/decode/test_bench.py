@@ -39,14 +39,14 @@ def test_greedy_tokens_equal_the_target_alone_for_every_draft(results, target_mo
     fresh = make_runner(target_model, 64)
     reference = [generate(fresh, p, max_new_tokens=N_NEW, eos_ids=[EOS]).tokens for p in PROMPTS]
     assert all(len(t) == N_NEW or t[-1] == EOS for t in reference) and any(len(t) > 1 for t in reference)
-    for name, (_, tokens) in out.items():
+    for name, (_, tokens, _) in out.items():
         assert tokens == reference, name
 
 
 def test_stats_are_the_merge_of_the_per_prompt_runs(results) -> None:
     target, drafts, out = results
     for name, draft in drafts.items():
-        stats, tokens = out[name]
+        stats, tokens, per_prompt = out[name]
         alone = [generate(target, p, draft=draft, max_new_tokens=N_NEW, eos_ids=[EOS], policy=KPolicy(k=3)).stats
                  for p in PROMPTS]
         merged = Stats()
@@ -55,6 +55,9 @@ def test_stats_are_the_merge_of_the_per_prompt_runs(results) -> None:
         assert stats.new_tokens == sum(len(t) for t in tokens) == merged.new_tokens
         assert (stats.tau_hist, stats.drafted, stats.accepted) == (merged.tau_hist, merged.drafted, merged.accepted)
         assert stats.seconds > 0 and stats.tokens_per_s > 0
+        # the per-prompt stats are the prompts' own runs, and merge into the decoder's stats
+        assert [(s.tau_hist, s.new_tokens) for s in per_prompt] == [(s.tau_hist, s.new_tokens) for s in alone]
+        assert sum(s.seconds for s in per_prompt) == pytest.approx(stats.seconds)
     only, same, other = (out[n][0] for n in ("target_only", "same", "other"))
     assert only.drafted == 0 and only.acceptance_rate is None and only.mean_tau == 1.0
     assert only.target_forwards == only.new_tokens  # one token per target forward without a draft
@@ -158,3 +161,33 @@ def test_bench_repeats_rotate_the_first_mode_and_report_the_median_of_repeat_rat
     assert not any(c["greedy_equal"] for c in checks)  # repeat 2 differs: caught
     assert all(c["greedy_equal"] for c in bench._greedy_checks(items, [[1, 2], [3, 4]], passes[:2],
                                                                 ["speculative_k2"], hf_modes=False))
+
+
+def test_group_speedups_are_the_ratio_of_the_groups_own_timings(target_model) -> None:
+    """Per-domain speedups: each repeat's tokens/s over the group's prompts only, checked against the raw
+    per-prompt timings by hand; a group of every prompt gives the overall speedups; groups survive the JSON form."""
+    from decode.bench import Validation, validate_drafts
+    from decode.errors import DraftsmithError
+
+    target = make_runner(target_model, 64)
+    drafts = {"same": make_runner(target_model, 64),
+              "other": make_runner(helpers.tiny_llama(1, V, eos_id=EOS, layers=1), 64)}
+    val = validate_drafts(target, drafts, PROMPTS, k=2, max_new_tokens=N_NEW, eos_ids=[EOS], names=["a", "b", "c"],
+                          desc=None, repeats=2, groups=["x", "y", "x"])
+    assert len(val.prompt_stats) == 2 and all(len(r["same"]) == 3 for r in val.prompt_stats)
+    for r, want in zip(val.prompt_stats, val.ratio_repeats("same", "other", group="x")):
+        tps = {n: sum(r[n][i].new_tokens for i in (0, 2)) / sum(r[n][i].seconds for i in (0, 2)) for n in r}
+        assert want == pytest.approx(tps["same"] / tps["other"])
+    groups = val.by_group()
+    assert list(groups) == ["x", "y"] and groups["x"]["prompts"] == ["a", "c"] and groups["y"]["prompts"] == ["b"]
+    reps = val.ratio_repeats("other", group="y")
+    assert groups["y"]["speedup_repeats"]["other"] == reps and groups["y"]["speedup_range"]["other"] == [min(reps), max(reps)]
+    assert val.ratio_repeats("same", group="x") != val.ratio_repeats("same", group="y")  # the groups differ
+    whole = validate_drafts(target, drafts, PROMPTS, k=2, max_new_tokens=N_NEW, eos_ids=[EOS], desc=None,
+                            groups=["all"] * 3)
+    assert whole.ratio_repeats("same", group="all") == pytest.approx(whole.repeat_speedups("same"))
+    assert Validation.from_dict(val.to_dict()) == val and "by_group" in val.to_dict()
+    with pytest.raises(DraftsmithError, match="no prompt in group"):
+        val.ratio_repeats("same", group="z")
+    with pytest.raises(DraftsmithError, match="2 groups for 3 prompts"):
+        validate_drafts(target, drafts, PROMPTS, k=2, max_new_tokens=N_NEW, eos_ids=[EOS], desc=None, groups=["x", "y"])

@@ -79,6 +79,36 @@ def test_validation_section_reads_the_typed_result(tmp_path: Path) -> None:
     assert (run / "report" / "speed.png").read_bytes().startswith(PNG)
 
 
+
+def test_validation_section_splits_speedups_by_domain(tmp_path: Path) -> None:
+    """With per-prompt timings (domains given), the section adds each domain's speedups and each repeat's
+    distilled-over-un-distilled ratio, overall and per domain, worked out by hand below."""
+    from decode.bench import Validation
+    from decode.speculative import Stats
+    from pairing.validate import after_vs_before
+
+    def st(tokens: int, seconds: float) -> Stats:
+        return Stats({1: tokens}, 0, 0, tokens, 0.0, seconds)
+
+    # one repeat: code-0, chat-0 (16 tokens each); target 2 s a prompt, before 1 s, after 0.5 s on code, 1 s on chat
+    per = {"target_only": [st(16, 2.0), st(16, 2.0)], "draft_before": [st(16, 1.0), st(16, 1.0)],
+           "draft_after": [st(16, 0.5), st(16, 1.0)]}
+    merged = {n: s[0].merge(s[1]) for n, s in per.items()}
+    val = Validation(3, ["code-0", "chat-0"], 16, "cpu", merged, {"draft_before": True, "draft_after": True},
+                     repeats=[merged], groups=["code", "chat"], prompt_stats=[per])
+    assert Validation.from_dict(val.to_dict()) == val
+    avb = after_vs_before(val)
+    assert avb["code"]["median"] == 2.0 and avb["chat"]["median"] == 1.0 and avb["all"]["median"] == pytest.approx(4 / 3)
+    bench = {**val.to_dict(), "k_reason": "set by the recipe", "draft_quant": "int8", "after_vs_before": avb,
+             "machine": {"cpu": "test cpu", "cpu_count": 2}}
+    run = write_run_folder(tmp_path / "validated", candidates={"d1": 0.4}, distilled=("d1", 0.4, 0.5), bench=bench)
+    md = write_report(run).read_text()
+    assert "| code | 1 | 2.00x (2.00-2.00) | 4.00x (4.00-4.00) |" in md
+    assert "| chat | 1 | 2.00x (2.00-2.00) | 2.00x (2.00-2.00) |" in md
+    assert ("Distilled vs un-distilled draft: 1.33x tokens/s (each repeat's ratio, median and range: all 1.33x "
+            "(1.33-1.33); code 2.00x (2.00-2.00); chat 1.00x (1.00-1.00)).") in md
+
+
 def test_report_puts_our_decoder_beside_llama_cpp(tmp_path: Path) -> None:
     lc = {"speedup_vs_target_only": 0.85, "draft_max": 3, "accepted": 50, "drafted": 60, "prompts": 2,
           "tokens_per_s": 8.5}
