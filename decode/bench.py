@@ -159,7 +159,7 @@ class Validation:
 
     def repeat_speedups(self, name: str) -> list[float]:
         """The speedup of draft `name` in each repeat, in the order they ran."""
-        return [_ratio(r, name) for r in self.repeats]
+        return self.ratio_repeats(name)
 
     def ratio_repeats(self, a: str, b: str = "target_only", group: str | None = None) -> list[float]:
         """tokens/s of decoder `a` over tokens/s of decoder `b` in each repeat, over the prompts of `group`

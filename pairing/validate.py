@@ -18,7 +18,6 @@ target's greedy output is refused after its numbers are written (the decoder's c
 from __future__ import annotations
 
 import statistics
-
 from dataclasses import dataclass, field
 from pathlib import Path
 
