@@ -21,7 +21,7 @@ import time
 import torch
 from torch import nn
 
-from decode.kernels import best_time
+from decode.kernels import best_time, dnn_layout
 
 COST_CONTEXT = 64  # tokens of context when timing a forward: pair and validate (pairing.cost) time here too
 
@@ -62,12 +62,15 @@ def weight_bytes(model: nn.Module) -> tuple[int, int]:
 
 @torch.inference_mode()
 def forward_times(runner, rows: list[int], *, context: int = COST_CONTEXT, repeats: int = 5, warmup: int = 2,
-                  plans: dict[str, dict[int, int]] | None = None) -> dict[str, dict[int, float]]:
+                  plans: dict[str, dict[int, int]] | None = None,
+                  blas_rows: dict[str, frozenset[int]] | None = None) -> dict[str, dict[int, float]]:
     """Median seconds of one cached forward over T rows at `context` tokens of context, for each T in `rows` and
-    each named row plan (`LeanLM.row_plan`; default: the runner's own, as "planned"), interleaved: each repeat
-    times every (plan, T) once, so drift hits all alike. The runner keeps its own plan afterwards."""
+    each named row plan (`LeanLM.row_plan`; default: the runner's own, as "planned") with its BLAS rows
+    (`blas_rows[name]`, `LeanLM.blas_rows`; default: the runner's own), interleaved: each repeat times every
+    (plan, T) once, so drift hits all alike. The runner keeps its own plan afterwards."""
     plans = plans if plans is not None else {"planned": getattr(runner, "row_plan", {})}
     own = getattr(runner, "row_plan", None)
+    own_blas = getattr(runner, "blas_rows", None)
     ids = torch.arange(context + max(rows)) % runner.vocab_size
     runner.forward(ids[:context], 0, keep=1)
     times: dict[str, dict[int, list[float]]] = {name: {T: [] for T in rows} for name in plans}
@@ -76,6 +79,8 @@ def forward_times(runner, rows: list[int], *, context: int = COST_CONTEXT, repea
             for name, plan in plans.items():
                 if own is not None:
                     runner.row_plan = plan
+                if own_blas is not None:
+                    runner.blas_rows = (blas_rows or {}).get(name, own_blas)
                 for T in rows:
                     t0 = time.perf_counter()
                     runner.forward(ids[context : context + T], context)
@@ -84,6 +89,8 @@ def forward_times(runner, rows: list[int], *, context: int = COST_CONTEXT, repea
     finally:
         if own is not None:
             runner.row_plan = own
+        if own_blas is not None:
+            runner.blas_rows = own_blas
     return {name: {T: statistics.median(ts) for T, ts in by.items()} for name, by in times.items()}
 
 
@@ -103,7 +110,7 @@ def floor_table(times: dict[int, float], nbytes: int, params: int, bandwidth_gbs
 
 def floor_report(target: str, *, rows: int = 16, repeats: int = 5, max_seq_len: int = 256) -> dict:
     """Load `target` (a zoo name or folder), time its forward at 1..rows rows as the decoder runs it (its row plan,
-    `plan_rows`) and, interleaved, every row count unpadded; measure the machine's bandwidth before and after (the
+    `plan_rows`) and, interleaved, every row count unpadded on oneDNN (no plan); measure the machine's bandwidth before and after (the
     best counts) and its compute peak; return the whole record."""
     from decode.loading import load
     from decode.machine import machine_info, versions
@@ -113,9 +120,9 @@ def floor_report(target: str, *, rows: int = 16, repeats: int = 5, max_seq_len: 
     runner = make_runner(model, max_seq_len)
     nbytes, params = weight_bytes(model)
     bw = [read_bandwidth()]
-    plan = dict(getattr(runner, "row_plan", {}))
-    times = forward_times(runner, list(range(1, rows + 1)), repeats=repeats,
-                          plans={"planned": plan, "unpadded": {}})
+    plan, on_blas = dict(getattr(runner, "row_plan", {})), getattr(runner, "blas_rows", frozenset())
+    times = forward_times(runner, list(range(1, rows + 1)), repeats=repeats, plans={"planned": plan, "unpadded": {}},
+                          blas_rows={"planned": on_blas, "unpadded": frozenset()})
     bw.append(read_bandwidth())
     best_bw, peak = max(b["best"] for b in bw), compute_peak()
     tables = {s: floor_table(t, nbytes, params, best_bw, peak) for s, t in times.items()}
@@ -125,7 +132,8 @@ def floor_report(target: str, *, rows: int = 16, repeats: int = 5, max_seq_len: 
         "target": target, "machine": machine_info(), "versions": versions(),
         "dtype": str(next(model.parameters()).dtype), "weight_bytes": nbytes, "params": params,
         "bandwidth_gbs": {"runs": bw, "best": best_bw}, "peak_gflops": peak, "context": COST_CONTEXT,
-        "repeats": repeats, "row_plan": plan, "rows": table, "compare": {"unpadded": tables["unpadded"]},
+        "repeats": repeats, "row_plan": plan, "blas_rows": sorted(on_blas), "rows": table,
+        "compare": {"unpadded": tables["unpadded"]},
         "goals": {"one_row_over_floor": table[1]["over_bound"], "one_row_within_15pct": table[1]["over_bound"] <= 1.15,
                   "worst_v_K_le_8": worst_v, "v_K_le_8_within_1_15": worst_v is not None and worst_v <= 1.15},
     }
@@ -135,7 +143,8 @@ def format_floor(report: dict) -> str:
     """The table a person reads: rows, ms, floor, roof, measured / bound, v(K)."""
     other = report.get("compare", {})
     lines = [f"{report['target']}: {report['weight_bytes'] / 1e9:.2f} GB of weights, "
-             f"bandwidth {report['bandwidth_gbs']['best']:.1f} GB/s, peak {report['peak_gflops']:.0f} GFLOP/s",
+             f"bandwidth {report['bandwidth_gbs']['best']:.1f} GB/s, peak {report['peak_gflops']:.0f} GFLOP/s; "
+             f"plan: pad {report.get('row_plan') or 'none'}, BLAS at rows {report.get('blas_rows') or 'none'}",
              f"{'rows':>4} {'ms':>8} {'floor ms':>9} {'roof ms':>8} {'x bound':>8} {'v(K)':>6}"
              + "".join(f" {s + ' ms':>9} {s + ' v':>7}" for s in other)]
     for T, row in report["rows"].items():
@@ -166,21 +175,34 @@ def choose_rows(times: dict[int, float], *, gain: float = 0.95) -> dict[int, int
 
 
 def plan_rows(runner, key: tuple, nbytes: int, *, repeats: int = 3) -> dict[int, int]:
-    """Give a lean runner on the CPU its `row_plan`: cached forwards over 1..PLAN_ROWS rows timed once per process
-    and model (`key`), each row count then run at the fastest count at or above it (`choose_rows`). On the AMD
-    EPYC here the float32 Qwen2.5-Coder-1.5B's one-row step ran 228.6 ms planned against 277.9 unpadded
-    (docs/results/floor.md). Models under
-    PLAN_MIN_BYTES of weights (`nbytes`, as loaded) and DRAFTSMITH_ROWS=off get no plan (every forward at its
-    own row count)."""
+    """Give a lean runner on the CPU its `row_plan` and `blas_rows`: cached forwards over 1..PLAN_ROWS rows timed
+    once per process and model (`key`), on oneDNN's kernels and (where the runner has float Linears on them) on
+    BLAS, interleaved; each row count runs on the faster kernels (`choose_kernels`), then at the fastest count at
+    or above it (`choose_rows`). On the AMD EPYC here the float32 Qwen2.5-Coder-1.5B's one-row step ran 228.6 ms
+    planned against 277.9 unpadded; on the Intel Xeon MKL's one-row step ran 219 ms against oneDNN's 262
+    (docs/results/floor.md). Models under PLAN_MIN_BYTES of weights (`nbytes`, as loaded) and DRAFTSMITH_ROWS=off
+    get no plan (every forward at its own row count, on oneDNN)."""
     if (os.environ.get("DRAFTSMITH_ROWS", "auto") == "off" or not hasattr(runner, "row_plan")
             or runner.max_seq_len < COST_CONTEXT + PLAN_ROWS or runner.cos.device.type != "cpu"):
         return {}
     if nbytes < PLAN_MIN_BYTES:
         return {}
     if key not in _PLANS:
-        runner.row_plan = {}
-        times = forward_times(runner, list(range(1, PLAN_ROWS + 1)), repeats=repeats, warmup=1,
-                              plans={"unpadded": {}})["unpadded"]
-        _PLANS[key] = choose_rows(times)
-    runner.row_plan = dict(_PLANS[key])
+        runner.row_plan, runner.blas_rows = {}, frozenset()
+        rows = list(range(1, PLAN_ROWS + 1))
+        on_dnn = any(type(m) is nn.Linear and dnn_layout(m.weight) for m in runner.modules())
+        plans, blas_rows = {"dnn": {}, **({"blas": {}} if on_dnn else {})}, {"dnn": frozenset(), "blas": frozenset(rows)}
+        times = forward_times(runner, rows, repeats=repeats, warmup=1, plans=plans, blas_rows=blas_rows)
+        best, on_blas = choose_kernels(times["dnn"], times.get("blas", {}))
+        _PLANS[key] = (choose_rows(best), on_blas)
+    plan, runner.blas_rows = _PLANS[key]
+    runner.row_plan = dict(plan)
     return runner.row_plan
+
+
+def choose_kernels(dnn: dict[int, float], blas: dict[int, float], *,
+                   gain: float = 0.95) -> tuple[dict[int, float], frozenset[int]]:
+    """Per row count, oneDNN's time (`dnn`) or BLAS's (`blas`, where timed) where that is faster by more than
+    1 - `gain` (noise is not a reason to switch) -> (the time each row count runs at, the counts that run BLAS)."""
+    on_blas = frozenset(T for T, t in blas.items() if T in dnn and t < gain * dnn[T])
+    return {T: blas[T] if T in on_blas else t for T, t in dnn.items()}, on_blas

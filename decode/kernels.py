@@ -3,11 +3,14 @@
 `linear(x, layer)` runs an nn.Linear on oneDNN's kernel over a prepacked copy of its weight where that applies
 (`dnn_usable`: the CPU, float32 or bfloat16, outside autograd and torch.compile), else in the faster of two BLAS
 layouts on this machine, timed once per (weight shape, rows). `dense(x, weight)` is the same kernel for a bare
-weight (a head's training labels). DRAFTSMITH_LINEAR=auto|xw|wx|dnn fixes a layout.
+weight (a head's training labels). DRAFTSMITH_LINEAR=auto|xw|wx|dnn fixes a layout. Inside `blas()` the BLAS
+layouts run instead of oneDNN: a runner's forward over a row count its plan gives to BLAS (`decode.floor.plan_rows`:
+on the Intel Xeon here MKL's one-row float32 step of Qwen2.5-Coder-1.5B runs 219 ms against oneDNN's 262).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import time
@@ -20,6 +23,17 @@ from torch import Tensor, nn
 LAYOUTS = ("auto", "xw", "wx", "dnn")
 _CHOICE: dict[tuple, bool] = {}  # (dtype, weight shape, rows, no bias) -> compute as W @ x^T (CPU only)
 _PACKED: dict[int, tuple[weakref.ref, int, Tensor]] = {}  # id(weight) -> (the weight, its version, packed copy)
+_BLAS = [False]  # inside `blas(True)`: Linears take the BLAS layouts, not oneDNN
+
+
+@contextlib.contextmanager
+def blas(on: bool = True):
+    """Within: every `linear` / `dense` runs in the BLAS layouts (`_weight_first`) instead of oneDNN's kernel."""
+    before, _BLAS[0] = _BLAS[0], on
+    try:
+        yield
+    finally:
+        _BLAS[0] = before
 
 
 def _layout_setting() -> str:
@@ -44,7 +58,8 @@ def dnn_usable(weight: Tensor) -> bool:
     """Whether a Linear with this weight runs on oneDNN's prepacked kernel (`linear`): on the CPU, in float32 or
     bfloat16, outside autograd and torch.compile, where the build has oneDNN, unless DRAFTSMITH_LINEAR names
     another layout."""
-    return dnn_layout(weight) and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+    return (dnn_layout(weight) and not _BLAS[0] and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling())
 
 
 def dnn_layout(weight: Tensor) -> bool:
@@ -122,7 +137,7 @@ def linear(x: Tensor, layer: nn.Module) -> Tensor:
         return layer(x)
     if dnn_usable(layer.weight) and x.dtype == layer.weight.dtype:
         return _dnn_linear(x, layer.weight, layer.bias)
-    if x.dim() != 2 or not _weight_first(x, layer):  # batched rows (training): the plain layout
+    if x.dim() != 2 or _BLAS[0] or not _weight_first(x, layer):  # batched rows (training), `blas()`: the plain one
         return F.linear(x, layer.weight, layer.bias)
     if layer.bias is None:
         return torch.mm(layer.weight, x.t()).t()

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from decode.attention import rms_norm, rotate_half
-from decode.kernels import dnn_layout, dnn_usable, linear
+from decode.kernels import blas, dnn_layout, dnn_usable, linear
 from decode.kv_cache import KVCache
 
 LEAN_ARCHITECTURES = ("llama", "qwen2", "mistral")
@@ -99,6 +99,7 @@ class LeanLM(nn.Module):
     capture_layers: tuple[int, ...] = ()
     last_hidden: Tensor | None = None  # (T, len(capture_layers) * d) of the last forward
     row_plan: dict[int, int] = {}  # T -> rows a forward over T rows runs at (padded): `decode.floor.plan_rows`
+    blas_rows: frozenset[int] = frozenset()  # forwards over these row counts run BLAS, not oneDNN: the same plan
 
     def __init__(self, hf_model, max_seq_len: int, *, fast_head: bool = True) -> None:
         super().__init__()
@@ -193,6 +194,12 @@ class LeanLM(nn.Module):
 
     def _run(
         self, tokens: Tensor, cos: Tensor, sin: Tensor, pos: int | Tensor, mask: Tensor | None, keep: int = 0
+    ) -> Tensor:
+        with blas(tokens.shape[0] in self.blas_rows):
+            return self._layers_and_head(tokens, cos, sin, pos, mask, keep)
+
+    def _layers_and_head(
+        self, tokens: Tensor, cos: Tensor, sin: Tensor, pos: int | Tensor, mask: Tensor | None, keep: int
     ) -> Tensor:
         x = self.embed(tokens)  # (T, d)
         seen = {}

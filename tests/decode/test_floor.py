@@ -48,6 +48,47 @@ def test_choose_rows_pads_to_the_fastest_count_at_or_above_and_ignores_noise() -
     assert fl.choose_rows({1: 1.0, 2: 1.2, 3: 0.8}) == {1: 3, 2: 3}
 
 
+def test_choose_kernels_takes_blas_only_where_clearly_faster() -> None:
+    rng = random.Random(1)
+    for _ in range(200):
+        dnn = {T: rng.uniform(0.5, 1.5) for T in range(1, 9)}
+        blas = {T: rng.uniform(0.5, 1.5) for T in range(1, rng.randint(2, 9))}  # BLAS timed on some counts
+        best, on_blas = fl.choose_kernels(dnn, blas, gain=0.9)
+        for T, t in dnn.items():  # brute force
+            faster = T in blas and blas[T] < 0.9 * t
+            assert (T in on_blas) == faster and best[T] == (blas[T] if faster else t)
+    assert fl.choose_kernels({1: 1.0}, {1: 0.97}) == ({1: 1.0}, frozenset())  # 3% is noise
+    assert fl.choose_kernels({1: 1.0, 2: 1.0}, {}) == ({1: 1.0, 2: 1.0}, frozenset())  # no BLAS timing
+
+
+def test_blas_rows_route_a_forward_through_blas_with_the_same_logits(monkeypatch) -> None:
+    """A forward over a row count in `blas_rows` runs its Linears in BLAS (counted), not oneDNN, and gives the
+    oneDNN forward's logits to float32 rounding; other row counts stay on oneDNN."""
+    import decode.kernels as kn
+
+    hf = tiny(6, dtype=torch.float32)
+    if not kn.dnn_layout(hf.model.layers[0].mlp.up_proj.weight):
+        pytest.skip("this torch build has no oneDNN")
+    plain, routed = LeanLM(hf, 64), LeanLM(hf, 64)
+    routed.blas_rows = frozenset({1, 3})
+    calls = {"dnn": 0}
+    real = kn._dnn_linear
+    monkeypatch.setattr(kn, "_dnn_linear", lambda *a, **k: calls.__setitem__("dnn", calls["dnn"] + 1) or real(*a, **k))
+    seq = torch.tensor([3, 9, 1, 4, 4, 7, 2, 8, 5, 6])
+    for runner in (plain, routed):
+        runner.forward(seq[:4], 0)  # 4 rows: oneDNN in both
+    pos = 4
+    for T in (1, 2, 3):
+        before = calls["dnn"]
+        want = plain.forward(seq[pos : pos + T], pos)
+        on_plain = calls["dnn"] - before
+        got = routed.forward(seq[pos : pos + T], pos)
+        assert on_plain > 0 and (calls["dnn"] - before - on_plain == 0) == (T in routed.blas_rows)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        pos += T
+    assert kn._BLAS == [False]  # the switch is back off after each forward
+
+
 def test_a_padded_forward_gives_the_unpadded_logits_and_the_next_forward_continues_exactly() -> None:
     hf = tiny(0)
     plain, padded = LeanLM(hf, 64), LeanLM(hf, 64)
@@ -82,6 +123,10 @@ def test_speculative_decoding_through_padded_runners_stays_greedy_equal() -> Non
     assert generate(target, [1, 5, 7], max_new_tokens=30).tokens == ref
     for k in (1, 3, 6):
         assert generate(target, [1, 5, 7], draft=draft, max_new_tokens=30, policy=KPolicy(k=k)).tokens == ref
+    target.row_plan, target.blas_rows = {}, frozenset({1, 2, 3})  # few-row forwards on BLAS, the rest on oneDNN
+    draft.blas_rows = frozenset({1})
+    for k in (1, 3, 6):
+        assert generate(target, [1, 5, 7], draft=draft, max_new_tokens=30, policy=KPolicy(k=k)).tokens == ref
 
 
 def test_small_models_are_never_timed_and_a_plan_is_timed_once_per_model(monkeypatch) -> None:
@@ -94,10 +139,11 @@ def test_small_models_are_never_timed_and_a_plan_is_timed_once_per_model(monkeyp
     monkeypatch.setattr(fl, "PLAN_ROWS", 3)
     plan = fl.plan_rows(runner, ("test-model", 3), 1, repeats=1)
     assert calls == [1] and all(plan[T] > T for T in plan) and runner.row_plan == plan
+    assert runner.blas_rows <= {1, 2, 3}
     other = make_runner(tiny(3, dtype=torch.float32), 128)  # make_runner's own key: timed once more
     assert len(calls) == 2
     fl.plan_rows(other, ("test-model", 3), 1)  # the same key as before: no timing
-    assert len(calls) == 2 and other.row_plan == plan
+    assert len(calls) == 2 and other.row_plan == plan and other.blas_rows == runner.blas_rows
     monkeypatch.setenv("DRAFTSMITH_ROWS", "off")
     assert fl.plan_rows(make_runner(tiny(4, dtype=torch.float32), 128), ("x",), 1) == {}
 
