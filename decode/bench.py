@@ -175,16 +175,21 @@ class Validation:
             out.append(ta / tb if tb else 0.0)
         return out
 
+    def ratio_spread(self, a: str, b: str = "target_only", group: str | None = None) -> dict | None:
+        """`spread` of `ratio_repeats(a, b, group)`; None without repeats."""
+        reps = self.ratio_repeats(a, b, group)
+        return spread(reps) if reps else None
+
     def by_group(self) -> dict[str, dict]:
         """Per group (in first-seen order): its prompts and each draft's speedup over the target alone, the
         median over the repeats with the range and every repeat's value."""
         out = {}
         for g in dict.fromkeys(self.groups):
-            reps = {n: self.ratio_repeats(n, group=g) for n in self.drafts}
+            s = {n: self.ratio_spread(n, group=g) for n in self.drafts}
             out[g] = {"prompts": [p for p, pg in zip(self.prompts, self.groups) if pg == g],
-                      "speedup_vs_target_only": {n: statistics.median(r) for n, r in reps.items()},
-                      "speedup_range": {n: [min(r), max(r)] for n, r in reps.items()},
-                      "speedup_repeats": reps}
+                      **{key: {n: x[part] for n, x in s.items() if x}
+                         for key, part in (("speedup_vs_target_only", "median"), ("speedup_range", "range"),
+                                           ("speedup_repeats", "repeats"))}}
         return out
 
     @property
@@ -279,6 +284,11 @@ def _merge(stats) -> Stats:
 def _ratio(stats: dict[str, Stats], name: str) -> float:
     base = stats["target_only"].tokens_per_s
     return stats[name].tokens_per_s / base if base else 0.0
+
+
+def spread(values: list[float]) -> dict:
+    """One ratio's per-repeat values (non-empty) as {"median", "range": [min, max], "repeats": values}."""
+    return {"median": statistics.median(values), "range": [min(values), max(values)], "repeats": list(values)}
 
 
 @dataclass

@@ -17,7 +17,6 @@ target's greedy output is refused after its numbers are written (the decoder's c
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -163,13 +162,9 @@ class ValidationResult:
 def after_vs_before(val: Validation) -> dict:
     """tokens/s of draft_after over draft_before in each repeat (both timed in it), over all the prompts and over
     each domain's: {"all" | domain: {"median", "range", "repeats"}}."""
-    out = {}
-    for group in [None, *dict.fromkeys(val.groups)]:
-        reps = val.ratio_repeats("draft_after", "draft_before", group=group)
-        if reps:
-            out["all" if group is None else group] = {"median": statistics.median(reps), "range": [min(reps), max(reps)],
-                                                      "repeats": reps}
-    return out
+    spreads = {"all" if g is None else g: val.ratio_spread("draft_after", "draft_before", group=g)
+               for g in [None, *dict.fromkeys(val.groups)]}
+    return {g: s for g, s in spreads.items() if s}
 
 
 def _walks(d: DraftUnderTest, cfg: ValidateConfig) -> bool:

@@ -109,6 +109,27 @@ def test_validation_section_splits_speedups_by_domain(tmp_path: Path) -> None:
             "(1.33-1.33); code 2.00x (2.00-2.00); chat 1.00x (1.00-1.00)).") in md
 
 
+def test_fastest_validation_names_its_two_drafts(tmp_path: Path) -> None:
+    """A fastest-draft run whose pick is the whole model (at its own policy) names both drafts by their labels,
+    not as a pruned and a whole draft."""
+    from decode.bench import Validation
+    from decode.speculative import Stats
+
+    def st(tokens: int, seconds: float) -> Stats:
+        return Stats({1: tokens}, 0, 0, tokens, 0.0, seconds)
+
+    merged = {"target_only": st(32, 4.0), "draft_before": st(32, 2.0), "draft_after": st(32, 1.6)}
+    val = Validation(4, ["code-0", "chat-0"], 16, "cpu", merged, {"draft_before": True, "draft_after": True},
+                     repeats=[merged])
+    labels = {"draft_before": "whole model (m0), K = 4", "draft_after": "whole model, rounds chosen on dev prompts"}
+    bench = {**val.to_dict(), "kind": "fastest", "labels": labels, "k_reason": "set by the recipe",
+             "draft_quant": "int8", "machine": {"cpu": "test cpu", "cpu_count": 2}}
+    run = write_run_folder(tmp_path / "fastest", candidates={"d1": 0.4}, distilled=("d1", 0.4, 0.5), bench=bench)
+    md = write_report(run).read_text()
+    assert "whole model, rounds chosen on dev prompts vs whole model (m0), K = 4: 1.25x tokens/s" in md
+    assert "Pruned vs whole" not in md
+
+
 def test_report_puts_our_decoder_beside_llama_cpp(tmp_path: Path) -> None:
     lc = {"speedup_vs_target_only": 0.85, "draft_max": 3, "accepted": 50, "drafted": 60, "prompts": 2,
           "tokens_per_s": 8.5}
