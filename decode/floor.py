@@ -110,8 +110,8 @@ def floor_table(times: dict[int, float], nbytes: int, params: int, bandwidth_gbs
 
 def floor_report(target: str, *, rows: int = 16, repeats: int = 5, max_seq_len: int = 256) -> dict:
     """Load `target` (a zoo name or folder), time its forward at 1..rows rows as the decoder runs it (its row plan,
-    `plan_rows`) and, interleaved, every row count unpadded on oneDNN (no plan); measure the machine's bandwidth before and after (the
-    best counts) and its compute peak; return the whole record."""
+    `plan_rows`) and, interleaved, every row count unpadded on oneDNN (no plan); measure the machine's bandwidth
+    before and after (the best counts) and its compute peak; return the whole record."""
     from decode.loading import load
     from decode.machine import machine_info, versions
     from decode.runner import make_runner
@@ -191,7 +191,8 @@ def plan_rows(runner, key: tuple, nbytes: int, *, repeats: int = 3) -> dict[int,
         runner.row_plan, runner.blas_rows = {}, frozenset()
         rows = list(range(1, PLAN_ROWS + 1))
         on_dnn = any(type(m) is nn.Linear and dnn_layout(m.weight) for m in runner.modules())
-        plans, blas_rows = {"dnn": {}, **({"blas": {}} if on_dnn else {})}, {"dnn": frozenset(), "blas": frozenset(rows)}
+        plans = {"dnn": {}, **({"blas": {}} if on_dnn else {})}
+        blas_rows = {"dnn": frozenset(), "blas": frozenset(rows)}
         times = forward_times(runner, rows, repeats=repeats, warmup=1, plans=plans, blas_rows=blas_rows)
         best, on_blas = choose_kernels(times["dnn"], times.get("blas", {}))
         _PLANS[key] = (choose_rows(best), on_blas)
