@@ -195,7 +195,9 @@ class LeanLM(nn.Module):
     def _run(
         self, tokens: Tensor, cos: Tensor, sin: Tensor, pos: int | Tensor, mask: Tensor | None, keep: int = 0
     ) -> Tensor:
-        with blas(tokens.shape[0] in self.blas_rows):
+        if tokens.shape[0] not in self.blas_rows:  # (no context manager on this path: torch.compile traces it)
+            return self._layers_and_head(tokens, cos, sin, pos, mask, keep)
+        with blas():
             return self._layers_and_head(tokens, cos, sin, pos, mask, keep)
 
     def _layers_and_head(
