@@ -179,7 +179,7 @@ def plan_rows(runner, key: tuple, nbytes: int, *, repeats: int = 3) -> dict[int,
     once per process and model (`key`), on oneDNN's kernels and (where the runner has float Linears on them) on
     BLAS, interleaved; each row count runs on the faster kernels (`choose_kernels`), then at the fastest count at
     or above it (`choose_rows`). On the AMD EPYC here the float32 Qwen2.5-Coder-1.5B's one-row step ran 228.6 ms
-    planned against 277.9 unpadded; on the Intel Xeon MKL's one-row step ran 219 ms against oneDNN's 262
+    planned against 277.9 unpadded; on the Intel Xeon it ran 240.0 ms on BLAS against oneDNN's 267.9
     (docs/results/floor.md). Models under PLAN_MIN_BYTES of weights (`nbytes`, as loaded) and DRAFTSMITH_ROWS=off
     get no plan (every forward at its own row count, on oneDNN)."""
     if (os.environ.get("DRAFTSMITH_ROWS", "auto") == "off" or not hasattr(runner, "row_plan")

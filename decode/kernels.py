@@ -3,9 +3,10 @@
 `linear(x, layer)` runs an nn.Linear on oneDNN's kernel over a prepacked copy of its weight where that applies
 (`dnn_usable`: the CPU, float32 or bfloat16, outside autograd and torch.compile), else in the faster of two BLAS
 layouts on this machine, timed once per (weight shape, rows). `dense(x, weight)` is the same kernel for a bare
-weight (a head's training labels). DRAFTSMITH_LINEAR=auto|xw|wx|dnn fixes a layout. Inside `blas()` the BLAS
-layouts run instead of oneDNN: a runner's forward over a row count its plan gives to BLAS (`decode.floor.plan_rows`:
-on the Intel Xeon here MKL's one-row float32 step of Qwen2.5-Coder-1.5B runs 219 ms against oneDNN's 262).
+weight (a head's training labels). DRAFTSMITH_LINEAR=auto|xw|wx|dnn fixes a layout. Inside `blas()` the plain
+BLAS layout (x @ W^T) runs instead of oneDNN: a runner's forward over a row count its plan gives to BLAS
+(`decode.floor.plan_rows`; on the Intel Xeon of docs/results/floor.md the Qwen2.5-Coder-1.5B one-row step ran
+240.0 ms against oneDNN's 267.9).
 """
 
 from __future__ import annotations
@@ -23,13 +24,13 @@ from torch import Tensor, nn
 LAYOUTS = ("auto", "xw", "wx", "dnn")
 _CHOICE: dict[tuple, bool] = {}  # (dtype, weight shape, rows, no bias) -> compute as W @ x^T (CPU only)
 _PACKED: dict[int, tuple[weakref.ref, int, Tensor]] = {}  # id(weight) -> (the weight, its version, packed copy)
-_BLAS = [False]  # inside `blas(True)`: Linears take the BLAS layouts, not oneDNN
+_BLAS = [False]  # inside `blas()`: Linears take the plain BLAS layout, not oneDNN
 
 
 @contextlib.contextmanager
-def blas(on: bool = True):
-    """Within: every `linear` / `dense` runs in the BLAS layouts (`_weight_first`) instead of oneDNN's kernel."""
-    before, _BLAS[0] = _BLAS[0], on
+def blas():
+    """Within: every `linear` / `dense` runs in the plain BLAS layout (F.linear) instead of oneDNN's kernel."""
+    before, _BLAS[0] = _BLAS[0], True
     try:
         yield
     finally:
