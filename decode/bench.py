@@ -32,7 +32,7 @@ from decode.pair import Pair, load_pair
 from decode.prompts import Prompt, load_prompts
 from decode.quant import draft_quant as effective_quant
 from decode.runner import Runner
-from decode.speculative import KPolicy, Stats, generate
+from decode.speculative import KPolicy, Stats, generate, parse_policy_label, policy_label
 from decode.textgen import prompt_ids
 
 DEFAULT_PROMPTS = "code"
@@ -302,8 +302,11 @@ class BenchConfig:
     draft_quant: str | None = "int8"  # int8 | null: draft weights on CPU (the target always runs as loaded)
     hf_modes: bool = True  # also time transformers generate and assisted generation
     repeats: int = 1  # interleaved passes over the prompts; speedups are the median over them, with the range
+    policy: list[str] = field(default_factory=list)  # policies to time too, by label, e.g. "K=8 stop<0.6 siblings=2"
 
     def __post_init__(self) -> None:
+        for label in self.policy:
+            parse_policy_label(label)  # a bad label fails here, in one line
         if self.repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
         if self.n_prompts < 0:
@@ -316,25 +319,36 @@ class BenchConfig:
             raise ValueError(f"draft_quant must be int8 or null, got {self.draft_quant!r}")
 
 
-def _run_mode(pair: Pair, mode: str, ids: list[int], n_new: int,
-              eos: list[int]) -> tuple[list[int], float, Stats | None]:
-    """One prompt in one bench mode -> (new ids, seconds, our decoder's stats or None for transformers)."""
+def spec_policies(ks: list[int], labels: list[str]) -> dict[str, KPolicy]:
+    """Our decoder's bench modes -> their round policies: a plain chain at each K ("speculative_k4"), then each
+    labelled policy ("speculative K=8 stop<0.6 siblings=2")."""
+    modes = {f"speculative_k{k}": KPolicy(k=k, k_max=max(16, k)) for k in ks}
+    for label in labels:
+        p = parse_policy_label(label)
+        modes.setdefault(f"speculative {policy_label(p)}", p)
+    return modes
+
+
+def _run_mode(pair: Pair, mode: str, ids: list[int], n_new: int, eos: list[int],
+              policy: KPolicy | None = None) -> tuple[list[int], float, Stats | None]:
+    """One prompt in one bench mode (`policy`: a speculative mode's rounds) -> (new ids, seconds, our decoder's
+    stats or None for transformers)."""
     if mode.startswith("hf_"):
         toks, secs = _hf_generate(pair, ids, n_new, eos, assisted=mode == "hf_assisted")
         return toks, secs, None
     speculative = mode.startswith("speculative")
-    k = int(mode.removeprefix("speculative_k")) if speculative else 1
     res = generate(pair.target_runner, ids, draft=pair.draft_runner if speculative else None,
-                   max_new_tokens=n_new, policy=KPolicy(k=k, k_max=max(16, k)), eos_ids=eos)
+                   max_new_tokens=n_new, policy=policy if speculative else KPolicy(k=1), eos_ids=eos)
     return res.tokens, res.stats.seconds, res.stats
 
 
 def _time_modes(pair: Pair, items: list[Prompt], encoded: list[list[int]], modes: list[str], max_new_tokens: int,
-                eos: list[int], progress: bool, repeats: int = 1) -> list[dict[str, list[dict]]]:
+                eos: list[int], progress: bool, repeats: int = 1,
+                policies: dict[str, KPolicy] | None = None) -> list[dict[str, list[dict]]]:
     """Every mode on every prompt, interleaved per prompt after a warm-up, `repeats` times with the mode that goes
     first rotating -> per repeat, mode -> its per-prompt runs (our decoder's runs keep their stats)."""
     for mode in modes:  # warm-up: first calls pay one-off costs (allocator, kernel selection)
-        _run_mode(pair, mode, encoded[0][:16], 4, eos)
+        _run_mode(pair, mode, encoded[0][:16], 4, eos, (policies or {}).get(mode))
 
     passes: list[dict[str, list[dict]]] = []
     bar = tqdm(total=repeats * len(items) * len(modes), desc="bench", unit="run", disable=not progress)
@@ -344,7 +358,7 @@ def _time_modes(pair: Pair, items: list[Prompt], encoded: list[list[int]], modes
         for p, ids in zip(items, encoded):
             for mode in order:
                 bar.set_postfix_str(f"{p.id} {mode}" + (f" {r + 1}/{repeats}" if repeats > 1 else ""))
-                toks, secs, st = _run_mode(pair, mode, ids, max_new_tokens, eos)
+                toks, secs, st = _run_mode(pair, mode, ids, max_new_tokens, eos, (policies or {}).get(mode))
                 results[mode].append({"id": p.id, "tokens": len(toks), "seconds": secs, "ids": toks, "stats": st})
                 bar.update(1)
         passes.append(results)
@@ -377,8 +391,9 @@ def _repeat_ratios(passes: list[dict[str, list[dict]]], a: str, b: str) -> list[
     return [_tok_per_s(p[a]) / _tok_per_s(p[b]) for p in passes if _tok_per_s(p[b])]
 
 
-def _mode_reports(modes: list[str], results: dict[str, list[dict]], stats: dict[str, Stats]) -> dict[str, dict]:
-    """Each mode's totals and per-prompt runs; the speculative modes also their K, tau and acceptance."""
+def _mode_reports(modes: list[str], results: dict[str, list[dict]], stats: dict[str, Stats],
+                  policies: dict[str, KPolicy]) -> dict[str, dict]:
+    """Each mode's totals and per-prompt runs; the speculative modes also their policy, tau and acceptance."""
     report_modes: dict[str, dict] = {}
     for mode in modes:
         rows = results[mode]
@@ -386,7 +401,8 @@ def _mode_reports(modes: list[str], results: dict[str, list[dict]], stats: dict[
                          [{k: v for k, v in r.items() if k != "ids"} for r in rows])
         if mode.startswith("speculative"):
             st = stats[mode]
-            entry.update(k=int(mode.removeprefix("speculative_k")), mean_tau=st.mean_tau, alpha=st.acceptance_rate,
+            entry.update(k=policies[mode].k, policy=policy_label(policies[mode]), mean_tau=st.mean_tau,
+                         alpha=st.acceptance_rate,
                          tau_hist={str(t): c for t, c in st.tau_hist.items()}, drafted=st.drafted, accepted=st.accepted)
         report_modes[mode] = entry
     return report_modes
@@ -428,9 +444,10 @@ def run_bench(target: str, draft: str, cfg: BenchConfig | None = None, *, out: P
     eos = eos_ids(pair.target)
     encoded = [prompt_ids(tok, p.prompt) for p in items]
 
-    modes = ["target_only", *[f"speculative_k{k}" for k in ks]] + (["hf_generate", "hf_assisted"] if hf_modes else [])
-    passes = _time_modes(pair, items, encoded, modes, max_new_tokens, eos, progress, cfg.repeats)
-    report_modes = _mode_reports(modes, *_merged(passes))
+    policies = spec_policies(list(ks), cfg.policy)
+    modes = ["target_only", *policies] + (["hf_generate", "hf_assisted"] if hf_modes else [])
+    passes = _time_modes(pair, items, encoded, modes, max_new_tokens, eos, progress, cfg.repeats, policies)
+    report_modes = _mode_reports(modes, *_merged(passes), policies)
     spec_modes = [m for m in modes if m.startswith("speculative")]
     best = max(spec_modes, key=lambda m: report_modes[m]["tok_per_s"])
     per_prompt = _greedy_checks(items, encoded, passes, spec_modes, hf_modes)
@@ -441,6 +458,10 @@ def run_bench(target: str, draft: str, cfg: BenchConfig | None = None, *, out: P
              "hf_assisted_vs_hf_generate": ("hf_assisted", "hf_generate")}
     # per pair of modes, repeat by repeat; the report gives the median (None without that mode) and the range
     ratios = {name: _repeat_ratios(passes, a, b) if b in modes else [] for name, (a, b) in pairs.items()}
+    # every speculative mode against each baseline: the summary above is the fastest one, picked on these prompts
+    baselines = [b for b in ("target_only", "hf_generate", "hf_assisted") if b in modes]
+    per_mode = {m: {f"vs_{b}": spread(r) for b in baselines if (r := _repeat_ratios(passes, m, b))}
+                for m in spec_modes}
     report = {
         "target": pair.target.name,
         "draft": pair.draft.name,
@@ -450,6 +471,9 @@ def run_bench(target: str, draft: str, cfg: BenchConfig | None = None, *, out: P
         "max_new_tokens": max_new_tokens,
         "prompts": [{"id": p.id, "domain": p.domain} for p in items],
         "k": report_modes[best]["k"],
+        "policy": report_modes[best]["policy"],
+        "best_definition": "the speculative mode with the most tokens/s on these prompts (picked in hindsight); "
+                           "per_mode gives every mode's ratios",
         "ks": list(ks),
         "mean_tau": report_modes[best]["mean_tau"],
         "alpha": report_modes[best]["alpha"],
@@ -460,6 +484,7 @@ def run_bench(target: str, draft: str, cfg: BenchConfig | None = None, *, out: P
         "modes": {**{m: report_modes[m] for m in modes}, "speculative": report_modes[best]},
         **{name: statistics.median(r) if r else None for name, r in ratios.items()},
         "repeats": cfg.repeats,
+        "per_mode": per_mode,
         **({f"{name}_range": [min(r), max(r)] for name, r in ratios.items() if r} if cfg.repeats > 1 else {}),
         "speedup_definition": "median over the repeats of (tokens/s of one mode / tokens/s of the other) in that "
                               "repeat, every prompt included; the modes of a repeat interleaved per prompt",

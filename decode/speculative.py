@@ -180,6 +180,35 @@ class Result:
     stats: Stats
 
 
+def policy_label(p: KPolicy) -> str:
+    """A fixed-K policy as one line: 'K=8 stop<0.6 siblings=2 [children]' (`parse_policy_label` reads it back)."""
+    return (f"K={p.k}" + (f" stop<{p.confidence}" if p.confidence else "")
+            + (f" siblings={p.siblings}" if p.siblings else "") + (" children" if p.sibling_depth == 2 else ""))
+
+
+def parse_policy_label(label: str) -> KPolicy:
+    """'K=8 stop<0.6 siblings=2 [children]' (`policy_label`'s form) -> the KPolicy; a one-line DraftsmithError.
+    (`grid --policy` and `bench --policy` take policies by these labels.)"""
+    fields: dict = {}
+    try:
+        for part in label.split():
+            if part.startswith("K="):
+                fields["k"] = int(part[2:])
+            elif part.startswith("stop<"):
+                fields["confidence"] = float(part[5:])
+            elif part.startswith("siblings="):
+                fields["siblings"] = int(part[9:])
+            elif part == "children":
+                fields["sibling_depth"] = 2
+            else:
+                raise ValueError(part)
+        if "k" not in fields:
+            raise ValueError("no K")
+        return KPolicy(k_max=max(16, fields["k"]), **fields)
+    except (ValueError, DraftsmithError) as e:
+        raise DraftsmithError(f"policy {label!r}: expected 'K=N [stop<P] [siblings=M] [children]' ({e})") from None
+
+
 def _ids(tokens: list[int], device: torch.device | str) -> Tensor:
     return torch.tensor(tokens, dtype=torch.long, device=device)
 

@@ -29,7 +29,7 @@ from decode.io import atomic_write_json
 from decode.loading import eos_ids, load
 from decode.runner import make_runner
 from decode.prompts import first_per_domain, load_prompts
-from decode.speculative import KPolicy
+from decode.speculative import KPolicy, parse_policy_label, policy_label
 from decode.machine import machine_info, versions
 from decode.textgen import prompt_ids
 from pairing.policy import policy_dict
@@ -71,33 +71,6 @@ class GridConfig:
             raise DraftsmithError(f"repeats must be >= 1, got {self.repeats}")
         for label in self.policy:
             parse_policy_label(label)  # a bad label fails here, in one line
-
-
-def policy_label(p: KPolicy) -> str:
-    return (f"K={p.k}" + (f" stop<{p.confidence}" if p.confidence else "")
-            + (f" siblings={p.siblings}" if p.siblings else "") + (" children" if p.sibling_depth == 2 else ""))
-
-
-def parse_policy_label(label: str) -> KPolicy:
-    """'K=8 stop<0.6 siblings=2 [children]' (`policy_label`'s form) -> the KPolicy; a one-line DraftsmithError."""
-    fields: dict = {}
-    try:
-        for part in label.split():
-            if part.startswith("K="):
-                fields["k"] = int(part[2:])
-            elif part.startswith("stop<"):
-                fields["confidence"] = float(part[5:])
-            elif part.startswith("siblings="):
-                fields["siblings"] = int(part[9:])
-            elif part == "children":
-                fields["sibling_depth"] = 2
-            else:
-                raise ValueError(part)
-        if "k" not in fields:
-            raise ValueError("no K")
-        return KPolicy(k_max=max(16, fields["k"]), **fields)
-    except (ValueError, DraftsmithError) as e:
-        raise DraftsmithError(f"policy {label!r}: expected 'K=N [stop<P] [siblings=M] [children]' ({e})") from None
 
 
 def policy_grid(cfg: GridConfig) -> list[KPolicy]:

@@ -205,6 +205,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
           f"vs HF generate {fmt(report['speedup_vs_hf_generate'])}{span('speedup_vs_hf_generate')}  "
           f"vs HF assisted {fmt(report['speedup_vs_hf_assisted'])}{span('speedup_vs_hf_assisted')}"
           + (f"  (median of {report['repeats']} repeats)" if report.get("repeats", 1) > 1 else ""))
+    for mode, ratios in report["per_mode"].items():  # each mode, not only the fastest on these prompts
+        print(f"{mode}: " + "  ".join(f"{k.replace('_', ' ')} {fmt(v['median'])} ({fmt(v['range'][0])}-"
+                                      f"{fmt(v['range'][1])})" for k, v in ratios.items()))
     if args.out:
         print(f"wrote {args.out}")
     return 0

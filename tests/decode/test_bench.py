@@ -139,7 +139,7 @@ def test_bench_repeats_rotate_the_first_mode_and_report_the_median_of_repeat_rat
     speed = {"target_only": [1.0, 1.0, 1.0], "speculative_k2": [2.0, 3.0, 10.0]}  # seconds per token by repeat
     wrong = {(2, "speculative_k2")}  # the third repeat's draft emits a wrong token
 
-    def fake_run_mode(pair, mode, ids, n, eos):
+    def fake_run_mode(pair, mode, ids, n, eos, policy=None):
         if n == 4:  # warm-up
             return [0] * n, 1.0, None
         r = sum(1 for _, m in calls if m == mode) // 2  # two prompts a repeat

@@ -177,13 +177,24 @@ def test_vocab_then_decode_with_the_pruned_draft_equals_the_target_alone(tiny_pa
     # bench with the same spec: our decoder runs the pruned runner, transformers' assisted generation the whole draft
     report = tmp_path / "bench.json"
     code = main(["bench", *target, "--draft", f"prune:{tiny_pair['draft']}:vocab={kept}", "--prompts", str(prompts),
-                 "--n-prompts", "2", "--max-new-tokens", "8", "--k", "2", "--repeats", "2", "--out", str(report)])
+                 "--n-prompts", "2", "--max-new-tokens", "8", "--k", "2", "--policy", "K=3 stop<0.6 siblings=2",
+                 "--repeats", "2", "--out", str(report)])
     printed, err = capsys.readouterr()
     assert code == 0, err
     r = json.loads(report.read_text())
-    assert r["draft"].startswith("prune:") and r["greedy_equal"] and set(r["modes"]) >= {"speculative_k2", "hf_assisted"}
+    walked = "speculative K=3 stop<0.6 siblings=2"  # a policy named in advance, timed beside each K (a tree verify)
+    assert r["draft"].startswith("prune:") and r["greedy_equal"]
+    assert set(r["modes"]) >= {"speculative_k2", walked, "hf_assisted"}
+    assert r["modes"][walked]["policy"] == "K=3 stop<0.6 siblings=2" and r["modes"][walked]["k"] == 3
+    assert all(row[f"{walked}_eq_target_only"] for row in r["greedy_equal_per_prompt"])
     low, high = r["speedup_vs_hf_assisted_range"]  # 2 repeats: the median of the two ratios, with their range
     assert r["repeats"] == 2 and low <= r["speedup_vs_hf_assisted"] <= high and "median of 2 repeats" in printed
+    for mode in ("speculative_k2", walked):  # every mode's ratios, not only the fastest's
+        each = r["per_mode"][mode]["vs_hf_assisted"]
+        assert len(each["repeats"]) == 2 and each["range"][0] <= each["median"] <= each["range"][1]
+        assert f"{mode}: vs target only" in printed
+    best = max(("speculative_k2", walked), key=lambda m: r["modes"][m]["tok_per_s"])
+    assert r["per_mode"][best]["vs_hf_assisted"]["median"] == pytest.approx(r["speedup_vs_hf_assisted"])
     assert len(r["modes"]["target_only"]["per_prompt"]) == 4
 
 

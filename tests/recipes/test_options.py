@@ -81,6 +81,10 @@ def test_untouched_options_give_the_dataclass_defaults() -> None:
         == ExportConfig()
     assert options_to_config(BenchConfig, parse("bench", "--k", "3,5", "--no-hf-modes")) \
         == BenchConfig(k=[3, 5], hf_modes=False)
+    assert options_to_config(BenchConfig, parse("bench", "--policy", "K=8 stop<0.6 siblings=2")) \
+        == BenchConfig(policy=["K=8 stop<0.6 siblings=2"])
+    with pytest.raises(DraftsmithError, match="expected 'K=N"):
+        options_to_config(BenchConfig, parse("bench", "--policy", "K=8 halt<0.6"))
 
 
 def test_gen_data_takes_only_data_settings_under_their_names_and_old_flags_still_work() -> None:
