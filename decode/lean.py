@@ -47,8 +47,27 @@ class LeanLayer(nn.Module):
         self.eps = config.rms_norm_eps
         self.q, self.k, self.v, self.o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
         self.gate, self.up, self.down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        self.qkv: nn.Linear | None = None  # `fuse_projections`: q, k, v as one Linear, gate and up as another
+        self.gate_up: nn.Linear | None = None
         self.norm_in = hf_layer.input_layernorm.weight
         self.norm_post = hf_layer.post_attention_layernorm.weight
+
+    def fuse_projections(self) -> None:
+        """Replace q, k, v by one Linear over their stacked rows and gate, up by another (new weights: a copy,
+        for a runner that owns its weights, as an int8 draft's). Each output row is the same dot product as
+        before, so per-row int8 scales and outputs are unchanged; a step makes 4 Linear calls a layer, not 7."""
+        def stack(*layers: nn.Linear) -> nn.Linear:
+            w = layers[0].weight
+            out = nn.Linear(w.shape[1], sum(l.out_features for l in layers), bias=layers[0].bias is not None,
+                            dtype=w.dtype, device=w.device)
+            with torch.no_grad():
+                out.weight.copy_(torch.cat([l.weight for l in layers]))
+                if out.bias is not None:
+                    out.bias.copy_(torch.cat([l.bias for l in layers]))
+            return out
+
+        self.qkv, self.gate_up = stack(self.q, self.k, self.v), stack(self.gate, self.up)
+        self.q = self.k = self.v = self.gate = self.up = None
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, layer: int, pos: int | Tensor,
@@ -57,7 +76,10 @@ class LeanLayer(nn.Module):
         T = x.shape[0]
         H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
         h = rms_norm(x, self.norm_in, self.eps)
-        q, k, v = linear(h, self.q), linear(h, self.k), linear(h, self.v)  # (T, H D), (T, Hkv D) x 2
+        if self.qkv is not None:
+            q, k, v = linear(h, self.qkv).split([H * D, Hkv * D, Hkv * D], dim=-1)
+        else:
+            q, k, v = linear(h, self.q), linear(h, self.k), linear(h, self.v)  # (T, H D), (T, Hkv D) x 2
         q = q.reshape(T, H, D).transpose(0, 1)  # (H, T, D)
         k = k.reshape(T, Hkv, D).transpose(0, 1)  # (Hkv, T, D)
         v = v.reshape(T, Hkv, D).transpose(0, 1)
@@ -72,6 +94,9 @@ class LeanLayer(nn.Module):
         )[0]  # (H, T, D)
         x = x + linear(o.transpose(0, 1).reshape(T, H * D), self.o)
         h = rms_norm(x, self.norm_post, self.eps)
+        if self.gate_up is not None:
+            gate, up = linear(h, self.gate_up).chunk(2, dim=-1)
+            return x + linear(F.silu(gate) * up, self.down)
         return x + linear(F.silu(linear(h, self.gate)) * linear(h, self.up), self.down)
 
 

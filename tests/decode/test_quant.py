@@ -17,3 +17,27 @@ def test_int8_only_for_a_float32_lean_draft_on_the_cpu() -> None:
     assert draft_quant(helpers.tiny_llama(0, 11, dtype=torch.float64)) is None  # int8 drafts need float32
     assert draft_quant(helpers.tiny_llama(0, 11, hidden_act="gelu")) is None  # not the lean runner's
     assert draft_quant(helpers.tiny_llama(0, 11).to("meta")) is None  # not on the CPU (fbgemm is a CPU kernel)
+
+
+def test_int8_runner_fuses_projections_and_computes_the_same_bits() -> None:
+    """An int8 lean runner stacks q, k, v (with their biases: Qwen2) and gate, up into one Linear each before it
+    quantises (per output row, so the same int8 rows and scales): its logits equal, bit for bit, those of the
+    same runner quantised unfused, for a prompt, one-row steps and a multi-row forward."""
+    import copy
+
+    from decode.lean import LeanLM
+    from decode.quant import quantize_int8, quantize_linears_int8
+
+    model = helpers.tiny_llama(3, 300, layers=2, hidden=64, heads=4, kv_heads=2, arch="qwen2")
+    assert model.model.layers[0].self_attn.q_proj.bias is not None  # biases are stacked too
+    base = LeanLM(model, 64, fast_head=False)
+    fused, plain = quantize_int8(base), quantize_linears_int8(copy.deepcopy(base))
+    assert fused.layers[0].qkv is not None and fused.layers[0].q is None and plain.layers[0].qkv is None
+    assert base.layers[0].qkv is None and base.layers[0].q is not None  # the float runner is left as it was
+    ids = torch.arange(40) * 7 % 300
+    outs = []
+    for r in (fused, plain):
+        outs.append([r.forward(ids[:20], 0), *(r.forward(ids[i : i + 1], i) for i in range(20, 24)),
+                     r.forward(ids[24:30], 24)])
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+    assert not torch.equal(outs[0][0], base.forward(ids[:20], 0))  # int8: not the float runner's logits
