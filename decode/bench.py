@@ -4,13 +4,15 @@
 
 Modes, all greedy, all timed the same way (wall time of the whole call, prefill included, after a warm-up):
 - `target_only`: our decoder without a draft (the honest baseline: same loop, same kernels);
-- `speculative`: our decoder with the draft (int8 weights on CPU by default), one entry per K asked for;
+- `speculative`: our decoder with the draft (int8 weights on CPU by default), one entry per K asked for and one
+  per `policy` named (e.g. "K=8 stop<0.6 siblings=2": one chosen on dev prompts, timed without choosing here);
 - `hf_generate`: transformers `generate` on the target alone;
 - `hf_assisted`: transformers assisted generation (`assistant_model=` the draft as loaded, float32).
 Prompts are interleaved (each prompt runs every mode before the next prompt) so that drift on a noisy
 machine hits all modes alike; with `repeats` > 1 the whole pass runs again with the mode that goes first rotating,
 and each `speedup_*` is the median over the repeats of that repeat's ratio (`*_range`: the lowest and highest).
-`greedy_equal` checks, per prompt and repeat, speculative == target-only == HF greedy.
+`greedy_equal` checks, per prompt and repeat, speculative == target-only == HF greedy. The summary (`speculative`,
+`speedup_*`) is the fastest speculative mode on these prompts, picked in hindsight; `per_mode` gives every one's.
 """
 
 from __future__ import annotations
