@@ -323,11 +323,12 @@ class BenchConfig:
 
 def spec_policies(ks: list[int], labels: list[str]) -> dict[str, KPolicy]:
     """Our decoder's bench modes -> their round policies: a plain chain at each K ("speculative_k4"), then each
-    labelled policy ("speculative K=8 stop<0.6 siblings=2")."""
+    labelled policy ("speculative K=8 stop<0.6 siblings=2"); a policy already there runs once."""
     modes = {f"speculative_k{k}": KPolicy(k=k, k_max=max(16, k)) for k in ks}
     for label in labels:
         p = parse_policy_label(label)
-        modes.setdefault(f"speculative {policy_label(p)}", p)
+        if p not in modes.values():
+            modes[f"speculative {policy_label(p)}"] = p
     return modes
 
 

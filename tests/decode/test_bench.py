@@ -191,3 +191,12 @@ def test_group_speedups_are_the_ratio_of_the_groups_own_timings(target_model) ->
         val.ratio_repeats("same", group="z")
     with pytest.raises(DraftsmithError, match="2 groups for 3 prompts"):
         validate_drafts(target, drafts, PROMPTS, k=2, max_new_tokens=N_NEW, eos_ids=[EOS], desc=None, groups=["x", "y"])
+
+
+def test_bench_modes_are_each_k_then_each_named_policy_once() -> None:
+    from decode.bench import spec_policies
+
+    modes = spec_policies([2, 4], ["K=4", "K=8 stop<0.6 siblings=2", "K=8  stop<0.6 siblings=2", "K=4 stop<0.5"])
+    assert list(modes) == ["speculative_k2", "speculative_k4", "speculative K=8 stop<0.6 siblings=2",
+                           "speculative K=4 stop<0.5"]  # "K=4" is the plain chain at K=4: timed once
+    assert modes["speculative K=8 stop<0.6 siblings=2"] == KPolicy(k=8, k_max=16, confidence=0.6, siblings=2)
