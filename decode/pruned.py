@@ -194,6 +194,9 @@ class PrunedRunner:
         self._rows: dict[int, Tensor] = {}  # context id -> its float row, computed once
         self._extra: Tensor | None = None  # the context ids the head's extra rows hold now
         self._tokens = torch.zeros(inner.max_seq_len, dtype=torch.long)  # what the draft has read, by position
+        self._kept = set(self.ids.tolist())
+        self._first: dict[int, int] = {}  # each id read outside the kept ones -> its first position in _tokens[:_end]
+        self._end = 0  # the positions _first covers
         head = ContextHead(cut) if context else cut
         if isinstance(inner, LeanLM):
             inner.lm_head = head
@@ -234,7 +237,7 @@ class PrunedRunner:
             if end > self._tokens.numel():
                 raise ValueError(f"sequence of {end} tokens exceeds the cache ({self._tokens.numel()})")
             self._tokens[pos:end] = tokens.cpu()
-            extra, first = seen_ids(self._tokens[:end], self.ids)
+            extra, first = self._seen(pos, end)
             self._set_extra(extra)
         kept = self.inner.forward(tokens, pos, keep)  # (T, N [+ E])
         if self.ids.device != kept.device:
@@ -248,6 +251,20 @@ class PrunedRunner:
             more = torch.where(read, kept[:, N:], kept.new_tensor(float("-inf")))
             full.index_copy_(1, extra.to(kept.device), more)
         return full
+
+    def _seen(self, pos: int, end: int) -> tuple[Tensor, Tensor]:
+        """`seen_ids(self._tokens[:end], self.ids)`, kept up to date from the last forward instead of recomputed: a
+        forward at `pos` rewrites positions pos.. (a rejected draft's among them), so the ids first read there are
+        forgotten and the tokens from there on read again (a step reads one token, not the whole sequence)."""
+        start = min(pos, self._end)
+        self._first = {i: at for i, at in self._first.items() if at < start}
+        for at, i in enumerate(self._tokens[start:end].tolist(), start):
+            if i not in self._kept and i not in self._first:
+                self._first[i] = at
+        self._end = end
+        extra = sorted(self._first)
+        return (torch.tensor(extra, dtype=torch.long),
+                torch.tensor([self._first[i] for i in extra], dtype=torch.long))
 
     def _set_extra(self, extra: Tensor) -> None:
         """The context head's extra rows: the whole head's rows `extra` (E,), dequantised once per id."""

@@ -147,6 +147,28 @@ def test_context_logits_are_the_whole_heads_on_what_each_row_has_read(lean: bool
     assert b[:, 40].isinf().all()  # 40 was read at 3, then rolled back
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_context_ids_kept_step_by_step_equal_recounting_the_sequence(seed: int) -> None:
+    """The ids read so far are kept up to date forward by forward (`_seen`): over random forwards that go on, roll
+    back a few positions or rewrite from the start, each row proposes exactly what `restrict_logits` allows given
+    everything read up to it (ids first read in rolled-back positions forgotten, read again when rewritten)."""
+    g = torch.Generator().manual_seed(seed)
+    hf = tiny_hf(7, vocab=61, dtype=torch.float64)
+    whole = make_runner(hf, 64, lean=True)
+    pruned = PrunedRunner(make_runner(hf, 64, lean=True), KEPT, context=True)
+    seq, end = torch.zeros(64, dtype=torch.long), 0
+    for step in range(40):
+        pos = 0 if step == 25 else max(0, end - int(torch.randint(0, 4, (1,), generator=g)))
+        tokens = torch.randint(0, 61, (int(torch.randint(1, 4, (1,), generator=g)),), generator=g)
+        if pos + len(tokens) > 60:
+            pos = 0
+        a, b = whole.forward(tokens, pos), pruned.forward(tokens, pos)
+        seq[pos : pos + len(tokens)] = tokens
+        end = pos + len(tokens)
+        want = restrict_logits(a, KEPT, context=seq[:end], at=torch.arange(pos, end))
+        assert torch.equal(b.isinf(), want.isinf()), step
+
+
 def head_shape(head) -> tuple[int, ...]:
     return tuple((head.weight() if callable(head.weight) else head.weight).shape)
 
