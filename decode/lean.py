@@ -58,8 +58,8 @@ class LeanLayer(nn.Module):
         before, so per-row int8 scales and outputs are unchanged; a step makes 4 Linear calls a layer, not 7."""
         def stack(*layers: nn.Linear) -> nn.Linear:
             w = layers[0].weight
-            out = nn.Linear(w.shape[1], sum(l.out_features for l in layers), bias=layers[0].bias is not None,
-                            dtype=w.dtype, device=w.device)
+            out = torch.nn.utils.skip_init(nn.Linear, w.shape[1], sum(l.out_features for l in layers),
+                                           bias=layers[0].bias is not None, dtype=w.dtype, device=w.device)
             with torch.no_grad():
                 out.weight.copy_(torch.cat([l.weight for l in layers]))
                 if out.bias is not None:
