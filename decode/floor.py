@@ -1,7 +1,8 @@
 """How far a forward is from what the machine allows: the memory floor and the compute roof, beside the measured
 time of a cached forward over 1..N rows.
 
-    .venv/bin/draftsmith floor --target qwen2.5-coder-1.5b-instruct --rows 16 --out floor.json
+    .venv/bin/draftsmith floor --target qwen2.5-coder-1.5b-instruct --rows 16 --out floor.json   # and floor.png
+    .venv/bin/draftsmith floor --from floor.json                  # its table and plot again, timing nothing
 
 A cached decode step reads every weight once, so on a CPU its time cannot go below weight bytes / memory bandwidth
 (the floor); a forward over T rows does T multiply-adds per weight, so it cannot go below 2 T params / peak FLOP/s
@@ -156,6 +157,49 @@ def format_floor(report: dict) -> str:
             line += f" {t[T]['seconds'] * 1e3:9.1f} {ov:>7}"
         lines.append(line)
     return "\n".join(lines)
+
+
+COMPARED = {"unpadded": "every row count unpadded, oneDNN"}  # how a plot names the record's `compare` entries
+
+
+def floor_plot(report: dict) -> bytes:
+    """A floor record (`floor_report`, or its JSON read back) as one PNG: left, the forward's time by row count as
+    the decoder runs it (and each compared way) beside the memory floor and the compute roof; right, v(K) beside
+    the 1.15 that the floor goal asks for."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from decode.io import png_bytes
+
+    def by_rows(table: dict) -> dict[int, dict]:
+        return {int(T): row for T, row in table.items()}
+
+    planned = by_rows(report["rows"])
+    series = {"as the decoder runs it": planned,
+              **{COMPARED.get(name, name): by_rows(t) for name, t in report.get("compare", {}).items()}}
+    rows = sorted(planned)
+    fig, (ax, av) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for (label, table), style in zip(series.items(), ("-o", "--s", ":^", "-.v")):
+        ax.plot(rows, [table[T]["seconds"] * 1e3 for T in rows], style, ms=3, label=label)
+        ks = [T - 1 for T in rows if T > 1 and table[T]["v"] is not None]
+        av.plot(ks, [table[k + 1]["v"] for k in ks], style, ms=3, label=label)
+    ax.axhline(planned[rows[0]]["floor_s"] * 1e3, color="grey", lw=1,
+               label=f"memory floor ({report['bandwidth_gbs']['best']:.1f} GB/s)")
+    ax.plot(rows, [planned[T]["roof_s"] * 1e3 for T in rows], color="grey", ls="-.", lw=1,
+            label=f"compute roof ({report['peak_gflops']:.0f} GFLOP/s)")
+    ax.set_xlabel("rows in the forward"), ax.set_ylabel("ms"), ax.set_ylim(bottom=0), ax.legend(fontsize=7)
+    ax.set_title(f"{report['target']}: {report['weight_bytes'] / 1e9:.2f} GB, {report.get('dtype', '')}", fontsize=9)
+    av.axhline(1.15, color="grey", lw=1, ls="--", label="goal: v(K) <= 1.15")
+    av.set_xlabel("K (the verify reads K + 1 rows)"), av.set_ylabel("v(K) = time(K + 1 rows) / time(1 row)")
+    av.legend(fontsize=7)
+    machine = report.get("machine", {})
+    where = [machine.get("cpu", "?"), f"{machine.get('cpu_count', '?')} cores", machine.get("cpu_capability")]
+    av.set_title(", ".join(w for w in where if w), fontsize=9)
+    png = png_bytes(fig)
+    plt.close(fig)
+    return png
 
 
 PLAN_ROWS = 12  # row counts planned: verify steps up to K = 11

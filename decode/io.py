@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -104,6 +105,14 @@ def atomic_dir(final: str | Path, *, keep_existing: bool = False) -> Iterator[Pa
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def png_bytes(fig) -> bytes:
+    """A matplotlib figure as PNG bytes (tight layout, 110 dpi): every plot draftsmith writes goes through here."""
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png", dpi=110)
+    return buf.getvalue()
 
 
 def read_json(path: str | Path, *, missing_ok: bool = False, what: str = "file") -> Any:

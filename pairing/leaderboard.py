@@ -34,7 +34,7 @@ from pathlib import Path
 from decode.bench import hf_side_by_side, validate_drafts
 from decode.errors import DraftsmithError
 from decode.head import Eagle3Head, HeadDraft, head_quant, load_head
-from decode.io import atomic_write_bytes, atomic_write_json, atomic_write_text
+from decode.io import atomic_write_bytes, atomic_write_json, atomic_write_text, png_bytes
 from decode.loading import Loaded, eos_ids, load
 from decode.machine import machine_info, versions
 from decode.prompts import Prompt, load_prompts
@@ -635,13 +635,6 @@ def _plots(board: dict) -> dict[str, bytes]:
     pngs["alpha_by_position.png"] = png_bytes(fig)
     plt.close("all")
     return pngs
-
-
-def png_bytes(fig) -> bytes:
-    buf = io.BytesIO()
-    fig.tight_layout()
-    fig.savefig(buf, format="png", dpi=110)
-    return buf.getvalue()
 
 
 def html_page(board: dict, pngs: dict[str, bytes]) -> str:

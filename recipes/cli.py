@@ -214,15 +214,25 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_floor(args: argparse.Namespace) -> int:
-    from decode.floor import floor_report, format_floor
-    from decode.io import atomic_write_json
+    from decode.floor import floor_plot, floor_report, format_floor
+    from decode.io import atomic_write_bytes, atomic_write_json, read_json
 
-    report = floor_report(args.target, rows=args.rows, repeats=args.repeats)
+    if args.from_record:
+        report = read_json(args.from_record, what="floor record")
+        if not isinstance(report, dict) or not {"target", "rows", "weight_bytes", "bandwidth_gbs", "peak_gflops", "goals"} <= set(report):
+            raise DraftsmithError(f"{args.from_record}: not a floor record (`draftsmith floor --out` writes one)")
+    else:
+        report = floor_report(args.target, rows=args.rows, repeats=args.repeats)
     print(format_floor(report))
     print(json.dumps(report["goals"]))
     if args.out:
         atomic_write_json(args.out, report)
         print(f"wrote {args.out}")
+    where = args.out or args.from_record
+    if where:
+        png = Path(where).with_suffix(".png")
+        atomic_write_bytes(png, floor_plot(report))
+        print(f"wrote {png}")
     return 0
 
 
@@ -558,11 +568,13 @@ def _bench_parser(sub) -> None:
 
 def _floor_parser(sub) -> None:
     p = sub.add_parser("floor", help="time a target's forward at 1..N rows beside the memory floor and compute roof "
-                                     "of this machine (JSON with --out)")
+                                     "of this machine (JSON and a plot with --out)")
     p.add_argument("--target", default=DEFAULT_TARGET, help=f"zoo name or HF folder (default {DEFAULT_TARGET})")
     p.add_argument("--rows", type=int, default=16, help="time forwards over 1..ROWS rows (default 16)")
     p.add_argument("--repeats", type=int, default=5, help="interleaved repeats; the median counts (default 5)")
-    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--from", dest="from_record", type=Path, default=None,
+                   help="a record --out wrote: print its table and draw its plot again, timing nothing")
+    p.add_argument("--out", type=Path, default=None, help="the record (JSON); its plot goes beside it (.png)")
     p.set_defaults(func=cmd_floor)
 
 

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from decode.bench import Validation
-from decode.io import atomic_write_bytes, atomic_write_text, read_json
+from decode.io import atomic_write_bytes, atomic_write_text, png_bytes, read_json
 from distill.export.model_card import PREDICTION_HEADERS, llama_cpp_result, prediction_lines, prediction_rows
-from pairing.leaderboard import png_bytes, table_rows
+from pairing.leaderboard import table_rows
 
 _STYLE = ("<style>body{font-family:sans-serif;margin:2em;max-width:70em}table{border-collapse:collapse}"
           "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}td:first-child{text-align:left}"

@@ -168,3 +168,29 @@ def test_floor_verb_prints_the_table_and_writes_the_record(tmp_path, capsys) -> 
     assert set(rec["rows"]) == {"1", "2", "3"} and rec["bandwidth_gbs"]["best"] > 0 and rec["peak_gflops"] > 0
     assert rec["machine"]["cpu_count"] and rec["versions"]["torch"]
     assert set(rec["compare"]) == {"unpadded"}
+    assert (tmp_path / "f.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_floor_from_a_record_prints_its_table_and_draws_it_again_timing_nothing(tmp_path, capsys, monkeypatch) -> None:
+    import decode.floor
+    from recipes.cli import main
+
+    tok = helpers.word_tokenizer([f"w{i}" for i in range(40)], eos="</s>")
+    folder = helpers.save_tiny(tmp_path / "m", tok, 0)
+    assert main(["floor", "--target", str(folder), "--rows", "3", "--repeats", "1", "--out", str(tmp_path / "f.json")]) == 0
+    first = capsys.readouterr().out.splitlines()
+    (tmp_path / "f.png").unlink()
+
+    def no_timing(*a, **k):
+        raise AssertionError("--from times nothing")
+
+    monkeypatch.setattr(decode.floor, "floor_report", no_timing)
+    assert main(["floor", "--from", str(tmp_path / "f.json")]) == 0
+    again = capsys.readouterr().out.splitlines()
+    assert again[:-1] == first[:-2]  # the same table and goals; then only the plot is written
+    assert again[-1] == f"wrote {tmp_path / 'f.png'}" and (tmp_path / "f.png").read_bytes().startswith(b"\x89PNG")
+
+    (tmp_path / "other.json").write_text(json.dumps({"rows": {}}))
+    assert main(["floor", "--from", str(tmp_path / "other.json")]) == 2
+    err = capsys.readouterr().err
+    assert "not a floor record" in err and len(err.strip().splitlines()) == 1
