@@ -8,7 +8,8 @@ most probable first tokens side by side where its first token falls below the th
 each sibling with the draft's next token; heads only) that the decoder accepts becomes one `KPolicy`, and each
 runs beside the target alone on the same prompts, interleaved prompt by prompt, with the draft's weights as each
 `quant` asks (int8 or none, side by side). `--policy LABEL` adds policies one by one (`policy_label`'s form);
-`--repeats N` times N interleaved passes (speedups: median and range over them). Use it on prompts kept for
+`--repeats N` times N interleaved passes (speedups: median and range over them); `--out grid.json` also draws
+grid.png (every policy's speedup, over all prompts and per domain, fastest on top). Use it on prompts kept for
 choosing (dev prompts), never on the ones a speedup is reported on; the one use on test prompts is as a check
 that chooses nothing of one's own: a policy chosen elsewhere beside a stock draft at every K, which favours the
 stock (its K picked in hindsight on the prompts themselves).
@@ -17,6 +18,7 @@ stock (its K picked in hindsight on the prompts themselves).
 from __future__ import annotations
 
 import itertools
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,7 +27,7 @@ import torch
 from decode.bench import validate_drafts
 from decode.errors import DraftsmithError
 from decode.head import HeadDraft
-from decode.io import atomic_write_json
+from decode.io import atomic_write_bytes, atomic_write_json, png_bytes
 from decode.loading import eos_ids, load
 from decode.runner import make_runner
 from decode.prompts import first_per_domain, load_prompts
@@ -125,7 +127,40 @@ def run_grid(target_spec: str, draft_spec: str, cfg: GridConfig, *, out: Path | 
               "machine": machine_info(), "versions": versions()}
     if out is not None:
         atomic_write_json(Path(out), result)
+        atomic_write_bytes(Path(out).with_suffix(".png"), grid_plot(result))
     if not all(val.greedy_equal.values()):
         raise DraftsmithError(f"grid: speculative output differs from the target's greedy output "
                               f"({val.greedy_equal}){f'; see {out}' if out else ''}")
     return result
+
+
+def grid_plot(result: dict) -> bytes:
+    """A grid's result as one PNG: each policy's speedup over the target alone (median over the repeats, the bar;
+    their range, the whisker), over all prompts and per domain, fastest policy on top."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = sorted(result["policies"], key=lambda n: result["speedup_vs_target_only"][n])
+    groups = {"all prompts": result}
+    groups.update(result.get("by_group") or {})
+    height = 0.8 / len(groups)
+    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.28 * len(names) * len(groups)))
+    for j, (label, g) in enumerate(groups.items()):
+        ys = [i + (len(groups) - 1 - j) * height for i in range(len(names))]
+        x = [g["speedup_vs_target_only"][n] for n in names]
+        lo = [max(0.0, v - g["speedup_range"][n][0]) for v, n in zip(x, names)]
+        hi = [max(0.0, g["speedup_range"][n][1] - v) for v, n in zip(x, names)]
+        ax.barh(ys, x, height, xerr=[lo, hi], capsize=2, label=label)
+    ax.axvline(1.0, color="grey", lw=1, ls="--")
+    ax.set_yticks([i + height * (len(groups) - 1) / 2 for i in range(len(names))], names, fontsize=7)
+    ax.set_xlabel("speedup over the target alone (median of repeats; whiskers: range)")
+    cpu = result.get("machine", {}).get("cpu", "")
+    what = textwrap.fill(f"{result['target']} with {result['draft']}", 100)
+    ax.set_title(f"{what}\n{len(result['prompts'])} prompts x {result['max_new_tokens']} tokens, "
+                 f"{len(result.get('repeats') or [1])} repeat(s), {cpu}", fontsize=8)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    png = png_bytes(fig)
+    plt.close(fig)
+    return png

@@ -247,7 +247,7 @@ def cmd_grid(args: argparse.Namespace) -> int:
         print(f"{name:34s} {result['tok_per_s'][name]:7.2f} tok/s  {result['speedup_vs_target_only'][name]:.2f}x  "
               f"tau {st['mean_tau']:.2f}  greedy-equal {result['greedy_equal'][name]}")
     if args.out:
-        print(f"wrote {args.out}")
+        print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
     return 0
 
 

@@ -71,6 +71,7 @@ def test_a_grid_times_every_policy_greedy_equal(world: dict, tmp_path: Path) -> 
         assert list(result["tok_per_s"]) == ["target_only", *names]
         assert result["greedy_equal"] == {n: True for n in names}
         assert json.loads(out.read_text())["policies"]["K=2 stop<0.9 siblings=2"]["siblings"] == 2
+        assert out.with_suffix(".png").read_bytes().startswith(b"\x89PNG")  # the policies drawn beside it
         assert result["prompts"] and result["machine"] and result["versions"]
         # each policy ran as named: no round drafted more than its K (a sibling round proposes its m)
         for n, p in result["policies"].items():
