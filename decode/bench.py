@@ -13,11 +13,13 @@ machine hits all modes alike; with `repeats` > 1 the whole pass runs again with 
 and each `speedup_*` is the median over the repeats of that repeat's ratio (`*_range`: the lowest and highest).
 `greedy_equal` checks, per prompt and repeat, speculative == target-only == HF greedy. The summary (`speculative`,
 `speedup_*`) is the fastest speculative mode on these prompts, picked in hindsight; `per_mode` gives every one's.
+With `out` the report is drawn beside it (bench.png: each mode's tokens/s with its range and ratio, `bench_plot`).
 """
 
 from __future__ import annotations
 
 import statistics
+import textwrap
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +29,7 @@ import torch
 from tqdm import tqdm
 
 from decode.errors import DraftsmithError
-from decode.io import atomic_write_json
+from decode.io import atomic_write_bytes, atomic_write_json, png_bytes
 from decode.loading import Loaded, eos_ids
 from decode.machine import machine_info, versions
 from decode.pair import Pair, load_pair
@@ -496,4 +498,48 @@ def run_bench(target: str, draft: str, cfg: BenchConfig | None = None, *, out: P
     }
     if out is not None:
         atomic_write_json(Path(out), report)
+        atomic_write_bytes(Path(out).with_suffix(".png"), bench_plot(report))
     return report
+
+
+def mode_rates(mode: dict) -> list[float]:
+    """A bench mode's tokens/s in each repeat (its prompts' tokens over their seconds), in repeat order."""
+    tokens: dict[int, float] = {}
+    seconds: dict[int, float] = {}
+    for p in mode["per_prompt"]:
+        tokens[p["repeat"]] = tokens.get(p["repeat"], 0) + p["tokens"]
+        seconds[p["repeat"]] = seconds.get(p["repeat"], 0.0) + p["seconds"]
+    return [tokens[r] / seconds[r] for r in sorted(tokens) if seconds[r] > 0]
+
+
+def bench_plot(report: dict) -> bytes:
+    """A bench report as one PNG: each mode's tokens/s (median over the repeats, the bar; their range, the whisker)
+    with its ratio to the target alone; `speculative` (a copy of the best mode) is not drawn twice."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = {m: mode_rates(v) for m, v in report["modes"].items() if m != "speculative" and v.get("per_prompt")}
+    modes = {m: r for m, r in modes.items() if r}
+    names = list(modes)
+    med = [statistics.median(modes[m]) for m in names]
+    lo = [x - min(modes[m]) for x, m in zip(med, names)]
+    hi = [max(modes[m]) - x for x, m in zip(med, names)]
+    fig, ax = plt.subplots(figsize=(8, 1.4 + 0.4 * len(names)))
+    ax.barh(range(len(names)), med, 0.6, xerr=[lo, hi], capsize=3, color="tab:blue")
+    base = modes.get("target_only")
+    for i, (x, m) in enumerate(zip(med, names)):  # the ratio as the report defines it: the median of each repeat's
+        ratio = statistics.median(a / b for a, b in zip(modes[m], base)) if base else None
+        ax.text(x, i, f"  {x:.2f} tok/s" + (f", {ratio:.2f}x the target alone" if ratio else ""), va="center",
+                fontsize=7)
+    ax.set_yticks(range(len(names)), names, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(med) * 1.6)
+    ax.set_xlabel("tokens/s (median of repeats; whiskers: range)")
+    what = textwrap.fill(f"{report['target']} with {report['draft']}", 100)
+    ax.set_title(f"{what}\n{len(report['prompts'])} prompts x {report['max_new_tokens']} tokens, "
+                 f"{report['repeats']} repeat(s), {report.get('machine', {}).get('cpu', '')}", fontsize=8)
+    png = png_bytes(fig)
+    plt.close(fig)
+    return png

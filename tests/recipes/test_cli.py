@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -196,6 +197,16 @@ def test_vocab_then_decode_with_the_pruned_draft_equals_the_target_alone(tiny_pa
     best = max(("speculative_k2", walked), key=lambda m: r["modes"][m]["tok_per_s"])
     assert r["per_mode"][best]["vs_hf_assisted"]["median"] == pytest.approx(r["speedup_vs_hf_assisted"])
     assert len(r["modes"]["target_only"]["per_prompt"]) == 4
+    # the plot beside the report draws each mode's rate per repeat, and its ratios as the report defines them
+    from decode.bench import mode_rates
+
+    assert report.with_suffix(".png").read_bytes().startswith(b"\x89PNG")
+    rates = {m: mode_rates(r["modes"][m]) for m in (best, "target_only")}
+    assert len(rates[best]) == 2 and rates[best][0] == pytest.approx(
+        sum(p["tokens"] for p in r["modes"][best]["per_prompt"] if p["repeat"] == 0)
+        / sum(p["seconds"] for p in r["modes"][best]["per_prompt"] if p["repeat"] == 0))
+    ratios = [a / b for a, b in zip(rates[best], rates["target_only"])]
+    assert statistics.median(ratios) == pytest.approx(r["per_mode"][best]["vs_target_only"]["median"])
 
 
 @pytest.mark.parametrize("content,needle", [(None, "no such kept-vocabulary file"), ("{", "not valid JSON"),
