@@ -209,7 +209,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"{mode}: " + "  ".join(f"{k.replace('_', ' ')} {fmt(v['median'])} ({fmt(v['range'][0])}-"
                                       f"{fmt(v['range'][1])})" for k, v in ratios.items()))
     if args.out:
-        print(f"wrote {args.out}")
+        print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
     return 0
 
 
@@ -219,7 +219,8 @@ def cmd_floor(args: argparse.Namespace) -> int:
 
     if args.from_record:
         report = read_json(args.from_record, what="floor record")
-        if not isinstance(report, dict) or not {"target", "rows", "weight_bytes", "bandwidth_gbs", "peak_gflops", "goals"} <= set(report):
+        needed = {"target", "rows", "weight_bytes", "bandwidth_gbs", "peak_gflops", "goals"}
+        if not isinstance(report, dict) or not needed <= set(report):
             raise DraftsmithError(f"{args.from_record}: not a floor record (`draftsmith floor --out` writes one)")
     else:
         report = floor_report(args.target, rows=args.rows, repeats=args.repeats)
