@@ -144,7 +144,8 @@ def grid_plot(result: dict) -> bytes:
 
     names = sorted(result["policies"], key=lambda n: result["speedup_vs_target_only"][n])
     groups = {"all prompts": result}
-    groups.update(result.get("by_group") or {})
+    if len(result.get("by_group") or {}) > 1:  # one domain would only repeat the first bar
+        groups.update(result["by_group"])
     height = 0.8 / len(groups)
     fig, ax = plt.subplots(figsize=(8, 1.2 + 0.28 * len(names) * len(groups)))
     for j, (label, g) in enumerate(groups.items()):
