@@ -503,13 +503,12 @@ def run_bench(target: str, draft: str, cfg: BenchConfig | None = None, *, out: P
 
 
 def mode_rates(mode: dict) -> list[float]:
-    """A bench mode's tokens/s in each repeat (its prompts' tokens over their seconds), in repeat order."""
-    tokens: dict[int, float] = {}
-    seconds: dict[int, float] = {}
+    """A bench mode's tokens/s in each repeat (`_tok_per_s` of its prompts in that repeat), in repeat order; a
+    one-repeat report's rows carry no repeat number."""
+    by_repeat: dict[int, list[dict]] = {}
     for p in mode["per_prompt"]:
-        tokens[p["repeat"]] = tokens.get(p["repeat"], 0) + p["tokens"]
-        seconds[p["repeat"]] = seconds.get(p["repeat"], 0.0) + p["seconds"]
-    return [tokens[r] / seconds[r] for r in sorted(tokens) if seconds[r] > 0]
+        by_repeat.setdefault(p.get("repeat", 0), []).append(p)
+    return [_tok_per_s(rows) for _, rows in sorted(by_repeat.items())]
 
 
 def bench_plot(report: dict) -> bytes:
@@ -530,7 +529,7 @@ def bench_plot(report: dict) -> bytes:
     ax.barh(range(len(names)), med, 0.6, xerr=[lo, hi], capsize=3, color="tab:blue")
     base = modes.get("target_only")
     for i, (x, m) in enumerate(zip(med, names)):  # the ratio as the report defines it: the median of each repeat's
-        ratio = statistics.median(a / b for a, b in zip(modes[m], base)) if base else None
+        ratio = statistics.median(a / b for a, b in zip(modes[m], base)) if base and all(base) else None
         ax.text(x, i, f"  {x:.2f} tok/s" + (f", {ratio:.2f}x the target alone" if ratio else ""), va="center",
                 fontsize=7)
     ax.set_yticks(range(len(names)), names, fontsize=7)

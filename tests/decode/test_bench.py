@@ -200,3 +200,16 @@ def test_bench_modes_are_each_k_then_each_named_policy_once() -> None:
     assert list(modes) == ["speculative_k2", "speculative_k4", "speculative K=8 stop<0.6 siblings=2",
                            "speculative K=4 stop<0.5"]  # "K=4" is the plain chain at K=4: timed once
     assert modes["speculative K=8 stop<0.6 siblings=2"] == KPolicy(k=8, k_max=16, confidence=0.6, siblings=2)
+
+
+def test_bench_plot_reads_one_repeat_and_many() -> None:
+    """A one-repeat report's per-prompt rows carry no repeat number; the plot reads them as repeat 0."""
+    from decode.bench import bench_plot, mode_rates
+
+    one = {"per_prompt": [{"tokens": 8, "seconds": 2.0}, {"tokens": 8, "seconds": 6.0}]}
+    two = {"per_prompt": [{"tokens": 8, "seconds": 2.0, "repeat": 1}, {"tokens": 8, "seconds": 4.0, "repeat": 0}]}
+    assert mode_rates(one) == [2.0] and mode_rates(two) == [2.0, 4.0]
+    report = {"target": "t", "draft": "d", "prompts": ["p0", "p1"], "max_new_tokens": 8, "repeats": 1,
+              "modes": {"target_only": one, "speculative_k2": one, "speculative": one}}
+    assert bench_plot(report).startswith(b"\x89PNG")
+
