@@ -21,6 +21,11 @@ have `forward_siblings`: heads) each candidate c_i also gets the draft's most pr
 all of them in one more step, and the tree [current, c_1..c_m, e_1..e_m] is verified in one forward (2m + 1
 rows): an accepted c_i's row checks e_i the same way (a candidate list of one), so a round emits up to 3 tokens.
 
+Lookup tokens (`KPolicy.lookup`): a chain round may append, after its drafts, the tokens that followed the last
+earlier occurrence of the sequence's last 2-4 tokens (`decode.lookup`), verified in the same forward. Each is a
+proposal with all its probability on that token, so the same rule keeps the output exact; they cost a few
+target rows and no draft step, and the draft reads the accepted ones next round (a feed of several tokens).
+
 A draft head (`decode.head.HeadDraft`, `reads_target`) reads the target instead of running on its own: the
 target keeps its hidden states at the head's layers, and after each target forward the accepted rows go to
 the head (`observe`); the head then drafts as any draft does, feeding itself past them. The first round of a
@@ -42,6 +47,7 @@ import torch
 from torch import Tensor
 
 from decode.errors import DraftsmithError
+from decode.lookup import continuation
 from decode.runner import HFRunner, Runner
 from decode.sampling import (
     SamplingParams, fit_vocab, greedy_token, sample, to_probs, verify, verify_candidates, verify_candidates_greedy,
@@ -72,7 +78,9 @@ class KPolicy:
     (each reads the context, not the others; one draft step, m + 1 target rows), and at most one of them
     is accepted. It needs a target with `forward_tree` (the lean runner). `sibling_depth` = 2 gives each of
     them the draft's most probable next token too (a second draft step over the m of them, 2m + 1 target rows;
-    drafts with `forward_siblings`, and rounds with room for two tokens).
+    drafts with `forward_siblings`, and rounds with room for two tokens). `lookup` = L > 0: a chain round appends
+    up to L tokens after its drafts, those that followed the last earlier occurrence of the sequence's last few
+    tokens (`decode.lookup.continuation`), verified in the same forward at no draft cost.
     """
 
     k: int = 4
@@ -82,6 +90,7 @@ class KPolicy:
     confidence: float | None = None
     siblings: int = 0
     sibling_depth: int = 1
+    lookup: int = 0
 
     def __post_init__(self) -> None:
         if not 1 <= self.k_min <= self.k <= self.k_max:
@@ -92,6 +101,8 @@ class KPolicy:
         if self.siblings and self.confidence is None:
             raise DraftsmithError(f"siblings ({self.siblings}) needs a confidence threshold to branch below")
         check_sibling_depth(self.sibling_depth, self.siblings)
+        if self.lookup < 0:
+            raise DraftsmithError(f"lookup must be >= 0 (tokens appended to a round), got {self.lookup}")
 
     def next_k(self, k: int, n_accepted: int, proposed: int) -> int:
         if not self.dynamic:
@@ -109,6 +120,8 @@ class Stats:
     new_tokens: int = 0  # tokens returned (after EOS / budget truncation)
     prefill_seconds: float = 0.0
     seconds: float = 0.0  # wall time of the whole call, prefill included
+    looked_up: int = 0  # of the drafted: lookup tokens appended to rounds (KPolicy.lookup)
+    lookup_accepted: int = 0  # of the accepted: lookup tokens
 
     @property
     def target_forwards(self) -> int:
@@ -135,7 +148,8 @@ class Stats:
         return Stats(
             dict(sorted(hist.items())), self.drafted + other.drafted, self.accepted + other.accepted,
             self.new_tokens + other.new_tokens, self.prefill_seconds + other.prefill_seconds,
-            self.seconds + other.seconds,
+            self.seconds + other.seconds, self.looked_up + other.looked_up,
+            self.lookup_accepted + other.lookup_accepted,
         )
 
     def to_dict(self) -> dict:
@@ -150,14 +164,18 @@ class Stats:
             "drafted": self.drafted,
             "accepted": self.accepted,
             "acceptance_rate": self.acceptance_rate,
+            "looked_up": self.looked_up,
+            "lookup_accepted": self.lookup_accepted,
             "tau_definition": "tokens emitted per target forward, including the bonus/corrected token",
         }
 
     @classmethod
     def from_dict(cls, d: dict) -> "Stats":
-        """The inverse of `to_dict` (derived fields are recomputed, not read)."""
+        """The inverse of `to_dict` (derived fields are recomputed, not read; records from before lookup rounds
+        read as none looked up)."""
         return cls({int(t): int(c) for t, c in d["tau_hist"].items()}, int(d["drafted"]), int(d["accepted"]),
-                   int(d["new_tokens"]), float(d["prefill_seconds"]), float(d["seconds"]))
+                   int(d["new_tokens"]), float(d["prefill_seconds"]), float(d["seconds"]),
+                   int(d.get("looked_up", 0)), int(d.get("lookup_accepted", 0)))
 
 
 @dataclass
@@ -181,13 +199,16 @@ class Result:
 
 
 def policy_label(p: KPolicy) -> str:
-    """A fixed-K policy as one line: 'K=8 stop<0.6 siblings=2 [children]' (`parse_policy_label` reads it back)."""
+    """A fixed-K policy as one line: 'K=8 stop<0.6 siblings=2 [children] [lookup=4]' (`parse_policy_label` reads
+    it back)."""
     return (f"K={p.k}" + (f" stop<{p.confidence}" if p.confidence else "")
-            + (f" siblings={p.siblings}" if p.siblings else "") + (" children" if p.sibling_depth == 2 else ""))
+            + (f" siblings={p.siblings}" if p.siblings else "") + (" children" if p.sibling_depth == 2 else "")
+            + (f" lookup={p.lookup}" if p.lookup else ""))
 
 
 def parse_policy_label(label: str) -> KPolicy:
-    """'K=8 stop<0.6 siblings=2 [children]' (`policy_label`'s form) -> the KPolicy; a one-line DraftsmithError.
+    """'K=8 stop<0.6 siblings=2 [children] [lookup=4]' (`policy_label`'s form) -> the KPolicy; a one-line
+    DraftsmithError.
     (`grid --policy` and `bench --policy` take policies by these labels.)"""
     fields: dict = {}
     try:
@@ -200,13 +221,16 @@ def parse_policy_label(label: str) -> KPolicy:
                 fields["siblings"] = int(part[9:])
             elif part == "children":
                 fields["sibling_depth"] = 2
+            elif part.startswith("lookup="):
+                fields["lookup"] = int(part[7:])
             else:
                 raise ValueError(part)
         if "k" not in fields:
             raise ValueError("no K")
         return KPolicy(k_max=max(16, fields["k"]), **fields)
     except (ValueError, DraftsmithError) as e:
-        raise DraftsmithError(f"policy {label!r}: expected 'K=N [stop<P] [siblings=M] [children]' ({e})") from None
+        raise DraftsmithError(f"policy {label!r}: expected 'K=N [stop<P] [siblings=M] [children] [lookup=L]' "
+                              f"({e})") from None
 
 
 def _ids(tokens: list[int], device: torch.device | str) -> Tensor:
@@ -247,8 +271,9 @@ class RoundSettings:
 @dataclass
 class Round:
     """What one round did: `emitted` is the accepted drafts and the target's own next token (before the budget and
-    EOS cut), `accepted` of the `drafted` tokens proposed in `steps` draft steps; `t_draft` and `t_verify` are the
-    clock's marks after drafting and after the target's forward (None without a clock)."""
+    EOS cut), `accepted` of the `drafted` tokens proposed in `steps` draft steps (`looked_up` of the drafted and
+    `lookup_accepted` of the accepted are lookup tokens); `t_draft` and `t_verify` are the clock's marks after
+    drafting and after the target's forward (None without a clock)."""
 
     emitted: list[int]
     accepted: int
@@ -256,6 +281,8 @@ class Round:
     steps: int
     t_draft: float | None = None
     t_verify: float | None = None
+    looked_up: int = 0
+    lookup_accepted: int = 0
 
 
 @dataclass
@@ -344,14 +371,32 @@ def _observe(target: Runner, draft: Runner | None, fed: Tensor, pos: int, rows: 
         head.observe(target.last_hidden[rows], fed[rows], pos)
 
 
+def lookup_q(tokens: list[int], V: int, like: Tensor) -> list[Tensor]:
+    """The law each lookup token was proposed from: all its probability on that token (so the target accepts it
+    with probability p(token) and, rejecting it, samples p without it)."""
+    q = like.new_zeros((len(tokens), V))
+    q[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)] = 1.0
+    return list(q)
+
+
 def chain_round(
     target: Runner, draft: Runner | None, st: DecodeState, K: int, how: RoundSettings, first: DraftStep | None = None,
+    room: int | None = None,
 ) -> Round:
-    """One chain round: the draft proposes up to K tokens (`draft_chain`; K = 0 is a plain target step), the
-    target scores [current token, drafts] in one forward, and `verify` keeps the longest accepted prefix and adds
-    one token of the target's (corrected or bonus). The target cache then holds the sequence up to that token."""
+    """One chain round: the draft proposes up to K tokens (`draft_chain`; K = 0 is a plain target step), then with
+    `policy.lookup` up to that many lookup tokens follow them (`decode.lookup.continuation` of the sequence and
+    the drafts; never past `room` - 1 proposed tokens), the target scores [current token, drafts] in one forward,
+    and `verify` keeps the longest accepted prefix and adds one token of the target's (corrected or bonus). The
+    target cache then holds the sequence up to that token; the draft reads the accepted lookup tokens next round."""
     V = target.vocab_size
     drafts, qs = draft_chain(draft, st, K, how, V, first) if K > 0 else ([], [])
+    steps, looked = len(drafts), []
+    if K > 0 and how.policy.lookup:
+        limit = how.policy.lookup if room is None else min(how.policy.lookup, room - 1 - len(drafts))
+        looked = continuation(st.seq + drafts, limit=max(limit, 0))
+        if qs and looked:
+            qs += lookup_q(looked, V, qs[0])
+        drafts = drafts + looked
     t_draft = how.mark()
     pos = len(st.seq) - 1
     fed = _ids([st.seq[-1], *drafts], how.device)
@@ -363,7 +408,8 @@ def chain_round(
         q_stack = torch.stack(qs) if qs else p_logits.new_zeros((0, V))
         n_acc, nxt = verify(to_probs(p_logits, how.sampling), q_stack, _ids(drafts, p_logits.device), how.generator)
     _observe(target, draft, fed, pos, slice(0, n_acc + 1))
-    return Round(drafts[:n_acc] + [nxt], n_acc, len(drafts), len(drafts), t_draft, t_verify)
+    return Round(drafts[:n_acc] + [nxt], n_acc, len(drafts), steps, t_draft, t_verify, len(looked),
+                 max(0, n_acc - steps))
 
 
 def _check_candidates(row: Tensor, candidates: list[int], how: RoundSettings) -> tuple[int, int]:
@@ -409,15 +455,16 @@ def sibling_round(
     return Round(accepted + [nxt], len(accepted), m + len(children), 2 if children else 1, t_draft, t_verify)
 
 
-def play_round(target: Runner, draft: Runner | None, st: DecodeState, K: int, how: RoundSettings) -> Round:
+def play_round(target: Runner, draft: Runner | None, st: DecodeState, K: int, how: RoundSettings,
+               room: int | None = None) -> Round:
     """One round drafting up to K tokens: a sibling round where the policy has siblings and the draft's first step
-    falls below its threshold, else a chain round (going on from that first step)."""
+    falls below its threshold, else a chain round (going on from that first step; lookup tokens within `room`)."""
     if K > 0 and how.policy.siblings:
         first = draft_step(draft, st.seq[st.d_len:], st, how, target.vocab_size)
         if first.top < how.policy.confidence:
             return sibling_round(target, draft, st, K, how, first)
-        return chain_round(target, draft, st, K, how, first)
-    return chain_round(target, draft, st, K, how)
+        return chain_round(target, draft, st, K, how, first, room)
+    return chain_round(target, draft, st, K, how, room=room)
 
 
 def finish_round(st: DecodeState, r: Round, stats: Stats, policy: KPolicy, room: int, eos: set[int]) -> bool:
@@ -427,6 +474,8 @@ def finish_round(st: DecodeState, r: Round, stats: Stats, policy: KPolicy, room:
     stats.tau_hist[r.accepted + 1] = stats.tau_hist.get(r.accepted + 1, 0) + 1
     stats.drafted += r.drafted
     stats.accepted += r.accepted
+    stats.looked_up += r.looked_up
+    stats.lookup_accepted += r.lookup_accepted
     emitted, stop = r.emitted[:room], False
     for i, t in enumerate(emitted):
         if t in eos:
@@ -434,7 +483,7 @@ def finish_round(st: DecodeState, r: Round, stats: Stats, policy: KPolicy, room:
             break
     st.advance(emitted)
     if r.drafted:
-        st.k = policy.next_k(st.k, r.accepted, r.steps)
+        st.k = policy.next_k(st.k, r.accepted - r.lookup_accepted, r.steps)
     return stop
 
 
@@ -510,7 +559,7 @@ def generate(
         clock.prefill_s.append(stats.prefill_seconds)
     while (room := max_new_tokens - (len(st.seq) - len(prompt_ids))) > 0:
         t_round = time.perf_counter()
-        r = play_round(target, draft, st, _round_size(st, room, head), how)
+        r = play_round(target, draft, st, _round_size(st, room, head), how, room)
         stop = finish_round(st, r, stats, policy, room, eos)
         if clock is not None:
             end = how.mark()

@@ -298,7 +298,9 @@ def gated_walk(rows: Sequence[tuple[Tensor, ...]], K: int, threshold: float, *,
 
 
 def round_walk(rows: Sequence[tuple[Tensor, ...]], K: int, threshold: float, *, budget: int,
-               siblings: int = 0, sibling_depth: int = 1) -> tuple[int, list[tuple[int, int]]]:
+               siblings: int = 0, sibling_depth: int = 1, lookup: int = 0,
+               copies: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None
+               ) -> tuple[int, list[tuple[int, int]]]:
     """`gated_walk`, with sibling rounds (`KPolicy(confidence=threshold, siblings=m)`) when `siblings` = m >= 2:
     a round whose depth-1 token has a draft probability below `threshold` proposes the draft's m most probable
     tokens for that position in one draft step, and emits two tokens when the target's is among them, else one.
@@ -306,8 +308,13 @@ def round_walk(rows: Sequence[tuple[Tensor, ...]], K: int, threshold: float, *, 
     distribution (0: its top token, which is what hits[0] says). With `sibling_depth` 2 (`KPolicy.sibling_depth`)
     a sibling round with room for two tokens also drafts each sibling's next token (two draft steps, 2m tokens)
     and emits three tokens when the target's token is a sibling and hits[1] (the draft's depth-2 token after the
-    target's own, which is what the accepted sibling's child is) holds too. Returns (tokens emitted, (draft
-    steps, tokens drafted) of every round)."""
+    target's own, which is what the accepted sibling's child is) holds too. With `lookup` = L > 0
+    (`KPolicy.lookup`) a chain round that drafted d tokens from new token n appends up to min(L, budget - n - 1 -
+    d) lookup tokens, read from the row's `copies` entry (`decode.lookup.copy_table`: proposed and matched
+    counts at every new-token position, for a limit >= L) at position n + d: where all d drafts hit, the
+    context there is the decoder's and so are the lookup tokens; the matched ones are accepted after the drafts.
+    (Past a miss the decoder's lookup reads its own drafts, so only the number proposed, the round's cost, may
+    differ.) Returns (tokens emitted, (draft steps, tokens drafted) of every round)."""
     _check_k(K)
     if budget < 1:
         raise ValueError(f"budget must be >= 1, got {budget}")
@@ -315,8 +322,10 @@ def round_walk(rows: Sequence[tuple[Tensor, ...]], K: int, threshold: float, *, 
         raise ValueError(f"threshold must lie in [0, 1], got {threshold}")
     check_siblings(siblings)
     check_sibling_depth(sibling_depth, siblings)
+    if lookup < 0 or (lookup and (copies is None or len(copies) != len(rows))):
+        raise ValueError(f"lookup ({lookup}) must be >= 0, and > 0 needs one copies entry (proposed, matched) a row")
     tokens, rounds = 0, []
-    for row in rows:
+    for i_row, row in enumerate(rows):
         hits, tops = row[0], row[1]
         if hits.dim() != 2 or hits.shape != tops.shape or hits.shape[0] < K:
             raise ValueError(f"a row needs hits and tops of one shape (>= {K} depths, positions), got "
@@ -345,7 +354,15 @@ def round_walk(rows: Sequence[tuple[Tensor, ...]], K: int, threshold: float, *, 
             a = 0
             while a < d and h[a][n] == 1:
                 a += 1
+            extra = 0
+            if lookup and d:
+                proposed, matched = copies[i_row]
+                at = n + d
+                if at < len(proposed):
+                    extra = min(proposed[at], lookup, budget - n - 1 - d)
+                    if a == d:
+                        a += min(matched[at], extra)
             n += min(a + 1, T - n)
-            rounds.append((d, d))
+            rounds.append((d, d + extra))
         tokens += T
     return tokens, rounds

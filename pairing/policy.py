@@ -32,7 +32,8 @@ DEFAULT_K = 3  # when nothing was measured to choose from
 
 def policy_dict(p: KPolicy) -> dict:
     """A policy as result files record it: K, stop threshold, siblings and their depth."""
-    return {"k": p.k, "confidence": p.confidence, "siblings": p.siblings, "sibling_depth": p.sibling_depth}
+    return {"k": p.k, "confidence": p.confidence, "siblings": p.siblings, "sibling_depth": p.sibling_depth,
+            "lookup": p.lookup}
 
 
 @dataclass(frozen=True)
@@ -88,15 +89,22 @@ def _best(curve: Mapping[int, float]) -> int:
     return max(curve, key=lambda K: (curve[K], -K))
 
 
-def _label(K: int, thr: float, m: int, d: int) -> str:
-    return f"K={K} below {thr}" + (f", {m} siblings" if m else "") + (" with children" if d == 2 else "")
+def _label(K: int, thr: float, m: int, d: int, L: int = 0) -> str:
+    return (f"K={K} below {thr}" + (f", {m} siblings" if m else "") + (" with children" if d == 2 else "")
+            + (f", lookup {L}" if L else ""))
+
+
+Option = tuple[int, float, int, int, int]  # K, stop threshold, siblings, sibling depth, lookup tokens
 
 
 def walk_options(records: Sequence[tuple[Tensor, ...]], cost: DecoderCost, *, max_k: int, tokens: int,
-                 gate: bool, siblings: int = 0, sibling_depth: int = 1) -> dict[tuple[int, float, int, int], float]:
-    """Predicted speedup by (K, threshold, m, depth): fixed rounds (threshold 0, m 0), rounds that stop early
+                 gate: bool, siblings: int = 0, sibling_depth: int = 1, lookups: Sequence[int] = (0,),
+                 copies: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None) -> dict[Option, float]:
+    """Predicted speedup by (K, threshold, m, depth, L): fixed rounds (threshold 0, m 0), rounds that stop early
     (m 0; only K >= 2 can), and with m = `siblings` >= 2 rounds that propose m first tokens side by side below the
-    threshold (depth 2, up to `sibling_depth`: with each one's next token, K >= 2), each walked on `records`."""
+    threshold (depth 2, up to `sibling_depth`: with each one's next token, K >= 2), each with every number L of
+    `lookups` lookup tokens after its chains (L > 0 reads `copies`: `decode.lookup.copy_table` a record), each
+    walked on `records`. Only settings whose verify (drafts and lookup tokens + 1 rows) the cost covers."""
     out = {}
     for K in range(1, max_k + 1):
         for thr in (GATES if gate else (0.0,)):
@@ -104,35 +112,43 @@ def walk_options(records: Sequence[tuple[Tensor, ...]], cost: DecoderCost, *, ma
                 if K == 1 and thr and not m:
                     continue  # a round of one draft has nothing to stop early
                 for d in range(1, (sibling_depth if m and K >= 2 else 1) + 1):
-                    n, rounds = round_walk(records, K, thr, budget=tokens, siblings=m, sibling_depth=d)
-                    out[(K, thr, m, d)] = cost.walk_speedup(n, rounds, len(records))
+                    for L in lookups:
+                        if L and (copies is None or K + L not in cost.verify_s):
+                            continue
+                        n, rounds = round_walk(records, K, thr, budget=tokens, siblings=m, sibling_depth=d,
+                                               lookup=L, copies=copies if L else None)
+                        out[(K, thr, m, d, L)] = cost.walk_speedup(n, rounds, len(records))
     return out
 
 
 def _from_walk(records, cost: DecoderCost, *, max_k: int, tokens: int, gate: bool, siblings: int,
-               sibling_depth: int) -> PolicyChoice:
+               sibling_depth: int, lookups: Sequence[int] = (0,),
+               copies: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None) -> PolicyChoice:
     opts = walk_options(records, cost, max_k=max_k, tokens=tokens, gate=gate, siblings=siblings,
-                        sibling_depth=sibling_depth)
-    curve = {K: opts[(K, 0.0, 0, 1)] for K in range(1, max_k + 1)}
-    K, thr, m, d = max(opts, key=lambda o: (opts[o], -o[0], -o[1], -o[2], -o[3]))
-    policy = KPolicy(k=K, k_max=max(16, K), confidence=thr or None, siblings=m, sibling_depth=d)
+                        sibling_depth=sibling_depth, lookups=lookups, copies=copies)
+    curve = {K: opts[(K, 0.0, 0, 1, 0)] for K in range(1, max_k + 1)}
+    best = max(opts, key=lambda o: (opts[o], -o[0], -o[1], -o[2], -o[3], -o[4]))
+    K, thr, m, d, L = best
+    policy = KPolicy(k=K, k_max=max(16, K), confidence=thr or None, siblings=m, sibling_depth=d, lookup=L)
     how = (f"proposing the draft's {m} most probable first tokens side by side"
            + (" with the draft's next token after each" if d == 2 else "") if m else "stopping")
     reason = (f"best predicted from the decoder's rounds walked on the held-out references and the round cost timed "
               f"in the decoder ({', '.join(f'K={k}: {x:.2f}x' for k, x in curve.items())}"
-              + (f"; {how} where the draft's first token has probability below {thr}: {opts[(K, thr, m, d)]:.2f}x"
-                 if thr else "") + ")")
-    return PolicyChoice(policy, opts[(K, thr, m, d)], reason, curve,
-                        {_label(*o): x for o, x in opts.items() if o[1]})
+              + (f"; {how} where the draft's first token has probability below {thr}" if thr else "")
+              + (f"; with up to {L} lookup tokens after each chain" if L else "")
+              + (f": {opts[best]:.2f}x" if thr or L else "") + ")")
+    return PolicyChoice(policy, opts[best], reason, curve, {_label(*o): x for o, x in opts.items() if o[1] or o[4]})
 
 
 def choose_policy(cost: CostModel | DecoderCost | None, *, taus: Mapping[int, float] | None = None,
                   records: Sequence[tuple[Tensor, ...]] | None = None, tokens: int = 64, max_k: int = 16,
                   fixed_k: int = 0, gate: bool = False, siblings: int = 0, sibling_depth: int = 1,
+                  lookups: Sequence[int] = (0,), copies: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
                   evidence: str = "the draft's acceptance") -> PolicyChoice:
     """The best predicted round policy for one draft (see the module docstring). `fixed_k` > 0 keeps that K
     (its prediction still reported); `records` (with a `DecoderCost`) also weighs stop thresholds (`gate`) and
-    sibling rounds of `siblings` candidates; with neither `records` nor `taus` the choice is K = 3, unpredicted.
+    sibling rounds of `siblings` candidates, and lookup tokens (`lookups`, walked on `copies`); with neither
+    `records` nor `taus` the choice is K = 3, unpredicted.
     Only K in 1..max_k that the cost covers are considered."""
     if max_k < 1:
         raise ValueError(f"max_k must be >= 1, got {max_k}")
@@ -146,7 +162,7 @@ def choose_policy(cost: CostModel | DecoderCost | None, *, taus: Mapping[int, fl
         if not isinstance(cost, DecoderCost):
             raise ValueError("walking a head's rounds needs the round cost timed in the decoder (DecoderCost)")
         return _from_walk(records, cost, max_k=max_k, tokens=tokens, gate=gate, siblings=siblings,
-                          sibling_depth=sibling_depth)
+                          sibling_depth=sibling_depth, lookups=lookups, copies=copies)
     if taus is None or cost is None:
         return PolicyChoice(KPolicy(k=DEFAULT_K), None,
                             "default (no acceptance measured: neither the pair nor the distill stage has run)")

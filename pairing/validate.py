@@ -27,6 +27,7 @@ from decode.errors import DraftsmithError
 from decode.head import HeadDraft, head_quant
 from decode.io import atomic_write_json
 from decode.loading import Loaded, eos_ids, load
+from decode.lookup import copy_table
 from decode.runner import make_runner
 from decode.prompts import Prompt, first_per_domain
 from decode.speculative import KPolicy, check_siblings
@@ -55,6 +56,8 @@ class ValidateConfig:
     siblings: int = 2  # with gate: also predict rounds that propose this many first tokens side by side where the
     # draft is unsure (a tree verify; 0 = never), and run them if they predict best
     sibling_depth: int = 1  # 2: also predict those rounds with the head's next token after each sibling (2m + 1 rows)
+    lookup: list[int] = field(default_factory=lambda: [0, 4, 8])  # a standalone draft whose rounds are walked: also
+    # predict chains followed by up to this many lookup tokens (copied from earlier in the text; 0 = none)
 
     def __post_init__(self) -> None:
         for name in ("prompts_per_domain", "max_new_tokens", "max_k", "repeats"):
@@ -65,6 +68,8 @@ class ValidateConfig:
         check_siblings(self.siblings)
         if self.sibling_depth not in (1, 2):
             raise ValueError(f"sibling_depth must be 1 or 2, got {self.sibling_depth}")
+        if not self.lookup or any(not isinstance(L, int) or L < 0 for L in self.lookup):
+            raise ValueError(f"lookup must list token counts >= 0, got {self.lookup}")
         if self.draft_quant not in (None, "int8"):
             raise ValueError(f"draft_quant must be int8 or null, got {self.draft_quant!r}")
 
@@ -190,10 +195,11 @@ def _choose(d: DraftUnderTest, opened: Opened, t_run, ids: list[list[int]], cfg:
     siblings = cfg.siblings if cfg.gate and hasattr(t_run, "forward_tree") and cfg.siblings <= k_max else 0
     sibling_depth = 1 if standalone else cfg.sibling_depth  # children need a head's forward_siblings
     tree_k = 2 * siblings if siblings and sibling_depth == 2 else 0
+    lookups = sorted(set(cfg.lookup)) if standalone and d.refs else [0]  # walked on the references' copy tables
     # 9 interleaved repeats (median): with 3, one stall on a busy machine set v(2..4) ~1.29 where they are ~1.01,
     # which ruled out sibling rounds that measured 1.41-1.43x
-    iso = measure_cost(t_run, None, ks=range(1, max(k_max, tree_k) + 1), context=COST_CONTEXT, repeats=9, warmup=2,
-                       device=device)
+    iso = measure_cost(t_run, None, ks=range(1, max(k_max + max(lookups), tree_k) + 1), context=COST_CONTEXT,
+                       repeats=9, warmup=2, device=device)
     dc = calibrate_decoder(t_run, opened.runner, ids[:2], k=1, isolated=iso, max_new_tokens=32, eos_ids=eos,
                            device=device)
     timed = {"cost_ratio": dc.draft_step_s / dc.target_token_s,
@@ -202,8 +208,9 @@ def _choose(d: DraftUnderTest, opened: Opened, t_run, ids: list[list[int]], cfg:
     if d.held or d.refs:
         records = (depth_records(opened.head, d.held, k_max, ranks=True) if d.held else
                    standalone_records(opened.runner, d.refs, k_max, vocab=t_run.vocab_size, ranks=True))
+        copies = [copy_table(p, c, max(lookups)) for p, c in d.refs] if max(lookups) else None
         return choose_policy(dc, records=records, tokens=cfg.max_new_tokens, max_k=k_max, gate=cfg.gate,
-                             siblings=siblings, sibling_depth=sibling_depth), timed
+                             siblings=siblings, sibling_depth=sibling_depth, lookups=lookups, copies=copies), timed
     taus = taus_from_rates(d.rates, k_max) if d.rates else None
     return choose_policy(dc, taus=taus, tokens=cfg.max_new_tokens, max_k=k_max,
                          evidence="the draft's held-out acceptance by depth and its round cost timed in the decoder"
@@ -212,7 +219,7 @@ def _choose(d: DraftUnderTest, opened: Opened, t_run, ids: list[list[int]], cfg:
 
 def _max_len(ids: list[list[int]], drafts: list[DraftUnderTest], cfg: ValidateConfig) -> int:
     tree_k = 2 * cfg.siblings if cfg.siblings and cfg.sibling_depth == 2 else 0
-    most_k = max([cfg.k, cfg.max_k, tree_k] + [d.k or 0 for d in drafts])
+    most_k = max([cfg.k, cfg.max_k + max(cfg.lookup), tree_k] + [d.k or 0 for d in drafts])
     return max(max(len(i) for i in ids) + cfg.max_new_tokens, COST_CONTEXT) + most_k + 2
 
 

@@ -85,7 +85,7 @@ def _policy(args: argparse.Namespace):
 
     try:
         return KPolicy(k=args.k, dynamic=args.dynamic_k, k_max=max(16, args.k), confidence=args.confidence,
-                       siblings=args.siblings, sibling_depth=args.sibling_depth)
+                       siblings=args.siblings, sibling_depth=args.sibling_depth, lookup=args.lookup)
     except ValueError as e:
         raise DraftsmithError(str(e)) from None
 
@@ -544,6 +544,8 @@ def _decode_parser(sub) -> None:
                    help="with --confidence: below it, propose the draft's N most probable first tokens side by side")
     p.add_argument("--sibling-depth", type=int, default=1, choices=[1, 2],
                    help="2: each of those first tokens also gets the draft's next token (a draft head only)")
+    p.add_argument("--lookup", type=int, default=0,
+                   help="append up to N tokens copied from earlier in the text after each chain (prompt lookup)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)

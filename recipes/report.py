@@ -312,6 +312,8 @@ def _policy_words(b: dict, name: str) -> str:
                   f"{p['confidence']}" + (" (each with its next token)" if p.get("sibling_depth") == 2 else ""))
     elif p.get("confidence"):
         words += f", rounds stopping below probability {p['confidence']}"
+    if p.get("lookup"):
+        words += f", up to {p['lookup']} lookup tokens after each chain"
     return words
 
 
@@ -379,6 +381,8 @@ def _validation(doc: Doc, run: Path) -> None:
                      + (", each with its next token" if b.get("sibling_depth") == 2 else ""))
             elif name == "draft_after" and b.get("confidence"):  # the head's rounds stop early below this
                 K = f"{K}, stops below p {b['confidence']}"
+            if name == "draft_after" and b.get("lookup"):  # lookup tokens after its chains
+                K = f"{K}, lookup {b['lookup']}"
             lo, hi = val.speedup_range.get(name, [None, None])
             ratio = "1.00x" if name == "target_only" else f"{val.speedup(name):.2f}x" + (
                 f" ({lo:.2f}-{hi:.2f})" if len(val.repeats) > 1 else "")

@@ -129,6 +129,37 @@ def test_the_walk_of_a_pruned_draft_with_context_ids_is_the_decoders(K, threshol
         assert any(t % 3 for t in ref[:budget])  # the target writes ids outside the kept ones
 
 
+@pytest.mark.parametrize("K,threshold,siblings,lookup", [(1, 0.0, 0, 3), (3, 0.0, 0, 2), (3, 0.5, 0, 4),
+                                                          (2, 0.1, 2, 4)])
+def test_the_walk_with_lookup_tokens_is_the_decoders(K, threshold, siblings, lookup) -> None:
+    """Lookup rounds (`KPolicy.lookup`) walked on `copy_table`s: the decoder's tokens in the decoder's rounds, and
+    lookup tokens accepted in both."""
+    from decode.lookup import copy_table
+    from decode.runner import make_runner
+    from decode.speculative import KPolicy, RoundClock, generate
+    from pairing.depth import round_walk
+    from pairing.head_rounds import standalone_records
+
+    hf = target_hf(5, mix=0.3)
+    target, draft = make_runner(hf, 256), make_runner(_noisy_copy(hf, 1, 0.05), 256)
+    budget, accepted, walked_extra = 24, 0, 0
+    for start in ([1, 5, 7, 9], [11, 2, 4, 6, 8, 10]):
+        prompt = start + generate(target, start, max_new_tokens=30).tokens  # the target's text, read again
+        ref = generate(target, prompt, max_new_tokens=40).tokens
+        records = standalone_records(draft, [(prompt, ref)], K, vocab=61, ranks=True)
+        copies = [copy_table(prompt, ref, lookup)]
+        n, rounds = round_walk(records, K, threshold, budget=budget, siblings=siblings, lookup=lookup, copies=copies)
+        plain = round_walk(records, K, threshold, budget=budget, siblings=siblings)
+        clock = RoundClock()
+        res = generate(target, prompt, draft=draft, max_new_tokens=budget, clock=clock,
+                       policy=KPolicy(k=K, confidence=threshold or None, siblings=siblings, lookup=lookup))
+        assert res.tokens == ref[:budget] and n == budget and len(rounds) == len(clock.rounds)
+        accepted += res.stats.lookup_accepted
+        walked_extra += sum(d - s for s, d in rounds)
+        assert len(rounds) <= len(plain[1])
+    assert accepted > 0 and walked_extra > 0  # lookup tokens were proposed in the walk and accepted in the decoder
+
+
 def test_standalone_records_by_hand() -> None:
     """Depth j of the round from new token n reads the draft's row at P + n + j - 2; ranks count the ids the draft
     prefers to the target's token."""
