@@ -96,6 +96,9 @@ def add_options(parser: argparse.ArgumentParser, cls: type, *, only: set[str] | 
         kwargs: dict[str, Any] = dict(dest=f"cfg:{'.'.join(path)}", default=argparse.SUPPRESS, help=help_text)
         if tp is bool:
             group.add_argument(flag, *aliases.get(name, []), action=argparse.BooleanOptionalAction, **kwargs)
+        elif typing.get_origin(tp) is list:  # given twice, both count: '--k 1 --k 2,3' is 1,2,3
+            group.add_argument(flag, *aliases.get(name, []), metavar=name.upper(), required=name in required,
+                               action="append", **kwargs)
         else:
             group.add_argument(flag, *aliases.get(name, []), metavar=name.upper(), required=name in required,
                                **kwargs)
@@ -111,6 +114,8 @@ def given(args: argparse.Namespace) -> dict[str, Any]:
         node = data
         for p in parents:
             node = node.setdefault(p, {})
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):  # a list option given n times
+            value = ",".join(value)
         node[leaf] = parse_value(value) if isinstance(value, str) else value
     return data
 

@@ -119,3 +119,16 @@ def test_every_setting_is_described_once_in_its_class() -> None:
         sections = ("PairConfig", "DistillConfig", "ValidateConfig", "ExportConfig", "TrainConfig")
         missing = [f.name for f in dataclasses.fields(cls) if f.name not in helps and f.type not in sections]
         assert not missing, (cls.__name__, missing)
+
+
+def test_a_list_option_given_twice_keeps_both() -> None:
+    """`--policy A --policy B` times both policies (a second flag used to replace the first without a word);
+    comma lists and repeated flags mix."""
+    from pairing.grid import GridConfig
+
+    args = parse("grid", "--target", TARGET, "--draft", DERIVED, "--k", "1", "--k", "2,3",
+                 "--policy", "K=6 stop<0.6 siblings=2", "--policy", "K=6 stop<0.6 siblings=2 lookup=4")
+    cfg = options_to_config(GridConfig, args)
+    assert cfg.k == [1, 2, 3]
+    assert cfg.policy == ["K=6 stop<0.6 siblings=2", "K=6 stop<0.6 siblings=2 lookup=4"]
+    assert options_to_config(GridConfig, parse("grid", "--target", TARGET, "--draft", DERIVED, "--k", "4")).k == [4]
