@@ -198,3 +198,33 @@ def test_sampled_output_law_with_a_pruned_draft_and_lookup() -> None:
     law = target_sequence_law(t_hf, LAW_PROMPT, params)
     counts = lookup_counts(target, draft, LAW_PROMPT, params, n, 0, KPolicy(k=2, lookup=2))
     assert chi2_pvalue(counts, law, n) > 1e-3
+
+
+@pytest.mark.parametrize("N", [None, 30])
+def test_a_head_with_lookup_tokens_equals_the_target(N) -> None:
+    """A draft head reads the target's features of every accepted row, lookup tokens included: greedy equals the
+    target's decode, lookup tokens are accepted, and the sampled law holds."""
+    from decode.head import HeadDraft
+    from tests.decode.test_head import mimic_head, random_head, target_hf
+
+    hf = target_hf(0)
+    target = make_runner(hf, 256)
+    accepted = 0
+    for start in REPEATING:
+        prompt = start + generate(target, start, max_new_tokens=20).tokens
+        ref = generate(target, prompt, max_new_tokens=30).tokens
+        for head, k, L in itertools.product((random_head(hf, N), mimic_head(hf, N)), (1, 3), (2, 6)):
+            out = generate(target, prompt, draft=HeadDraft(head, 256), max_new_tokens=30, policy=KPolicy(k=k, lookup=L))
+            assert out.tokens == ref, (k, L, prompt)
+            accepted += out.stats.lookup_accepted
+    assert accepted > 0
+
+
+def test_sampled_output_law_with_a_head_and_lookup() -> None:
+    from tests.decode.test_head import law_pair
+
+    params, n = SamplingParams(1.0), 3000
+    hf, target, draft = law_pair(3)
+    law = target_sequence_law(hf, LAW_PROMPT, params)
+    counts = lookup_counts(target, draft, LAW_PROMPT, params, n, 0, KPolicy(k=2, lookup=2))
+    assert chi2_pvalue(counts, law, n) > 1e-3
