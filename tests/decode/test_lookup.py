@@ -131,21 +131,27 @@ def lookup_counts(target, draft, prompt, params, n, seed, policy) -> dict:
     return counts
 
 
+def law_check(params: SamplingParams, n: int = 3000):
+    """The tiny law pair decoding LAW_PROMPT n times with one draft token and 2 lookup tokens a round:
+    (target, draft, the chi-square p-value of the outputs against the target's exact law)."""
+    t_hf, d_hf = tiny_hf(20, vocab=V, layers=1, scale=8.0), tiny_hf(21, vocab=V, layers=1, scale=8.0)
+    target, draft = make_runner(t_hf, 32), make_runner(d_hf, 32)
+    law = target_sequence_law(t_hf, LAW_PROMPT, params)
+    counts = lookup_counts(target, draft, LAW_PROMPT, params, n, 0, KPolicy(k=1, lookup=2))
+    return target, draft, chi2_pvalue(counts, law, n)
+
+
 @pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.8, top_k=3)])
 def test_sampled_output_law_with_lookup(params: SamplingParams) -> None:
     """Chi-square over the 64 continuations, n = 3000 draws (power as in test_speculative: a total-variation
     error of 0.1 is detected with power > 0.99 at level 1e-3); the prompt holds every pair "3 x", so a round
-    whose draft follows a 3 always has lookup tokens to propose. The negative control below must fail the same test."""
-    t_hf, d_hf = tiny_hf(20, vocab=V, layers=1, scale=8.0), tiny_hf(21, vocab=V, layers=1, scale=8.0)
-    target, draft = make_runner(t_hf, 32), make_runner(d_hf, 32)
-    prompt = LAW_PROMPT
-    law = target_sequence_law(t_hf, prompt, params)
-    n = 3000
-    counts = lookup_counts(target, draft, prompt, params, n, 0, KPolicy(k=1, lookup=2))
-    assert chi2_pvalue(counts, law, n) > 1e-3
+    whose draft follows a 3 always has lookup tokens to propose. The negative control below must fail the same
+    test."""
+    target, draft, pvalue = law_check(params)
+    assert pvalue > 1e-3
     g, stats = torch.Generator().manual_seed(1), []
     for _ in range(50):
-        stats.append(generate(target, prompt, draft=draft, max_new_tokens=N_NEW, sampling=params,
+        stats.append(generate(target, LAW_PROMPT, draft=draft, max_new_tokens=N_NEW, sampling=params,
                               policy=KPolicy(k=1, lookup=2), generator=g).stats)
     assert sum(s.looked_up for s in stats) > 20 and sum(s.lookup_accepted for s in stats) > 5  # the law saw them
 
@@ -156,14 +162,7 @@ def test_a_lookup_token_verified_as_if_drafted_uniformly_fails_the_law_test(monk
     import decode.speculative as spec
 
     monkeypatch.setattr(spec, "lookup_q", lambda tokens, V, like: list(like.new_full((len(tokens), V), 1.0 / V)))
-    params = SamplingParams(1.0)
-    t_hf, d_hf = tiny_hf(20, vocab=V, layers=1, scale=8.0), tiny_hf(21, vocab=V, layers=1, scale=8.0)
-    target, draft = make_runner(t_hf, 32), make_runner(d_hf, 32)
-    prompt = LAW_PROMPT
-    law = target_sequence_law(t_hf, prompt, params)
-    n = 3000
-    counts = lookup_counts(target, draft, prompt, params, n, 0, KPolicy(k=1, lookup=2))
-    assert chi2_pvalue(counts, law, n) < 1e-6
+    assert law_check(SamplingParams(1.0))[2] < 1e-6
 
 
 @pytest.mark.parametrize("quantize", [None, "int8"])
