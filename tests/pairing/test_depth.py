@@ -477,3 +477,23 @@ def test_gated_walk_refuses_bad_input():
         gated_walk([(torch.full((2, 3), 0.5), torch.ones(2, 3))], 2, 0.5, budget=8)
     with pytest.raises(ValueError, match="threshold"):
         gated_walk([(torch.ones(2, 3), torch.ones(2, 3))], 2, 1.5, budget=8)
+
+
+def test_round_walk_with_lookup_by_hand_and_its_errors() -> None:
+    """A round of 2 hits reads the copy table at n + 2: 3 proposed, 2 matched -> 5 tokens emitted (2 drafts, 2 lookup,
+    the bonus) and 5 tokens drafted; a miss keeps the lookup rows' cost and nothing of them."""
+    from pairing.depth import round_walk
+    from pairing.validate import ValidateConfig
+
+    T = 10
+    hits, tops = torch.ones(2, T, dtype=torch.float64), torch.ones(2, T, dtype=torch.float64)
+    proposed, matched = [3] * (T + 1), [2] * (T + 1)
+    assert round_walk([(hits, tops)], 2, 0.0, budget=T, lookup=3, copies=[(proposed, matched)]) == (
+        T, [(2, 5), (2, 4)])  # the second round, from new token 5, has room for 2 lookup tokens, not 3
+    hits[0, 0] = 0.0
+    n, rounds = round_walk([(hits, tops)], 2, 0.0, budget=T, lookup=3, copies=[(proposed, matched)])
+    assert n == T and rounds[0] == (2, 5)  # the first draft missed: one token, the rows paid for
+    with pytest.raises(ValueError, match="copies"):
+        round_walk([(hits, tops)], 2, 0.0, budget=T, lookup=3)
+    with pytest.raises(ValueError, match="lookup must list"):
+        ValidateConfig(lookup=[-1])
