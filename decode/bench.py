@@ -539,6 +539,4 @@ def bench_plot(report: dict) -> bytes:
     what = textwrap.fill(f"{report['target']} with {report['draft']}", 100)
     ax.set_title(f"{what}\n{len(report['prompts'])} prompts x {report['max_new_tokens']} tokens, "
                  f"{report['repeats']} repeat(s), {report.get('machine', {}).get('cpu', '')}", fontsize=8)
-    png = png_bytes(fig)
-    plt.close(fig)
-    return png
+    return png_bytes(fig)

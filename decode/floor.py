@@ -197,9 +197,7 @@ def floor_plot(report: dict) -> bytes:
     machine = report.get("machine", {})
     where = [machine.get("cpu", "?"), f"{machine.get('cpu_count', '?')} cores", machine.get("cpu_capability")]
     av.set_title(", ".join(w for w in where if w), fontsize=9)
-    png = png_bytes(fig)
-    plt.close(fig)
-    return png
+    return png_bytes(fig)
 
 
 PLAN_ROWS = 12  # row counts planned: verify steps up to K = 11

@@ -108,10 +108,14 @@ def atomic_dir(final: str | Path, *, keep_existing: bool = False) -> Iterator[Pa
 
 
 def png_bytes(fig) -> bytes:
-    """A matplotlib figure as PNG bytes (tight layout, 110 dpi): every plot draftsmith writes goes through here."""
+    """A matplotlib figure as PNG bytes (tight layout, 110 dpi), the figure closed: every plot draftsmith writes
+    goes through here."""
+    import matplotlib.pyplot as plt
+
     buf = io.BytesIO()
     fig.tight_layout()
     fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
     return buf.getvalue()
 
 

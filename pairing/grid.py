@@ -162,6 +162,4 @@ def grid_plot(result: dict) -> bytes:
     ax.set_title(f"{what}\n{len(result['prompts'])} prompts x {result['max_new_tokens']} tokens, "
                  f"{len(result.get('repeats') or [1])} repeat(s), {cpu}", fontsize=8)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    png = png_bytes(fig)
-    plt.close(fig)
-    return png
+    return png_bytes(fig)

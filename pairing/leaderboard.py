@@ -633,7 +633,6 @@ def _plots(board: dict) -> dict[str, bytes]:
     ax.set_xlabel("position in continuation"), ax.set_ylabel("mean beta"), ax.set_ylim(0, 1.02)
     ax.set_title("acceptance by position"), ax.legend(fontsize=7)
     pngs["alpha_by_position.png"] = png_bytes(fig)
-    plt.close("all")
     return pngs
 
 

@@ -31,7 +31,7 @@ DEFAULT_K = 3  # when nothing was measured to choose from
 
 
 def policy_dict(p: KPolicy) -> dict:
-    """A policy as result files record it: K, stop threshold, siblings and their depth."""
+    """A policy as result files record it: K, stop threshold, siblings and their depth, lookup tokens."""
     return {"k": p.k, "confidence": p.confidence, "siblings": p.siblings, "sibling_depth": p.sibling_depth,
             "lookup": p.lookup}
 

@@ -229,7 +229,6 @@ def _head(doc: Doc, h: dict) -> None:
                 marker="o", label=f"depth {j + 1}")
     ax.set_xlabel("training tokens seen"), ax.set_ylabel("held-out agreement"), ax.set_ylim(0, 1), ax.legend()
     doc.image("head_agreement.png", png_bytes(fig))
-    plt.close(fig)
 
 
 def _fastest(doc: Doc, made: dict) -> None:
@@ -286,7 +285,6 @@ def _distill(doc: Doc, run: Path) -> None:
         ax.set_xticks(range(len(domains)), domains)
         ax.set_ylabel("alpha (held out)"), ax.set_ylim(0, 1), ax.legend(), ax.set_title("alpha by domain")
         doc.image("alpha_by_domain.png", png_bytes(fig))
-        plt.close(fig)
     if train or evals:
         plt = _plt()
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.2))
@@ -297,7 +295,6 @@ def _distill(doc: Doc, run: Path) -> None:
             a2.plot([r["step"] for r in evals], [r["alpha"] for r in evals], marker="o")
         a2.set_xlabel("step"), a2.set_ylabel("alpha (held out)"), a2.set_title("alpha")
         doc.image("training.png", png_bytes(fig))
-        plt.close(fig)
 
 
 _DECODERS = {"target_only": "target alone", "draft_before": "un-distilled draft", "draft_after": "distilled draft"}
@@ -410,7 +407,6 @@ def _validation(doc: Doc, run: Path) -> None:
     ax.barh(names, [r[2] for r in rows])
     ax.set_xlabel("tokens/s"), ax.set_title(f"decoders, K={val.k}" + ("" if not val.ks else " (some at their own K)"))
     doc.image("speed.png", png_bytes(fig))
-    plt.close(fig)
 
 
 def _export(doc: Doc, run: Path) -> None:
