@@ -18,12 +18,16 @@ import time
 import weakref
 
 import torch
+import torch.ao.nn.quantized.dynamic
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from decode import native
 
 LAYOUTS = ("auto", "xw", "wx", "dnn")
 _CHOICE: dict[tuple, bool] = {}  # (dtype, weight shape, rows, no bias) -> compute as W @ x^T (CPU only)
 _PACKED: dict[int, tuple[weakref.ref, int, Tensor]] = {}  # id(weight) -> (the weight, its version, packed copy)
+_DYNAMIC_INT8 = torch.ao.nn.quantized.dynamic.Linear
 _BLAS = [False]  # inside `blas()`: Linears take the plain BLAS layout, not oneDNN
 
 
@@ -132,9 +136,12 @@ def linear(x: Tensor, layer: nn.Module) -> Tensor:
     """A Linear layer at inference. On the CPU in float32 or bfloat16 (`dnn_usable`): oneDNN's kernel over a
     prepacked copy of the weight, whose cost hardly grows from 1 to 8 rows (MKL's sgemm on few rows is 1.3-2x one
     row) and which streams the weight faster even for one row. Otherwise the faster of two BLAS layouts on this machine
-    (`_weight_first`); DRAFTSMITH_LINEAR=xw|wx|dnn fixes one. Other layer types (the int8 draft's quantised
-    Linear) run as they are."""
+    (`_weight_first`); DRAFTSMITH_LINEAR=xw|wx|dnn fixes one. The int8 draft's quantised Linear runs on
+    draftsmith's own kernel over 1-2 rows where it is built (`decode.native`), else as it is; other layer types
+    run as they are."""
     if type(layer) is not nn.Linear:
+        if type(layer) is _DYNAMIC_INT8 and x.dim() == 2 and x.shape[0] <= native.MAX_ROWS:
+            return _native_int8(x, layer)
         return layer(x)
     if dnn_usable(layer.weight) and x.dtype == layer.weight.dtype:
         return _dnn_linear(x, layer.weight, layer.bias)
@@ -143,3 +150,29 @@ def linear(x: Tensor, layer: nn.Module) -> Tensor:
     if layer.bias is None:
         return torch.mm(layer.weight, x.t()).t()
     return torch.addmm(layer.bias[:, None], layer.weight, x.t()).t()
+
+
+def _int8_parts(layer: nn.Module) -> tuple[Tensor, Tensor, Tensor | None] | None:
+    """A dynamic int8 Linear's (int8 rows (N, K), row scales (N,) float32, bias) for the native kernel, read once
+    and kept on the layer beside fbgemm's packed copy (which serves more rows) until its weight is set again;
+    None where its weight is not per-row symmetric int8 (zero points 0)."""
+    packed = layer._packed_params._packed_params
+    hit = getattr(layer, "_native_parts", None)
+    if hit is not None and hit[0] is packed:
+        return hit[1]
+    w, parts = layer.weight(), None
+    if (w.dtype == torch.qint8 and w.qscheme() in (torch.per_channel_affine, torch.per_channel_symmetric)
+            and not bool((w.q_per_channel_zero_points() != 0).any())):
+        bias = layer.bias()
+        parts = (w.int_repr().contiguous(), w.q_per_channel_scales().float().contiguous(),
+                 None if bias is None else bias.detach().float().contiguous())
+    layer._native_parts = (packed, parts)
+    return parts
+
+
+def _native_int8(x: Tensor, layer: nn.Module) -> Tensor:
+    kernels = native.kernels()
+    parts = None if kernels is None else _int8_parts(layer)
+    if parts is None or not kernels.fits(x, parts[0]):
+        return layer(x)
+    return kernels.linear(x, *parts)

@@ -1,0 +1,124 @@
+"""draftsmith's own few-row CPU kernels (decode/csrc/dsk.c): a Linear over 1 or 2 rows whose weight is int8 with a
+float scale per output row (the int8 draft's), or float32, streamed once at close to the machine's read bandwidth.
+
+fbgemm's dynamic int8 Linear and oneDNN's float32 one read a weight at roughly 22-28 GB/s on one row on the 2-core
+CPUs here, where a streaming read reaches 32-36 GB/s (docs/results/floor.md); these kernels convert int8 to float32
+in registers (no activation quantisation: closer to the float draft than fbgemm's) and prefetch the next rows ahead.
+
+The C file is compiled once per machine on first use (`gcc -O3 -march=native -fopenmp`, an argument list, into
+the draftsmith cache, keyed by the source, the compiler and the CPU's flags; written atomically) and loaded with
+ctypes; its OpenMP is the runtime torch has already loaded (libgomp), so both share one pool of threads. Where no
+compiler is found, the CPU has neither AVX-512 nor AVX2 + FMA, or DRAFTSMITH_NATIVE=off, `kernels()` is None
+and every caller keeps the library kernels (`why_not()` says why).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+SOURCE = Path(__file__).parent / "csrc" / "dsk.c"
+MAX_ROWS = 2  # the kernels take 1 or 2 rows
+_WHY: list[str] = []
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compile(cc: str, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        part = Path(tmp) / out.name
+        subprocess.run([cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(SOURCE), "-o", str(part)],
+                       check=True, capture_output=True, text=True, timeout=300)
+        os.replace(part, out)  # atomic: another process sees the whole library or none
+
+
+class Kernels:
+    """The compiled library: `linear(x, weight, scale, bias)` -> (T, N) for T <= MAX_ROWS rows."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lanes = lib.dsk_lanes()
+        self._f32, self._q8 = lib.dsk_f32_linear, lib.dsk_q8_linear
+        for fn in (self._f32, self._q8):
+            fn.restype = None
+            fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 3
+
+    def fits(self, x: Tensor, weight: Tensor) -> bool:
+        """Whether these kernels take this call: 1..MAX_ROWS contiguous float32 rows on the CPU, a contiguous int8 or
+        float32 weight whose row length is a multiple of the vector width."""
+        return (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype == torch.float32 and x.device.type == "cpu"
+                and weight.dtype in (torch.int8, torch.float32) and weight.is_contiguous()
+                and weight.shape[1] == x.shape[1] and x.shape[1] % self.lanes == 0)
+
+    def linear(self, x: Tensor, weight: Tensor, scale: Tensor | None = None, bias: Tensor | None = None) -> Tensor:
+        """x (T, K) float32 @ (scale[:, None] * weight (N, K))^T + bias, for T <= MAX_ROWS (`fits`)."""
+        if not self.fits(x, weight):
+            raise ValueError(f"native linear takes 1..{MAX_ROWS} float32 rows of a contiguous int8/float32 weight "
+                             f"with K % {self.lanes} == 0; got x {tuple(x.shape)} {x.dtype}, weight "
+                             f"{tuple(weight.shape)} {weight.dtype}")
+        for name, t in (("scale", scale), ("bias", bias)):
+            if t is not None and (t.dtype != torch.float32 or not t.is_contiguous() or t.shape != (weight.shape[0],)):
+                raise ValueError(f"native linear: {name} must be contiguous float32 of shape ({weight.shape[0]},)")
+        x = x.contiguous()
+        T, K = x.shape
+        N = weight.shape[0]
+        y = torch.empty(T, N, dtype=torch.float32)
+        fn = self._q8 if weight.dtype == torch.int8 else self._f32
+        fn(x.data_ptr(), weight.data_ptr(), 0 if scale is None else scale.data_ptr(),
+           0 if bias is None else bias.data_ptr(), y.data_ptr(), T, N, K)
+        return y
+
+
+@functools.cache
+def kernels() -> Kernels | None:
+    """The compiled kernels on this machine, or None (`why_not()`)."""
+    if os.environ.get("DRAFTSMITH_NATIVE", "auto") == "off":
+        _WHY.append("DRAFTSMITH_NATIVE=off")
+        return None
+    if platform.machine() not in ("x86_64", "AMD64"):
+        _WHY.append(f"no kernels for {platform.machine()}")
+        return None
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        _WHY.append("no C compiler (gcc) found")
+        return None
+    from decode.zoo import cache_dir
+
+    key = hashlib.sha256(SOURCE.read_bytes() + cc.encode() + _cpu_flags().encode()).hexdigest()[:16]
+    lib_path = cache_dir() / "native" / f"dsk-{key}.so"
+    try:
+        if not lib_path.is_file():
+            _compile(cc, lib_path)
+        found = Kernels(ctypes.CDLL(str(lib_path)))
+    except (OSError, subprocess.SubprocessError, AttributeError) as e:
+        detail = getattr(e, "stderr", "") or str(e)
+        _WHY.append(f"compiling {SOURCE.name} failed: {detail.strip().splitlines()[0] if detail.strip() else e}")
+        return None
+    if found.lanes == 0:
+        _WHY.append("this CPU has neither AVX-512 nor AVX2 + FMA")
+        return None
+    return found
+
+
+def why_not() -> str:
+    """Why `kernels()` is None ("" when it is not)."""
+    kernels()
+    return _WHY[-1] if _WHY else ""

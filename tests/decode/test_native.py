@@ -1,0 +1,120 @@
+"""`decode.native`: draftsmith's own 1-2 row kernels (int8 rows with per-row scales, float32) against float64
+brute force, the int8 draft's route onto them, and the fall-back when they cannot be built."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from decode import native
+from decode.kernels import linear
+from decode.quant import quantize_int8, quantize_linears_int8
+from decode.runner import make_runner
+from tests import helpers
+
+KERNELS = native.kernels()
+needs_kernels = pytest.mark.skipif(KERNELS is None, reason=f"no native kernels here: {native.why_not()}")
+
+
+def int8_layer(seed: int, n: int, k: int, bias: bool = True) -> nn.Module:
+    torch.manual_seed(seed)
+    return quantize_linears_int8(nn.Sequential(nn.Linear(k, n, bias=bias)))[0]
+
+
+def exact(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The int8 Linear in float64: x @ (scale * int8 rows)^T + bias, no activation quantisation."""
+    w = layer.weight()
+    rows = w.int_repr().double() * w.q_per_channel_scales().double()[:, None]
+    out = x.double() @ rows.t()
+    return out if layer.bias() is None else out + layer.bias().double()
+
+
+@needs_kernels
+@pytest.mark.parametrize("n,k,bias", [(8, 64, True), (37, 128, False), (1000, 896, True), (3, 32, True)])
+@pytest.mark.parametrize("rows", [1, 2])
+def test_kernels_match_brute_force(n: int, k: int, bias: bool, rows: int) -> None:
+    """Both kernels against float64 brute force, over row counts with a tail past the last block of 8; the int8
+    one within float32 rounding where fbgemm (which quantises the activations too) is not."""
+    layer = int8_layer(n + k, n, k, bias)
+    x = torch.randn(rows, k)
+    want = exact(layer, x)
+    got = linear(x, layer).double()
+    scale = want.abs().max().item()
+    assert (got - want).abs().max().item() < 1e-5 * scale * k**0.5
+    assert (layer(x).double() - want).abs().max().item() > 1e-3 * scale  # fbgemm's answer: not what ran above
+    w, b = torch.randn(n, k), torch.randn(n) if bias else None
+    want = x.double() @ w.double().t() + (0 if b is None else b.double())
+    assert (KERNELS.linear(x, w, None, b).double() - want).abs().max().item() < 1e-5 * want.abs().max().item() * k**0.5
+
+
+@needs_kernels
+def test_rows_of_a_pair_are_the_bits_of_single_rows() -> None:
+    """A 2-row call computes each row as a 1-row call does (the same order of sums), and a row's output does not
+    depend on where it falls in a block: stacking layers' rows (`fuse_projections`) keeps its bits."""
+    layer = int8_layer(1, 45, 64)
+    x = torch.randn(2, 64)
+    pair = linear(x, layer)
+    assert torch.equal(pair[0], linear(x[:1], layer)[0]) and torch.equal(pair[1], linear(x[1:], layer)[0])
+    w = torch.randn(45, 64)
+    assert torch.equal(KERNELS.linear(x[:1], w)[0, 5:], KERNELS.linear(x[:1], w[5:].contiguous())[0])
+
+
+@needs_kernels
+def test_more_rows_run_fbgemm_and_a_new_weight_is_read_again() -> None:
+    layer = int8_layer(2, 24, 64)
+    x = torch.randn(3, 64)
+    assert torch.equal(linear(x, layer), layer(x))  # 3 rows: fbgemm's kernel
+    before = linear(x[:1], layer)
+    w = layer.weight()
+    layer.set_weight_bias(torch._make_per_channel_quantized_tensor(
+        -w.int_repr(), w.q_per_channel_scales(), w.q_per_channel_zero_points(), 0), layer.bias())
+    after = linear(x[:1], layer)
+    assert (after.double() - exact(layer, x[:1])).abs().max() < 1e-4 and not torch.allclose(after, before)
+
+
+@needs_kernels
+def test_int8_draft_runner_steps_on_the_native_kernel() -> None:
+    """A one-row step of an int8 lean runner gives the logits of the same runner with the kernels off (fbgemm) to
+    within int8 activation rounding, not bit for bit: the native path ran."""
+    model = helpers.tiny_llama(3, 300, layers=2, hidden=64, heads=4, kv_heads=2, arch="qwen2")
+    runner = quantize_int8(make_runner(model, 64))
+    ids = torch.arange(12) * 7 % 300
+    runner.forward(ids[:10], 0)
+    on = runner.forward(ids[10:11], 10)
+    saved, native.MAX_ROWS = native.MAX_ROWS, 0
+    try:
+        off = runner.forward(ids[10:11], 10)
+    finally:
+        native.MAX_ROWS = saved
+    assert not torch.equal(on, off) and (on - off).abs().max() < 0.1 * off.abs().max()
+
+
+@pytest.mark.parametrize("env,why", [({"DRAFTSMITH_NATIVE": "off"}, "DRAFTSMITH_NATIVE=off"),
+                                     ({"CC": "/nonexistent/gcc"}, "compiling dsk.c failed")])
+def test_no_kernels_means_the_library_ones(monkeypatch, tmp_path, env: dict, why: str) -> None:
+    """Kernels turned off, or a compiler that fails: `kernels()` is None with the reason, and an int8 Linear
+    runs fbgemm's kernel on one row."""
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path))
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    native.kernels.cache_clear()
+    try:
+        assert native.kernels() is None and why in native.why_not()
+        layer = int8_layer(4, 16, 64)
+        x = torch.randn(1, 64)
+        assert torch.equal(linear(x, layer), layer(x))
+    finally:
+        monkeypatch.undo()
+        native.kernels.cache_clear()
+    assert (native.kernels() is None) == (KERNELS is None)
+
+
+@needs_kernels
+def test_bad_calls_are_refused() -> None:
+    with pytest.raises(ValueError, match="1..2 float32 rows"):
+        KERNELS.linear(torch.randn(3, 64), torch.randn(8, 64))
+    with pytest.raises(ValueError, match="K %"):
+        KERNELS.linear(torch.randn(1, 60), torch.randn(8, 60))
+    with pytest.raises(ValueError, match="scale must be"):
+        KERNELS.linear(torch.randn(1, 64), torch.zeros(8, 64, dtype=torch.int8), torch.ones(7))
