@@ -22,6 +22,7 @@ import time
 import torch
 from torch import nn
 
+from decode import native
 from decode.kernels import best_time, dnn_layout
 
 COST_CONTEXT = 64  # tokens of context when timing a forward: pair and validate (pairing.cost) time here too
@@ -64,17 +65,21 @@ def weight_bytes(model: nn.Module) -> tuple[int, int]:
 @torch.inference_mode()
 def forward_times(runner, rows: list[int], *, context: int = COST_CONTEXT, repeats: int = 5, warmup: int = 2,
                   plans: dict[str, dict[int, int]] | None = None,
-                  blas_rows: dict[str, frozenset[int]] | None = None) -> dict[str, dict[int, float]]:
+                  blas_rows: dict[str, frozenset[int]] | None = None,
+                  native_rows: dict[str, frozenset[int]] | None = None,
+                  only: dict[str, frozenset[int]] | None = None) -> dict[str, dict[int, float]]:
     """Median seconds of one cached forward over T rows at `context` tokens of context, for each T in `rows` and
-    each named row plan (`LeanLM.row_plan`; default: the runner's own, as "planned") with its BLAS rows
-    (`blas_rows[name]`, `LeanLM.blas_rows`; default: the runner's own), interleaved: each repeat times every
-    (plan, T) once, so drift hits all alike. The runner keeps its own plan afterwards."""
+    each named row plan (`LeanLM.row_plan`; default: the runner's own, as "planned") with its BLAS rows and native
+    rows (`blas_rows[name]`, `native_rows[name]`, `LeanLM.blas_rows` / `native_rows`; default: the runner's own),
+    interleaved: each repeat times every (plan, T) once, so drift hits all alike; `only[name]` limits a plan to
+    those T. The runner keeps its own plan afterwards."""
     plans = plans if plans is not None else {"planned": getattr(runner, "row_plan", {})}
     own = getattr(runner, "row_plan", None)
-    own_blas = getattr(runner, "blas_rows", None)
+    own_blas, own_native = getattr(runner, "blas_rows", None), getattr(runner, "native_rows", None)
     ids = torch.arange(context + max(rows)) % runner.vocab_size
     runner.forward(ids[:context], 0, keep=1)
-    times: dict[str, dict[int, list[float]]] = {name: {T: [] for T in rows} for name in plans}
+    timed = {name: [T for T in rows if only is None or name not in only or T in only[name]] for name in plans}
+    times: dict[str, dict[int, list[float]]] = {name: {T: [] for T in timed[name]} for name in plans}
     try:
         for r in range(warmup + repeats):
             for name, plan in plans.items():
@@ -82,7 +87,9 @@ def forward_times(runner, rows: list[int], *, context: int = COST_CONTEXT, repea
                     runner.row_plan = plan
                 if own_blas is not None:
                     runner.blas_rows = (blas_rows or {}).get(name, own_blas)
-                for T in rows:
+                if own_native is not None:
+                    runner.native_rows = (native_rows or {}).get(name, own_native)
+                for T in timed[name]:
                     t0 = time.perf_counter()
                     runner.forward(ids[context : context + T], context)
                     if r >= warmup:
@@ -92,6 +99,8 @@ def forward_times(runner, rows: list[int], *, context: int = COST_CONTEXT, repea
             runner.row_plan = own
         if own_blas is not None:
             runner.blas_rows = own_blas
+        if own_native is not None:
+            runner.native_rows = own_native
     return {name: {T: statistics.median(ts) for T, ts in by.items()} for name, by in times.items()}
 
 
@@ -122,8 +131,10 @@ def floor_report(target: str, *, rows: int = 16, repeats: int = 5, max_seq_len: 
     nbytes, params = weight_bytes(model)
     bw = [read_bandwidth()]
     plan, on_blas = dict(getattr(runner, "row_plan", {})), getattr(runner, "blas_rows", frozenset())
+    on_native = getattr(runner, "native_rows", frozenset())
     times = forward_times(runner, list(range(1, rows + 1)), repeats=repeats, plans={"planned": plan, "unpadded": {}},
-                          blas_rows={"planned": on_blas, "unpadded": frozenset()})
+                          blas_rows={"planned": on_blas, "unpadded": frozenset()},
+                          native_rows={"planned": on_native, "unpadded": frozenset()})
     bw.append(read_bandwidth())
     best_bw, peak = max(b["best"] for b in bw), compute_peak()
     tables = {s: floor_table(t, nbytes, params, best_bw, peak) for s, t in times.items()}
@@ -133,7 +144,8 @@ def floor_report(target: str, *, rows: int = 16, repeats: int = 5, max_seq_len: 
         "target": target, "machine": machine_info(), "versions": versions(),
         "dtype": str(next(model.parameters()).dtype), "weight_bytes": nbytes, "params": params,
         "bandwidth_gbs": {"runs": bw, "best": best_bw}, "peak_gflops": peak, "context": COST_CONTEXT,
-        "repeats": repeats, "row_plan": plan, "blas_rows": sorted(on_blas), "rows": table,
+        "repeats": repeats, "row_plan": plan, "blas_rows": sorted(on_blas),
+        "native_rows": sorted(on_native), "rows": table,
         "compare": {"unpadded": tables["unpadded"]},
         "goals": {"one_row_over_floor": table[1]["over_bound"], "one_row_within_15pct": table[1]["over_bound"] <= 1.15,
                   "worst_v_K_le_8": worst_v, "v_K_le_8_within_1_15": worst_v is not None and worst_v <= 1.15},
@@ -145,7 +157,8 @@ def format_floor(report: dict) -> str:
     other = report.get("compare", {})
     lines = [f"{report['target']}: {report['weight_bytes'] / 1e9:.2f} GB of weights, "
              f"bandwidth {report['bandwidth_gbs']['best']:.1f} GB/s, peak {report['peak_gflops']:.0f} GFLOP/s; "
-             f"plan: pad {report.get('row_plan') or 'none'}, BLAS at rows {report.get('blas_rows') or 'none'}",
+             f"plan: pad {report.get('row_plan') or 'none'}, BLAS at rows {report.get('blas_rows') or 'none'}, "
+             f"native at rows {report.get('native_rows') or 'none'}",
              f"{'rows':>4} {'ms':>8} {'floor ms':>9} {'roof ms':>8} {'x bound':>8} {'v(K)':>6}"
              + "".join(f" {s + ' ms':>9} {s + ' v':>7}" for s in other)]
     for T, row in report["rows"].items():
@@ -217,10 +230,11 @@ def choose_rows(times: dict[int, float], *, gain: float = 0.95) -> dict[int, int
 
 
 def plan_rows(runner, key: tuple, nbytes: int, *, repeats: int = 3) -> dict[int, int]:
-    """Give a lean runner on the CPU its `row_plan` and `blas_rows`: cached forwards over 1..PLAN_ROWS rows timed
-    once per process and model (`key`), on oneDNN's kernels and (where the runner has float Linears on them) on
-    BLAS, interleaved; each row count runs on the faster kernels (`choose_kernels`), then at the fastest count at
-    or above it (`choose_rows`). On the AMD EPYC here the float32 Qwen2.5-Coder-1.5B's one-row step ran 228.6 ms
+    """Give a lean runner on the CPU its `row_plan`, `blas_rows` and `native_rows`: cached forwards over
+    1..PLAN_ROWS rows timed once per process and model (`key`), on oneDNN's kernels and (where the runner has float
+    Linears on them) on BLAS and, over 1-2 rows of a float32 runner, on `decode.native`'s kernel, interleaved; each
+    row count runs on the fastest kernels (`choose_kernels`, `choose_native`), then at the fastest count at or
+    above it (`choose_rows`). On the AMD EPYC here the float32 Qwen2.5-Coder-1.5B's one-row step ran 228.6 ms
     planned against 277.9 unpadded; on the Intel Xeon it ran 240.0 ms on BLAS against oneDNN's 267.9
     (docs/results/floor.md). Models under PLAN_MIN_BYTES of weights (`nbytes`, as loaded) and DRAFTSMITH_ROWS=off
     get no plan (every forward at its own row count, on oneDNN)."""
@@ -230,15 +244,18 @@ def plan_rows(runner, key: tuple, nbytes: int, *, repeats: int = 3) -> dict[int,
     if nbytes < PLAN_MIN_BYTES:
         return {}
     if key not in _PLANS:
-        runner.row_plan, runner.blas_rows = {}, frozenset()
+        runner.row_plan, runner.blas_rows, runner.native_rows = {}, frozenset(), frozenset()
         rows = list(range(1, PLAN_ROWS + 1))
         on_dnn = any(type(m) is nn.Linear and dnn_layout(m.weight) for m in runner.modules())
-        plans = {"dnn": {}, **({"blas": {}} if on_dnn else {})}
-        blas_rows = {"dnn": frozenset(), "blas": frozenset(rows)}
-        times = forward_times(runner, rows, repeats=repeats, warmup=1, plans=plans, blas_rows=blas_rows)
+        on_native = on_dnn and native.kernels() is not None and next(runner.parameters()).dtype == torch.float32
+        few = frozenset(range(1, native.MAX_ROWS + 1))
+        plans = {"dnn": {}, **({"blas": {}} if on_dnn else {}), **({"native": {}} if on_native else {})}
+        times = forward_times(runner, rows, repeats=repeats, warmup=1, plans=plans,
+                              blas_rows={"blas": frozenset(rows)}, native_rows={"native": few}, only={"native": few})
         best, on_blas = choose_kernels(times["dnn"], times.get("blas", {}))
-        _PLANS[key] = (choose_rows(best), on_blas)
-    plan, runner.blas_rows = _PLANS[key]
+        best, on_native_rows = choose_native(best, times.get("native", {}))
+        _PLANS[key] = (choose_rows(best), on_blas - on_native_rows, on_native_rows)
+    plan, runner.blas_rows, runner.native_rows = _PLANS[key]
     runner.row_plan = dict(plan)
     return runner.row_plan
 
@@ -249,3 +266,12 @@ def choose_kernels(dnn: dict[int, float], blas: dict[int, float], *,
     1 - `gain` (noise is not a reason to switch) -> (the time each row count runs at, the counts that run BLAS)."""
     on_blas = frozenset(T for T, t in blas.items() if T in dnn and t < gain * dnn[T])
     return {T: blas[T] if T in on_blas else t for T, t in dnn.items()}, on_blas
+
+
+def choose_native(best: dict[int, float], native_times: dict[int, float], *,
+                  gain: float = 0.95) -> tuple[dict[int, float], frozenset[int]]:
+    """After `choose_kernels`: the row counts whose forward on `decode.native`'s kernel (`native_times`, where
+    timed) beats the kernels chosen so far (`best`) by more than 1 - `gain` -> (the time each row count runs at,
+    the counts that run native)."""
+    on = frozenset(T for T, t in native_times.items() if T in best and t < gain * best[T])
+    return {T: native_times[T] if T in on else t for T, t in best.items()}, on

@@ -3,7 +3,8 @@
 `linear(x, layer)` runs an nn.Linear on oneDNN's kernel over a prepacked copy of its weight where that applies
 (`dnn_usable`: the CPU, float32 or bfloat16, outside autograd and torch.compile), else in the faster of two BLAS
 layouts on this machine, timed once per (weight shape, rows). `dense(x, weight)` is the same kernel for a bare
-weight (a head's training labels). DRAFTSMITH_LINEAR=auto|xw|wx|dnn fixes a layout. Inside `blas()` the plain
+weight (a head's training labels). DRAFTSMITH_LINEAR=auto|xw|wx|dnn fixes a layout. Inside `native_float()` a
+float32 Linear over 1-2 rows runs draftsmith's own kernel (`decode.native`). Inside `blas()` the plain
 BLAS layout (x @ W^T) runs instead of oneDNN: a runner's forward over a row count its plan gives to BLAS
 (`decode.floor.plan_rows`; on the Intel Xeon of docs/results/floor.md the Qwen2.5-Coder-1.5B one-row step ran
 240.0 ms against oneDNN's 267.9).
@@ -29,6 +30,7 @@ _CHOICE: dict[tuple, bool] = {}  # (dtype, weight shape, rows, no bias) -> compu
 _PACKED: dict[int, tuple[weakref.ref, int, Tensor]] = {}  # id(weight) -> (the weight, its version, packed copy)
 _DYNAMIC_INT8 = torch.ao.nn.quantized.dynamic.Linear
 _BLAS = [False]  # inside `blas()`: Linears take the plain BLAS layout, not oneDNN
+_NATIVE = [False]  # inside `native_float()`: float32 Linears over 1-2 rows take `decode.native`'s kernel
 
 
 @contextlib.contextmanager
@@ -39,6 +41,18 @@ def blas():
         yield
     finally:
         _BLAS[0] = before
+
+
+@contextlib.contextmanager
+def native_float():
+    """Within: every float32 `linear` over 1-2 rows outside autograd runs `decode.native`'s kernel where it is
+    built (it reads a weight at close to the machine's bandwidth, where oneDNN's and MKL's one-row kernels do not);
+    a runner's forward over a row count its plan gives to it (`decode.floor.plan_rows`)."""
+    before, _NATIVE[0] = _NATIVE[0], True
+    try:
+        yield
+    finally:
+        _NATIVE[0] = before
 
 
 def _layout_setting() -> str:
@@ -143,6 +157,10 @@ def linear(x: Tensor, layer: nn.Module) -> Tensor:
         if type(layer) is _DYNAMIC_INT8 and x.dim() == 2 and x.shape[0] <= native.MAX_ROWS:
             return _native_int8(x, layer)
         return layer(x)
+    if _NATIVE[0] and x.dim() == 2 and x.shape[0] <= native.MAX_ROWS and not torch.is_grad_enabled():
+        kernels = native.kernels()
+        if kernels is not None and layer.weight.dtype == torch.float32 and kernels.fits(x, layer.weight):
+            return kernels.linear(x, layer.weight, None, layer.bias)
     if dnn_usable(layer.weight) and x.dtype == layer.weight.dtype:
         return _dnn_linear(x, layer.weight, layer.bias)
     if x.dim() != 2 or _BLAS[0] or not _weight_first(x, layer):  # batched rows (training), `blas()`: the plain one

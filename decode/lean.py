@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from decode.attention import rms_norm, rotate_half
-from decode.kernels import blas, dnn_layout, dnn_usable, linear
+from decode.kernels import blas, dnn_layout, dnn_usable, linear, native_float
 from decode.kv_cache import KVCache
 
 LEAN_ARCHITECTURES = ("llama", "qwen2", "mistral")
@@ -125,6 +125,7 @@ class LeanLM(nn.Module):
     last_hidden: Tensor | None = None  # (T, len(capture_layers) * d) of the last forward
     row_plan: dict[int, int] = {}  # T -> rows a forward over T rows runs at (padded): `decode.floor.plan_rows`
     blas_rows: frozenset[int] = frozenset()  # forwards over these row counts run BLAS, not oneDNN: the same plan
+    native_rows: frozenset[int] = frozenset()  # ... and these draftsmith's own kernel (`decode.native`), first
 
     def __init__(self, hf_model, max_seq_len: int, *, fast_head: bool = True) -> None:
         super().__init__()
@@ -220,6 +221,9 @@ class LeanLM(nn.Module):
     def _run(
         self, tokens: Tensor, cos: Tensor, sin: Tensor, pos: int | Tensor, mask: Tensor | None, keep: int = 0
     ) -> Tensor:
+        if tokens.shape[0] in self.native_rows:
+            with native_float():
+                return self._layers_and_head(tokens, cos, sin, pos, mask, keep)
         if tokens.shape[0] not in self.blas_rows:  # (no context manager on this path: torch.compile traces it)
             return self._layers_and_head(tokens, cos, sin, pos, mask, keep)
         with blas():

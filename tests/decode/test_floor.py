@@ -89,6 +89,53 @@ def test_blas_rows_route_a_forward_through_blas_with_the_same_logits(monkeypatch
     assert kn._BLAS == [False]  # the switch is back off after each forward
 
 
+def test_choose_native_takes_it_only_where_clearly_faster_than_the_choice_so_far() -> None:
+    rng = random.Random(2)
+    for _ in range(200):
+        best = {T: rng.uniform(0.5, 1.5) for T in range(1, 9)}
+        own = {T: rng.uniform(0.5, 1.5) for T in range(1, rng.randint(1, 4))}  # timed on few rows only
+        after, on = fl.choose_native(best, own, gain=0.9)
+        for T, t in best.items():  # brute force
+            faster = T in own and own[T] < 0.9 * t
+            assert (T in on) == faster and after[T] == (own[T] if faster else t)
+    assert fl.choose_native({1: 1.0, 2: 1.0}, {1: 0.97}) == ({1: 1.0, 2: 1.0}, frozenset())  # 3% is noise
+
+
+def test_native_rows_route_a_forward_through_the_native_kernel_with_close_logits(monkeypatch) -> None:
+    """A forward over a row count in `native_rows` runs its float32 Linears (and the LM head) on `decode.native`'s
+    kernel (counted), giving oneDNN's logits to float32 rounding; other row counts do not touch it; the plan also
+    times it and lists the rows it wins in `native_rows` only (never in `blas_rows` too)."""
+    from decode import native
+
+    kernels = native.kernels()
+    if kernels is None:
+        pytest.skip(f"no native kernels here: {native.why_not()}")
+    hf = tiny(6, dtype=torch.float32)
+    plain, routed = LeanLM(hf, 64), LeanLM(hf, 64)
+    routed.native_rows = frozenset({1, 2})
+    calls = [0]
+    real = kernels.linear
+    monkeypatch.setattr(kernels, "linear", lambda *a, **k: calls.__setitem__(0, calls[0] + 1) or real(*a, **k))
+    seq = torch.tensor([3, 9, 1, 4, 4, 7, 2, 8, 5, 6])
+    for runner in (plain, routed):
+        runner.forward(seq[:4], 0)
+    pos = 4
+    for T in (1, 2, 3):
+        want = plain.forward(seq[pos : pos + T], pos)
+        before = calls[0]
+        got = routed.forward(seq[pos : pos + T], pos)
+        assert (calls[0] - before == 2 * 7 + 1) == (T in routed.native_rows)  # 7 Linears a layer, 2 layers, head
+        assert (calls[0] == before) == (T not in routed.native_rows)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        pos += T
+    runner = make_runner(tiny(7, dtype=torch.float32), 128)  # (not planned: a small model)
+    monkeypatch.setattr(fl, "PLAN_MIN_BYTES", 0)
+    monkeypatch.setattr(fl, "PLAN_ROWS", 3)
+    monkeypatch.setattr(fl, "choose_native", lambda best, t, gain=0.95: (best, frozenset(t)))  # it always wins
+    fl.plan_rows(runner, ("native-test", 7), 1, repeats=1)
+    assert runner.native_rows == frozenset({1, 2}) and not runner.blas_rows & runner.native_rows
+
+
 def test_a_padded_forward_gives_the_unpadded_logits_and_the_next_forward_continues_exactly() -> None:
     hf = tiny(0)
     plain, padded = LeanLM(hf, 64), LeanLM(hf, 64)
@@ -126,6 +173,9 @@ def test_speculative_decoding_through_padded_runners_stays_greedy_equal() -> Non
     target.row_plan, target.blas_rows = {}, frozenset({1, 2, 3})  # few-row forwards on BLAS, the rest on oneDNN
     draft.blas_rows = frozenset({1})
     for k in (1, 3, 6):
+        assert generate(target, [1, 5, 7], draft=draft, max_new_tokens=30, policy=KPolicy(k=k)).tokens == ref
+    target.blas_rows, target.native_rows, draft.native_rows = frozenset({3}), frozenset({1, 2}), frozenset({1, 2})
+    for k in (1, 3, 6):  # few-row forwards on the native kernel (where built), exact all the same
         assert generate(target, [1, 5, 7], draft=draft, max_new_tokens=30, policy=KPolicy(k=k)).tokens == ref
 
 

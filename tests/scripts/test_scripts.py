@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "scripts"
 PACKAGES = ("decode", "pairing", "distill", "recipes")
 WORDS = "the a of to and in is it that for on with as was be by this are or at from code data list sort print".split()
-TESTED = {"allocator_bench.py", "distill_table.py", "head_data_bench.py", "head_train_bench.py", "linear_bench.py"}
+TESTED = {"allocator_bench.py", "distill_table.py", "head_data_bench.py", "head_train_bench.py", "linear_bench.py",
+          "native_bench.py"}
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +61,17 @@ def test_linear_bench(world: dict, tmp_path: Path) -> None:
     assert set(result["median_ms"]) == {"dnn", "xw", "wx"}
     assert all(set(per) == {"1", "2"} for per in result["median_ms"].values())
     assert result["one_row_vs_dnn"]["dnn"] == 1.0
+
+
+def test_native_bench(world: dict, tmp_path: Path) -> None:
+    from decode import native
+
+    if native.kernels() is None:
+        pytest.skip(f"no native kernels here: {native.why_not()}")
+    run_script(world, "native_bench.py", "--draft", world["target"], "--context", "8", "--steps", "2",
+               "--repeats", "1", "--out", str(tmp_path))
+    result = read_result(tmp_path / "bench.json")
+    assert set(result["median_ms"]) == {"native", "fbgemm"} and len(result["fbgemm_over_native"]) == 1
 
 
 def test_head_data_bench(world: dict, tmp_path: Path) -> None:
