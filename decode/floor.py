@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from decode import native
-from decode.kernels import best_time, dnn_layout
+from decode.kernels import DYNAMIC_INT8, best_time, dnn_layout
 
 COST_CONTEXT = 64  # tokens of context when timing a forward: pair and validate (pairing.cost) time here too
 
@@ -232,9 +232,9 @@ def choose_rows(times: dict[int, float], *, gain: float = 0.95) -> dict[int, int
 def plan_rows(runner, key: tuple, nbytes: int, *, repeats: int = 3) -> dict[int, int]:
     """Give a lean runner on the CPU its `row_plan`, `blas_rows` and `native_rows`: cached forwards over
     1..PLAN_ROWS rows timed once per process and model (`key`), on oneDNN's kernels and (where the runner has float
-    Linears on them) on BLAS and, over 1-2 rows of a float32 runner, on `decode.native`'s kernel, interleaved; each
-    row count runs on the fastest kernels (`choose_kernels`, `choose_native`), then at the fastest count at or
-    above it (`choose_rows`). On the AMD EPYC here the float32 Qwen2.5-Coder-1.5B's one-row step ran 228.6 ms
+    Linears on them) on BLAS and, over 1-2 rows of float32 or int8 Linears, on `decode.native`'s kernel,
+    interleaved; each row count runs on the fastest kernels (`choose_kernels`, `choose_native`), then at the
+    fastest count at or above it (`choose_rows`). On the AMD EPYC here the float32 Qwen2.5-Coder-1.5B's one-row step ran 228.6 ms
     planned against 277.9 unpadded; on the Intel Xeon it ran 240.0 ms on BLAS against oneDNN's 267.9
     (docs/results/floor.md). Models under PLAN_MIN_BYTES of weights (`nbytes`, as loaded) and DRAFTSMITH_ROWS=off
     get no plan (every forward at its own row count, on oneDNN)."""
@@ -247,7 +247,9 @@ def plan_rows(runner, key: tuple, nbytes: int, *, repeats: int = 3) -> dict[int,
         runner.row_plan, runner.blas_rows, runner.native_rows = {}, frozenset(), frozenset()
         rows = list(range(1, PLAN_ROWS + 1))
         on_dnn = any(type(m) is nn.Linear and dnn_layout(m.weight) for m in runner.modules())
-        on_native = on_dnn and native.kernels() is not None and next(runner.parameters()).dtype == torch.float32
+        on_native = native.kernels() is not None and any(
+            (type(m) is nn.Linear and m.weight.dtype == torch.float32) or type(m) is DYNAMIC_INT8
+            for m in runner.modules())  # float32 Linears, or the int8 draft's
         few = frozenset(range(1, native.MAX_ROWS + 1))
         plans = {"dnn": {}, **({"blas": {}} if on_dnn else {}), **({"native": {}} if on_native else {})}
         times = forward_times(runner, rows, repeats=repeats, warmup=1, plans=plans,

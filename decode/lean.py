@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from decode.attention import rms_norm, rotate_half
-from decode.kernels import blas, dnn_layout, dnn_usable, linear, native_float
+from decode.kernels import blas, dnn_layout, dnn_usable, linear, native_kernels
 from decode.kv_cache import KVCache
 
 LEAN_ARCHITECTURES = ("llama", "qwen2", "mistral")
@@ -222,7 +222,7 @@ class LeanLM(nn.Module):
         self, tokens: Tensor, cos: Tensor, sin: Tensor, pos: int | Tensor, mask: Tensor | None, keep: int = 0
     ) -> Tensor:
         if tokens.shape[0] in self.native_rows:
-            with native_float():
+            with native_kernels():
                 return self._layers_and_head(tokens, cos, sin, pos, mask, keep)
         if tokens.shape[0] not in self.blas_rows:  # (no context manager on this path: torch.compile traces it)
             return self._layers_and_head(tokens, cos, sin, pos, mask, keep)

@@ -3,8 +3,9 @@
     .venv/bin/python scripts/native_bench.py --out docs/results/pruned/native    # -> .../bench.json
 
 The int8 lean runner of `--draft` (as the decoder runs it: q, k, v and gate, up stacked) reads a `--context`-token
-prompt; then, per repeat, it times `--steps` one-row steps on the native kernel and the same steps with it turned
-off (fbgemm's dynamic int8 Linear), in turn, rolling the cache back. Reports each path's median step per repeat,
+prompt; then, per repeat, it times `--steps` one-row steps (unpadded) on the native kernel and the same steps on
+fbgemm's dynamic int8 Linear, in turn, rolling the cache back; it records which rows the row plan gave the native
+kernel on this machine. Reports each path's median step per repeat,
 the median over repeats, and the ratio in each repeat; with the machine and the versions. Smoke run on a tiny model
 folder:
 
@@ -53,18 +54,16 @@ def main() -> None:
     prompt = torch.randint(0, draft.model.config.vocab_size, (args.context,), generator=g)
     runner = make_runner(draft.model, args.context + args.steps + 8, quantize="int8")
     runner.forward(prompt, 0)
-    rows, times = native.MAX_ROWS, {"native": [], "fbgemm": []}
+    planned = sorted(runner.native_rows)  # what the row plan chose on this machine (large models only)
+    runner.row_plan, times = {}, {"native": [], "fbgemm": []}  # one-row steps as they are, unpadded
     t_start = time.perf_counter()
-    try:
-        for _ in range(args.repeats):
-            for path in times:
-                native.MAX_ROWS = rows if path == "native" else 0
-                times[path].append(step_ms(runner, prompt, args.steps))
-    finally:
-        native.MAX_ROWS = rows
+    for _ in range(args.repeats):
+        for path in times:
+            runner.native_rows = frozenset({1}) if path == "native" else frozenset()
+            times[path].append(step_ms(runner, prompt, args.steps))
     result = {
         "draft": args.draft, "context": args.context, "steps": args.steps, "repeats": args.repeats,
-        "vector_lanes": kernels.lanes, "step_ms": times,
+        "vector_lanes": kernels.lanes, "plan_native_rows": planned, "step_ms": times,
         "median_ms": {p: statistics.median(t) for p, t in times.items()},
         "fbgemm_over_native": [f / n for f, n in zip(times["fbgemm"], times["native"])],
         "seconds": time.perf_counter() - t_start, "machine": machine_info(), "versions": versions(),

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from decode import native
-from decode.kernels import linear
+from decode.kernels import linear, native_kernels
 from decode.quant import quantize_int8, quantize_linears_int8
 from decode.runner import make_runner
 from tests import helpers
@@ -39,7 +39,8 @@ def test_kernels_match_brute_force(n: int, k: int, bias: bool, rows: int) -> Non
     layer = int8_layer(n + k, n, k, bias)
     x = torch.randn(rows, k)
     want = exact(layer, x)
-    got = linear(x, layer).double()
+    with native_kernels():
+        got = linear(x, layer).double()
     scale = want.abs().max().item()
     assert (got - want).abs().max().item() < 1e-5 * scale * k**0.5
     assert (layer(x).double() - want).abs().max().item() > 1e-3 * scale  # fbgemm's answer: not what ran above
@@ -54,40 +55,43 @@ def test_rows_of_a_pair_are_the_bits_of_single_rows() -> None:
     depend on where it falls in a block: stacking layers' rows (`fuse_projections`) keeps its bits."""
     layer = int8_layer(1, 45, 64)
     x = torch.randn(2, 64)
-    pair = linear(x, layer)
-    assert torch.equal(pair[0], linear(x[:1], layer)[0]) and torch.equal(pair[1], linear(x[1:], layer)[0])
+    with native_kernels():
+        pair = linear(x, layer)
+        assert torch.equal(pair[0], linear(x[:1], layer)[0]) and torch.equal(pair[1], linear(x[1:], layer)[0])
     w = torch.randn(45, 64)
     assert torch.equal(KERNELS.linear(x[:1], w)[0, 5:], KERNELS.linear(x[:1], w[5:].contiguous())[0])
 
 
 @needs_kernels
-def test_more_rows_run_fbgemm_and_a_new_weight_is_read_again() -> None:
+def test_more_rows_or_outside_the_switch_run_fbgemm_and_a_new_weight_is_read_again() -> None:
     layer = int8_layer(2, 24, 64)
     x = torch.randn(3, 64)
-    assert torch.equal(linear(x, layer), layer(x))  # 3 rows: fbgemm's kernel
-    before = linear(x[:1], layer)
-    w = layer.weight()
-    layer.set_weight_bias(torch._make_per_channel_quantized_tensor(
-        -w.int_repr(), w.q_per_channel_scales(), w.q_per_channel_zero_points(), 0), layer.bias())
-    after = linear(x[:1], layer)
+    assert torch.equal(linear(x[:1], layer), layer(x[:1]))  # outside native_kernels(): fbgemm's kernel
+    with native_kernels():
+        assert torch.equal(linear(x, layer), layer(x))  # 3 rows: fbgemm's kernel
+        before = linear(x[:1], layer)
+        w = layer.weight()
+        layer.set_weight_bias(torch._make_per_channel_quantized_tensor(
+            -w.int_repr(), w.q_per_channel_scales(), w.q_per_channel_zero_points(), 0), layer.bias())
+        after = linear(x[:1], layer)
     assert (after.double() - exact(layer, x[:1])).abs().max() < 1e-4 and not torch.allclose(after, before)
 
 
 @needs_kernels
 def test_int8_draft_runner_steps_on_the_native_kernel() -> None:
-    """A one-row step of an int8 lean runner gives the logits of the same runner with the kernels off (fbgemm) to
-    within int8 activation rounding, not bit for bit: the native path ran."""
+    """A one-row step of an int8 lean runner over a row count in its `native_rows` gives the logits of the same
+    step on fbgemm to within int8 activation rounding, not bit for bit: the native path ran."""
     model = helpers.tiny_llama(3, 300, layers=2, hidden=64, heads=4, kv_heads=2, arch="qwen2")
     runner = quantize_int8(make_runner(model, 64))
     ids = torch.arange(12) * 7 % 300
     runner.forward(ids[:10], 0)
+    off = runner.forward(ids[10:11], 10)  # a small model gets no plan: fbgemm
+    runner.native_rows = frozenset({1, 2})  # what the plan gives where the kernel is faster
     on = runner.forward(ids[10:11], 10)
-    saved, native.MAX_ROWS = native.MAX_ROWS, 0
-    try:
-        off = runner.forward(ids[10:11], 10)
-    finally:
-        native.MAX_ROWS = saved
     assert not torch.equal(on, off) and (on - off).abs().max() < 0.1 * off.abs().max()
+    with pytest.raises(AssertionError):  # negative control: the kernel is what changed the bits
+        runner.native_rows = frozenset()
+        assert not torch.equal(runner.forward(ids[10:11], 10), off)
 
 
 @pytest.mark.parametrize("env,why", [({"DRAFTSMITH_NATIVE": "off"}, "DRAFTSMITH_NATIVE=off"),
@@ -103,7 +107,8 @@ def test_no_kernels_means_the_library_ones(monkeypatch, tmp_path, env: dict, why
         assert native.kernels() is None and why in native.why_not()
         layer = int8_layer(4, 16, 64)
         x = torch.randn(1, 64)
-        assert torch.equal(linear(x, layer), layer(x))
+        with native_kernels():
+            assert torch.equal(linear(x, layer), layer(x))
     finally:
         monkeypatch.undo()
         native.kernels.cache_clear()
