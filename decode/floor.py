@@ -233,7 +233,7 @@ def plan_rows(runner, key: tuple, nbytes: int, *, repeats: int = 3) -> dict[int,
     """Give a lean runner on the CPU its `row_plan`, `blas_rows` and `native_rows`: cached forwards over
     1..PLAN_ROWS rows timed once per process and model (`key`), on oneDNN's kernels and (where the runner has float
     Linears on them) on BLAS and, over 1-2 rows of float32 or int8 Linears, on `decode.native`'s kernel,
-    interleaved; each row count runs on the fastest kernels (`choose_kernels`, `choose_native`), then at the
+    interleaved; each row count runs on the fastest kernels (`choose_kernels`, BLAS then native), then at the
     fastest count at or above it (`choose_rows`). On the AMD EPYC here the float32 Qwen2.5-Coder-1.5B's one-row step ran 228.6 ms
     planned against 277.9 unpadded; on the Intel Xeon it ran 240.0 ms on BLAS against oneDNN's 267.9
     (docs/results/floor.md). Models under PLAN_MIN_BYTES of weights (`nbytes`, as loaded) and DRAFTSMITH_ROWS=off
@@ -255,7 +255,7 @@ def plan_rows(runner, key: tuple, nbytes: int, *, repeats: int = 3) -> dict[int,
         times = forward_times(runner, rows, repeats=repeats, warmup=1, plans=plans,
                               blas_rows={"blas": frozenset(rows)}, native_rows={"native": few}, only={"native": few})
         best, on_blas = choose_kernels(times["dnn"], times.get("blas", {}))
-        best, on_native_rows = choose_native(best, times.get("native", {}))
+        best, on_native_rows = choose_kernels(best, times.get("native", {}))  # the same rule against that choice
         _PLANS[key] = (choose_rows(best), on_blas - on_native_rows, on_native_rows)
     plan, runner.blas_rows, runner.native_rows = _PLANS[key]
     runner.row_plan = dict(plan)
@@ -265,15 +265,8 @@ def plan_rows(runner, key: tuple, nbytes: int, *, repeats: int = 3) -> dict[int,
 def choose_kernels(dnn: dict[int, float], blas: dict[int, float], *,
                    gain: float = 0.95) -> tuple[dict[int, float], frozenset[int]]:
     """Per row count, oneDNN's time (`dnn`) or BLAS's (`blas`, where timed) where that is faster by more than
-    1 - `gain` (noise is not a reason to switch) -> (the time each row count runs at, the counts that run BLAS)."""
+    1 - `gain` (noise is not a reason to switch) -> (the time each row count runs at, the counts that run BLAS).
+    `plan_rows` applies it again to that choice and the native kernel's times."""
     on_blas = frozenset(T for T, t in blas.items() if T in dnn and t < gain * dnn[T])
     return {T: blas[T] if T in on_blas else t for T, t in dnn.items()}, on_blas
 
-
-def choose_native(best: dict[int, float], native_times: dict[int, float], *,
-                  gain: float = 0.95) -> tuple[dict[int, float], frozenset[int]]:
-    """After `choose_kernels`: the row counts whose forward on `decode.native`'s kernel (`native_times`, where
-    timed) beats the kernels chosen so far (`best`) by more than 1 - `gain` -> (the time each row count runs at,
-    the counts that run native)."""
-    on = frozenset(T for T, t in native_times.items() if T in best and t < gain * best[T])
-    return {T: native_times[T] if T in on else t for T, t in best.items()}, on
