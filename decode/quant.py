@@ -1,10 +1,11 @@
 """Int8 drafts: dynamically quantised int8 Linear weights, one scale per output channel (fbgemm, a CPU kernel).
 
-Cheaper draft steps; exactness is untouched since the target verifies. `draft_quant(model)` is the one rule for
-which drafts take it (on the CPU, float32, an architecture the lean runner runs); `quantize_int8(runner)` gives a
-lean runner's int8 copy (`make_runner(..., quantize="int8")`; the copy stacks each layer's q, k, v and its gate,
-up projections into one Linear each first: fewer calls a step, the same bits), `quantize_linears_int8(module)`
-quantises any module's Linears in place (a draft head).
+Cheaper draft steps; exactness is untouched since the target verifies. A lean runner's 1-2 row steps run these
+weights on draftsmith's own kernel where its row plan found that faster (`decode.native`, `LeanLM.native_rows`).
+`draft_quant(model)` is the one rule for which drafts take it (on the CPU, float32, an architecture the lean runner
+runs); `quantize_int8(runner)` gives a lean runner's int8 copy (`make_runner(..., quantize="int8")`; the copy stacks
+each layer's q, k, v and its gate, up projections into one Linear each first: fewer calls a step, the same bits),
+`quantize_linears_int8(module)` quantises any module's Linears in place (a draft head).
 """
 
 from __future__ import annotations
