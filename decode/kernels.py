@@ -160,8 +160,9 @@ def linear(x: Tensor, layer: nn.Module) -> Tensor:
         return layer(x)
     if _NATIVE[0] and x.dim() == 2 and x.shape[0] <= native.MAX_ROWS and not torch.is_grad_enabled():
         kernels = native.kernels()
-        if kernels is not None and layer.weight.dtype == torch.float32 and kernels.fits(x, layer.weight):
-            return kernels.linear(x, layer.weight, None, layer.bias)
+        y = None if kernels is None else kernels.try_linear(x, layer.weight, None, layer.bias)
+        if y is not None:
+            return y
     if dnn_usable(layer.weight) and x.dtype == layer.weight.dtype:
         return _dnn_linear(x, layer.weight, layer.bias)
     if x.dim() != 2 or _BLAS[0] or not _weight_first(x, layer):  # batched rows (training), `blas()`: the plain one
@@ -171,27 +172,34 @@ def linear(x: Tensor, layer: nn.Module) -> Tensor:
     return torch.addmm(layer.bias[:, None], layer.weight, x.t()).t()
 
 
-def _int8_parts(layer: nn.Module) -> tuple[Tensor, Tensor, Tensor | None] | None:
-    """A dynamic int8 Linear's (int8 rows (N, K), row scales (N,) float32, bias) for the native kernel, read once
-    and kept on the layer beside fbgemm's packed copy (which serves more rows) until its weight is set again;
-    None where its weight is not per-row symmetric int8 (zero points 0)."""
-    packed = layer._packed_params._packed_params
-    hit = getattr(layer, "_native_parts", None)
-    if hit is not None and hit[0] is packed:
-        return hit[1]
-    w, parts = layer.weight(), None
-    if (w.dtype == torch.qint8 and w.qscheme() in (torch.per_channel_affine, torch.per_channel_symmetric)
-            and not bool((w.q_per_channel_zero_points() != 0).any())):
-        bias = layer.bias()
-        parts = (w.int_repr().contiguous(), w.q_per_channel_scales().float().contiguous(),
-                 None if bias is None else bias.detach().float().contiguous())
-    layer._native_parts = (packed, parts)
-    return parts
+def int8_rows(layer: nn.Module) -> tuple[Tensor, Tensor, Tensor | None] | None:
+    """A dynamic int8 Linear's weight as (int8 rows (N, K), a float32 scale per row (N,), bias): per-channel
+    scales, or the one per-tensor scale for every row; None unless it is signed int8 with zero points 0
+    (symmetric), whose rows times their scales are the weight."""
+    w = layer.weight()
+    if w.dtype != torch.qint8:
+        return None
+    if w.qscheme() in (torch.per_channel_affine, torch.per_channel_symmetric):
+        if bool((w.q_per_channel_zero_points() != 0).any()):
+            return None
+        scales = w.q_per_channel_scales().float().contiguous()
+    else:
+        if w.q_zero_point() != 0:
+            return None
+        scales = torch.full((w.shape[0],), float(w.q_scale()))
+    bias = layer.bias()
+    return w.int_repr().contiguous(), scales, None if bias is None else bias.detach().float().contiguous()
 
 
 def _native_int8(x: Tensor, layer: nn.Module) -> Tensor:
+    """The int8 Linear on the native kernel, its rows (`int8_rows`) read once and kept on the layer beside fbgemm's
+    packed copy (which serves more rows) until its weight is set again; fbgemm where that cannot run."""
     kernels = native.kernels()
-    parts = None if kernels is None else _int8_parts(layer)
-    if parts is None or not kernels.fits(x, parts[0]):
+    if kernels is None:
         return layer(x)
-    return kernels.linear(x, *parts)
+    packed = layer._packed_params._packed_params
+    hit = getattr(layer, "_native_parts", None)
+    if hit is None or hit[0] is not packed:
+        hit = layer._native_parts = (packed, int8_rows(layer))
+    y = None if hit[1] is None else kernels.try_linear(x, *hit[1])
+    return layer(x) if y is None else y

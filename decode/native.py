@@ -70,10 +70,19 @@ class Kernels:
 
     def linear(self, x: Tensor, weight: Tensor, scale: Tensor | None = None, bias: Tensor | None = None) -> Tensor:
         """x (T, K) float32 @ (scale[:, None] * weight (N, K))^T + bias, for T <= MAX_ROWS (`fits`)."""
-        if not self.fits(x, weight):
+        y = self.try_linear(x, weight, scale, bias)
+        if y is None:
             raise ValueError(f"native linear takes 1..{MAX_ROWS} float32 rows of a contiguous int8/float32 weight "
                              f"with K % {self.lanes} == 0; got x {tuple(x.shape)} {x.dtype}, weight "
                              f"{tuple(weight.shape)} {weight.dtype}")
+        return y
+
+    def try_linear(self, x: Tensor, weight: Tensor, scale: Tensor | None = None,
+                   bias: Tensor | None = None) -> Tensor | None:
+        """`linear`, or None where the call does not `fit` (the caller runs another kernel): one check on the path
+        of every draft step."""
+        if not self.fits(x, weight):
+            return None
         for name, t in (("scale", scale), ("bias", bias)):
             if t is not None and (t.dtype != torch.float32 or not t.is_contiguous() or t.shape != (weight.shape[0],)):
                 raise ValueError(f"native linear: {name} must be contiguous float32 of shape ({weight.shape[0]},)")

@@ -35,6 +35,7 @@ from torch import Tensor, nn
 
 from decode.errors import DraftsmithError
 from decode.head import vocab_map
+from decode.kernels import int8_rows
 from decode.lean import LeanLM
 from decode.runner import HFRunner, Runner
 
@@ -126,14 +127,10 @@ def head_source(head: nn.Module) -> tuple[Tensor, Tensor, Tensor | None]:
         return w, torch.ones(w.shape[0], dtype=w.dtype, device=w.device), \
             None if head.bias is None else head.bias.detach()
     if isinstance(head, torch.ao.nn.quantized.dynamic.Linear):
-        w, b = head.weight(), head.bias()
-        if w.qscheme() in (torch.per_channel_affine, torch.per_channel_symmetric):
-            if bool((w.q_per_channel_zero_points() != 0).any()):
-                raise DraftsmithError("context ids need an int8 head with zero points 0 (symmetric)")
-            scales = w.q_per_channel_scales().float()
-        else:
-            scales = torch.full((w.shape[0],), float(w.q_scale()))
-        return w.int_repr(), scales, b
+        rows = int8_rows(head)
+        if rows is None:
+            raise DraftsmithError("context ids need an int8 head with zero points 0 (symmetric)")
+        return rows
     raise DraftsmithError(f"cannot read the rows of a {type(head).__name__} LM head")
 
 
