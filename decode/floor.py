@@ -232,7 +232,7 @@ def choose_rows(times: dict[int, float], *, gain: float = 0.95) -> dict[int, int
 def plan_rows(runner, key: tuple, nbytes: int, *, repeats: int = 3) -> dict[int, int]:
     """Give a lean runner on the CPU its `row_plan`, `blas_rows` and `native_rows`: cached forwards over
     1..PLAN_ROWS rows timed once per process and model (`key`), on oneDNN's kernels and (where the runner has float
-    Linears on them) on BLAS and, over 1-2 rows of float32 or int8 Linears, on `decode.native`'s kernel,
+    Linears on them) on BLAS and, over 1..12 rows of float32 or int8 Linears, on `decode.native`'s kernel,
     interleaved; each row count runs on the fastest kernels (`choose_kernels`, BLAS then native), then at the
     fastest count at or above it (`choose_rows`). On the AMD EPYC here the float32 Qwen2.5-Coder-1.5B's one-row step ran 228.6 ms
     planned against 277.9 unpadded; on the Intel Xeon it ran 240.0 ms on BLAS against oneDNN's 267.9

@@ -1,5 +1,6 @@
-"""draftsmith's own few-row CPU kernels (decode/csrc/dsk.c): a Linear over 1 or 2 rows whose weight is int8 with a
-float scale per output row (the int8 draft's), or float32, streamed once at close to the machine's read bandwidth.
+"""draftsmith's own few-row CPU kernels (decode/csrc/dsk.c): a Linear over 1..12 rows whose weight is int8 with a
+float scale per output row (the int8 draft's), or float32, streamed once at close to the machine's read bandwidth
+(each weight vector loaded once for all the rows; a row's output has the same bits whatever rows are beside it).
 
 fbgemm's dynamic int8 Linear and oneDNN's float32 one read a weight at roughly 22-28 GB/s on one row on the 2-core
 CPUs here, where a streaming read reaches 32-36 GB/s (docs/results/floor.md); these kernels convert int8 to float32
@@ -28,7 +29,7 @@ import torch
 from torch import Tensor
 
 SOURCE = Path(__file__).parent / "csrc" / "dsk.c"
-MAX_ROWS = 2  # the kernels take 1 or 2 rows
+MAX_ROWS = 12  # the kernels take 1..12 rows (dsk.c MAX_T)
 _WHY: list[str] = []
 
 
@@ -56,6 +57,8 @@ class Kernels:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lanes = lib.dsk_lanes()
+        if lib.dsk_max_rows() != MAX_ROWS:
+            raise OSError(f"{SOURCE.name} takes {lib.dsk_max_rows()} rows, native.py expects {MAX_ROWS}")
         self._f32, self._q8 = lib.dsk_f32_linear, lib.dsk_q8_linear
         for fn in (self._f32, self._q8):
             fn.restype = None

@@ -1,6 +1,6 @@
 """Int8 drafts: dynamically quantised int8 Linear weights, one scale per output channel (fbgemm, a CPU kernel).
 
-Cheaper draft steps; exactness is untouched since the target verifies. A lean runner's 1-2 row steps run these
+Cheaper draft steps; exactness is untouched since the target verifies. A lean runner's few-row steps run these
 weights on draftsmith's own kernel where its row plan found that faster (`decode.native`, `LeanLM.native_rows`).
 `draft_quant(model)` is the one rule for which drafts take it (on the CPU, float32, an architecture the lean runner
 runs); `quantize_int8(runner)` gives a lean runner's int8 copy (`make_runner(..., quantize="int8")`; the copy stacks

@@ -1,7 +1,9 @@
-/* draftsmith's few-row CPU kernels: y (T, N) = x (T, K) @ W (N, K)^T for T = 1 or 2 rows, W float32 or int8 with
+/* draftsmith's few-row CPU kernels: y (T, N) = x (T, K) @ W (N, K)^T for T = 1..MAX_T rows, W float32 or int8 with
  * one float scale per output row (the int8 draft's weights), streamed once with software prefetch, 2 threads of the
- * OpenMP runtime torch already loaded. decode/native.py compiles it on first use (gcc -O3 -march=native) and calls
- * it through ctypes. K must be a multiple of LANES. Built for AVX-512F or AVX2 + FMA; anything else gets no kernels. */
+ * OpenMP runtime torch already loaded. Every output is one vector accumulator summed over K in order and reduced
+ * the same way whatever T is, so a row's result does not depend on the rows beside it (bit for bit). T rows share
+ * each weight vector loaded (T multiply-adds a weight: past 8 rows the multiply-adds, not the reads, set the pace).
+ * decode/native.py compiles it on first use (gcc -O3 -march=native) and calls it through ctypes. K must be a multiple of LANES. Built for AVX-512F or AVX2 + FMA; anything else gets no kernels. */
 #include <stddef.h>
 #include <stdint.h>
 #include <immintrin.h>
@@ -28,8 +30,13 @@ static inline float vsum(vf v) {
 }
 #endif
 
-#define R 8   /* output rows a block: 8 (or 16 with 2 input rows) accumulators in registers */
-#define AHEAD 2 /* prefetch the block this many blocks ahead: short rows (K = 896) defeat the hardware prefetcher */
+#define MAX_T 12 /* rows a call */
+#ifndef AHEAD_ROWS
+#define AHEAD_ROWS 16 /* prefetch the weight rows this far ahead: short rows (K = 896) defeat the hardware prefetcher */
+#endif
+#ifndef PF_HINT
+#define PF_HINT 1 /* prefetcht2, into L2: an L1 hint is evicted by the input rows once 4-12 of them fill L1 */
+#endif
 
 int dsk_lanes(void) {
 #ifdef LANES
@@ -39,61 +46,76 @@ int dsk_lanes(void) {
 #endif
 }
 
+int dsk_max_rows(void) { return MAX_T; }
+
 #ifdef LANES
-/* One block of R output rows [n0, n0 + R) over U (1 or 2) input rows; E bytes a weight. */
-#define BLOCK(NAME, WT, LOADW, E)                                                                   \
-    static void NAME(const float *x, const WT *w, const float *scale, const float *b, float *y,       \
-                     int T, int N, int K, int n0, const char *end) {                                   \
-        vf a0[R], a1[R];                                                                               \
-        for (int r = 0; r < R; r++) a0[r] = a1[r] = vzero();                                           \
-        const char *pf = (const char *)(w + (size_t)(n0 + AHEAD * R) * K);                             \
-        for (int k = 0; k < K; k += LANES) {                                                           \
-            const char *p = pf + (size_t)R * E * k;  /* R * E * LANES bytes of the block ahead a step */ \
-            for (int c = 0; c < R * E * LANES; c += 64)                                                \
-                if (p + c < end) __builtin_prefetch(p + c, 0, 0);                                      \
-            vf x0 = vload(x + k);                                                                      \
-            if (T == 1) {                                                                              \
-                for (int r = 0; r < R; r++) a0[r] = vfma(LOADW(w + (size_t)(n0 + r) * K + k), x0, a0[r]); \
-            } else {                                                                                   \
-                vf x1 = vload(x + K + k);                                                              \
-                for (int r = 0; r < R; r++) {                                                          \
-                    vf wv = LOADW(w + (size_t)(n0 + r) * K + k);                                       \
-                    a0[r] = vfma(wv, x0, a0[r]);                                                       \
-                    a1[r] = vfma(wv, x1, a1[r]);                                                       \
-                }                                                                                      \
-            }                                                                                          \
-        }                                                                                              \
-        for (int r = 0; r < R; r++) {                                                                  \
-            float s = scale ? scale[n0 + r] : 1.0f, c = b ? b[n0 + r] : 0.0f;                          \
-            y[n0 + r] = vsum(a0[r]) * s + c;                                                           \
-            if (T == 2) y[N + n0 + r] = vsum(a1[r]) * s + c;                                           \
-        }                                                                                              \
+/* One block of RR output rows [n0, n0 + RR) over T input rows (both compile-time: T * RR accumulators stay in
+ * registers); E bytes a weight. */
+#define BLOCK(NAME, WT, LOADW, E, T, RR)                                                                 \
+    static void NAME(const float *x, const WT *w, const float *scale, const float *b, float *y,           \
+                     int N, int K, int n0, const char *end) {                                              \
+        vf a[T][RR];                                                                                       \
+        _Pragma("GCC unroll 16") for (int t = 0; t < T; t++)                                               \
+            _Pragma("GCC unroll 16") for (int r = 0; r < RR; r++) a[t][r] = vzero();                       \
+        const char *pf = (const char *)(w + (size_t)(n0 + AHEAD_ROWS) * K);                                \
+        for (int k = 0; k < K; k += LANES) {                                                               \
+            const char *p = pf + (size_t)RR * E * k;  /* RR * E * LANES bytes of the rows ahead a step */  \
+            for (int c = 0; c < RR * E * LANES; c += 64)                                                   \
+                if (p + c < end) __builtin_prefetch(p + c, 0, PF_HINT);                                          \
+            vf wv[RR];  /* the block's weights for these K, then each input row once against all of them */ \
+            _Pragma("GCC unroll 16") for (int r = 0; r < RR; r++) wv[r] = LOADW(w + (size_t)(n0 + r) * K + k); \
+            _Pragma("GCC unroll 16") for (int t = 0; t < T; t++) {                                         \
+                vf xv = vload(x + (size_t)t * K + k);                                                      \
+                _Pragma("GCC unroll 16") for (int r = 0; r < RR; r++) a[t][r] = vfma(wv[r], xv, a[t][r]);  \
+            }                                                                                              \
+        }                                                                                                  \
+        _Pragma("GCC unroll 16") for (int r = 0; r < RR; r++) {                                            \
+            float s = scale ? scale[n0 + r] : 1.0f, c = b ? b[n0 + r] : 0.0f;                              \
+            _Pragma("GCC unroll 16") for (int t = 0; t < T; t++)                                           \
+                y[(size_t)t * N + n0 + r] = vsum(a[t][r]) * s + c;                                         \
+        }                                                                                                  \
     }
 
-#define TAIL(NAME, WT, LOADW)                                                                          \
-    static void NAME(const float *x, const WT *w, const float *scale, const float *b, float *y,        \
-                     int T, int N, int K, int n) {                                                     \
-        for (int t = 0; t < T; t++) {                                                                  \
-            vf a = vzero();                                                                            \
-            for (int k = 0; k < K; k += LANES) a = vfma(LOADW(w + (size_t)n * K + k), vload(x + (size_t)t * K + k), a); \
-            y[(size_t)t * N + n] = vsum(a) * (scale ? scale[n] : 1.0f) + (b ? b[n] : 0.0f);            \
-        }                                                                                              \
+/* y for T rows: blocks of RR output rows shared among the threads, then the last N % RR rows one at a time. */
+#define LINEAR_T(T, RR)                                                                                    \
+    BLOCK(block_f32_##T, float, vload, 4, T, RR)                                                           \
+    BLOCK(block_q8_##T, int8_t, vload8, 1, T, RR)                                                          \
+    BLOCK(tail_f32_##T, float, vload, 4, T, 1)                                                             \
+    BLOCK(tail_q8_##T, int8_t, vload8, 1, T, 1)                                                            \
+    static void f32_##T(const float *x, const float *w, const float *s, const float *b, float *y, int N, int K) { \
+        const char *end = (const char *)(w + (size_t)N * K);                                               \
+        _Pragma("omp parallel for schedule(static)")                                                       \
+        for (int i = 0; i < N / RR; i++) block_f32_##T(x, w, s, b, y, N, K, i * RR, end);                  \
+        for (int n = N / RR * RR; n < N; n++) tail_f32_##T(x, w, s, b, y, N, K, n, end);                   \
+    }                                                                                                      \
+    static void q8_##T(const float *x, const int8_t *w, const float *s, const float *b, float *y, int N, int K) { \
+        const char *end = (const char *)(w + (size_t)N * K);                                               \
+        _Pragma("omp parallel for schedule(static)")                                                       \
+        for (int i = 0; i < N / RR; i++) block_q8_##T(x, w, s, b, y, N, K, i * RR, end);                   \
+        for (int n = N / RR * RR; n < N; n++) tail_q8_##T(x, w, s, b, y, N, K, n, end);                    \
     }
 
-BLOCK(block_f32, float, vload, 4)
-BLOCK(block_q8, int8_t, vload8, 1)
-TAIL(tail_f32, float, vload)
-TAIL(tail_q8, int8_t, vload8)
+/* Output rows a block by input rows: T * RR accumulators plus a weight vector within the register file (32 vector
+ * registers with AVX-512, 16 with AVX2). */
+#if LANES == 16
+LINEAR_T(1, 8) LINEAR_T(2, 8) LINEAR_T(3, 8) LINEAR_T(4, 6) LINEAR_T(5, 4) LINEAR_T(6, 4)
+LINEAR_T(7, 3) LINEAR_T(8, 3) LINEAR_T(9, 2) LINEAR_T(10, 2) LINEAR_T(11, 2) LINEAR_T(12, 2)
+#else
+LINEAR_T(1, 8) LINEAR_T(2, 4) LINEAR_T(3, 4) LINEAR_T(4, 3) LINEAR_T(5, 2) LINEAR_T(6, 2)
+LINEAR_T(7, 1) LINEAR_T(8, 1) LINEAR_T(9, 1) LINEAR_T(10, 1) LINEAR_T(11, 1) LINEAR_T(12, 1)
+#endif
 
-#define LINEAR(NAME, WT, BLK, TL)                                                                      \
-    void NAME(const float *x, const WT *w, const float *scale, const float *b, float *y, int T, int N, int K) { \
-        const char *end = (const char *)(w + (size_t)N * K);                                           \
-        int blocks = N / R;                                                                            \
-        _Pragma("omp parallel for schedule(static)")                                                   \
-        for (int i = 0; i < blocks; i++) BLK(x, w, scale, b, y, T, N, K, i * R, end);                  \
-        for (int n = blocks * R; n < N; n++) TL(x, w, scale, b, y, T, N, K, n);                        \
-    }
+typedef void (*f32_fn)(const float *, const float *, const float *, const float *, float *, int, int);
+typedef void (*q8_fn)(const float *, const int8_t *, const float *, const float *, float *, int, int);
+static const f32_fn F32[MAX_T] = {f32_1, f32_2, f32_3, f32_4,  f32_5,  f32_6,
+                                  f32_7, f32_8, f32_9, f32_10, f32_11, f32_12};
+static const q8_fn Q8[MAX_T] = {q8_1, q8_2, q8_3, q8_4, q8_5, q8_6, q8_7, q8_8, q8_9, q8_10, q8_11, q8_12};
 
-LINEAR(dsk_f32_linear, float, block_f32, tail_f32)
-LINEAR(dsk_q8_linear, int8_t, block_q8, tail_q8)
+void dsk_f32_linear(const float *x, const float *w, const float *s, const float *b, float *y, int T, int N, int K) {
+    if (T >= 1 && T <= MAX_T) F32[T - 1](x, w, s, b, y, N, K);
+}
+
+void dsk_q8_linear(const float *x, const int8_t *w, const float *s, const float *b, float *y, int T, int N, int K) {
+    if (T >= 1 && T <= MAX_T) Q8[T - 1](x, w, s, b, y, N, K);
+}
 #endif

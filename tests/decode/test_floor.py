@@ -100,15 +100,15 @@ def test_native_rows_route_a_forward_through_the_native_kernel_with_close_logits
         pytest.skip(f"no native kernels here: {native.why_not()}")
     hf = tiny(6, dtype=torch.float32)
     plain, routed = LeanLM(hf, 64), LeanLM(hf, 64)
-    routed.native_rows = frozenset({1, 2})
+    routed.native_rows = frozenset({1, 2, 4})
     calls = [0]
     real = kernels.try_linear
     monkeypatch.setattr(kernels, "try_linear", lambda *a, **k: calls.__setitem__(0, calls[0] + 1) or real(*a, **k))
-    seq = torch.tensor([3, 9, 1, 4, 4, 7, 2, 8, 5, 6])
+    seq = torch.tensor([3, 9, 1, 4, 4, 7, 2, 8, 5, 6, 11, 12, 13, 14])
     for runner in (plain, routed):
         runner.forward(seq[:4], 0)
     pos = 4
-    for T in (1, 2, 3):
+    for T in (1, 2, 3, 4):
         want = plain.forward(seq[pos : pos + T], pos)
         before = calls[0]
         got = routed.forward(seq[pos : pos + T], pos)
@@ -127,7 +127,7 @@ def test_native_rows_route_a_forward_through_the_native_kernel_with_close_logits
 
     monkeypatch.setattr(fl, "forward_times", native_wins)
     fl.plan_rows(runner, ("native-test", 7), 1, repeats=1)
-    assert runner.native_rows == frozenset({1, 2}) and not runner.blas_rows & runner.native_rows
+    assert runner.native_rows == frozenset({1, 2, 3}) and not runner.blas_rows & runner.native_rows
 
 
 def test_a_padded_forward_gives_the_unpadded_logits_and_the_next_forward_continues_exactly() -> None:
@@ -168,7 +168,8 @@ def test_speculative_decoding_through_padded_runners_stays_greedy_equal() -> Non
     draft.blas_rows = frozenset({1})
     for k in (1, 3, 6):
         assert generate(target, [1, 5, 7], draft=draft, max_new_tokens=30, policy=KPolicy(k=k)).tokens == ref
-    target.blas_rows, target.native_rows, draft.native_rows = frozenset({3}), frozenset({1, 2}), frozenset({1, 2})
+    target.blas_rows, target.native_rows = frozenset({3}), frozenset({1, 2, 4, 5, 6, 7})
+    draft.native_rows = frozenset({1, 2})
     for k in (1, 3, 6):  # few-row forwards on the native kernel (where built), exact all the same
         assert generate(target, [1, 5, 7], draft=draft, max_new_tokens=30, policy=KPolicy(k=k)).tokens == ref
 

@@ -1,4 +1,4 @@
-"""`decode.native`: draftsmith's own 1-2 row kernels (int8 rows with per-row scales, float32) against float64
+"""`decode.native`: draftsmith's own few-row kernels (int8 rows with per-row scales, float32) against float64
 brute force, the int8 draft's route onto them, and the fall-back when they cannot be built."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def exact(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 @needs_kernels
 @pytest.mark.parametrize("n,k,bias", [(8, 64, True), (37, 128, False), (1000, 896, True), (3, 32, True)])
-@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 12])
 def test_kernels_match_brute_force(n: int, k: int, bias: bool, rows: int) -> None:
     """Both kernels against float64 brute force, over row counts with a tail past the last block of 8; the int8
     one within float32 rounding where fbgemm (which quantises the activations too) is not."""
@@ -50,25 +50,29 @@ def test_kernels_match_brute_force(n: int, k: int, bias: bool, rows: int) -> Non
 
 
 @needs_kernels
-def test_rows_of_a_pair_are_the_bits_of_single_rows() -> None:
-    """A 2-row call computes each row as a 1-row call does (the same order of sums), and a row's output does not
-    depend on where it falls in a block: stacking layers' rows (`fuse_projections`) keeps its bits."""
-    layer = int8_layer(1, 45, 64)
-    x = torch.randn(2, 64)
-    with native_kernels():
-        pair = linear(x, layer)
-        assert torch.equal(pair[0], linear(x[:1], layer)[0]) and torch.equal(pair[1], linear(x[1:], layer)[0])
+@pytest.mark.parametrize("rows", range(2, native.MAX_ROWS + 1))
+def test_rows_of_a_call_are_the_bits_of_single_rows(rows: int) -> None:
+    """A T-row call computes each row as a 1-row call does (the same order of sums, whatever block of output rows
+    T's kernel takes), and a row's output does not depend on where it falls in a block: stacking layers' rows
+    (`fuse_projections`) keeps its bits."""
+    layer = int8_layer(rows, 45, 64)
+    x = torch.randn(rows, 64)
     w = torch.randn(45, 64)
+    with native_kernels():
+        many, wide = linear(x, layer), KERNELS.linear(x, w)
+        for t in range(rows):
+            assert torch.equal(many[t], linear(x[t:t + 1], layer)[0])
+            assert torch.equal(wide[t], KERNELS.linear(x[t:t + 1], w)[0])
     assert torch.equal(KERNELS.linear(x[:1], w)[0, 5:], KERNELS.linear(x[:1], w[5:].contiguous())[0])
 
 
 @needs_kernels
 def test_more_rows_or_outside_the_switch_run_fbgemm_and_a_new_weight_is_read_again() -> None:
     layer = int8_layer(2, 24, 64)
-    x = torch.randn(3, 64)
+    x = torch.randn(native.MAX_ROWS + 1, 64)
     assert torch.equal(linear(x[:1], layer), layer(x[:1]))  # outside native_kernels(): fbgemm's kernel
     with native_kernels():
-        assert torch.equal(linear(x, layer), layer(x))  # 3 rows: fbgemm's kernel
+        assert torch.equal(linear(x, layer), layer(x))  # MAX_ROWS + 1 rows: fbgemm's kernel
         before = linear(x[:1], layer)
         w = layer.weight()
         layer.set_weight_bias(torch._make_per_channel_quantized_tensor(
@@ -117,8 +121,8 @@ def test_no_kernels_means_the_library_ones(monkeypatch, tmp_path, env: dict, why
 
 @needs_kernels
 def test_bad_calls_are_refused() -> None:
-    with pytest.raises(ValueError, match="1..2 float32 rows"):
-        KERNELS.linear(torch.randn(3, 64), torch.randn(8, 64))
+    with pytest.raises(ValueError, match=f"1..{native.MAX_ROWS} float32 rows"):
+        KERNELS.linear(torch.randn(native.MAX_ROWS + 1, 64), torch.randn(8, 64))
     with pytest.raises(ValueError, match="K %"):
         KERNELS.linear(torch.randn(1, 60), torch.randn(8, 60))
     with pytest.raises(ValueError, match="scale must be"):

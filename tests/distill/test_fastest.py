@@ -1,0 +1,31 @@
+"""`distill.fastest.winner`: the measured speedup picks, alpha breaks a tie on a few dev prompts."""
+
+from __future__ import annotations
+
+import pytest
+
+from decode.errors import DraftsmithError
+from distill.fastest import TIE, winner
+
+
+def row(draft: str, alpha: float, measured: float | None, predicted: float = 1.5, compatible: bool = True) -> dict:
+    return {"draft": draft, "alpha": alpha, "measured_speedup": measured, "predicted_speedup": predicted,
+            "compatible": compatible}
+
+
+def test_within_the_tie_the_higher_alpha_wins_outside_it_the_faster() -> None:
+    board = {"candidates": [row("whole", 0.84, 2.00), row("16k", 0.779, 2.18), row("32k", 0.818, 2.16)]}
+    assert winner(board)["draft"] == "32k"  # 2.16 is within 2% of 2.18: a tie, and 32k has the higher alpha
+    assert winner(board, tie=0.0)["draft"] == "16k"  # no tie allowed: the faster (the same board, another answer)
+    board["candidates"][2]["measured_speedup"] = 2.10  # 3.7% slower: no longer a tie
+    assert winner(board)["draft"] == "16k"
+    assert 0 < TIE < 0.05
+
+
+def test_equal_alpha_in_a_tie_goes_to_the_faster_and_unmeasured_rows_go_by_prediction() -> None:
+    board = {"candidates": [row("a", 0.8, 2.17), row("b", 0.8, 2.18), row("c", 0.9, None, predicted=9.0)]}
+    assert winner(board)["draft"] == "b"  # c was not decoded: a measured row wins over any prediction
+    board = {"candidates": [row("a", 0.8, None, 1.7), row("b", 0.9, None, 1.6), row("c", 0.95, 3.0, compatible=False)]}
+    assert winner(board)["draft"] == "a"
+    with pytest.raises(DraftsmithError, match="tokenizer"):
+        winner({"candidates": [row("c", 0.95, 3.0, compatible=False)]})
