@@ -262,6 +262,7 @@ DEFINITIONS = {
 def _load_candidates(cfg: PairConfig, target: Loaded, device: str) -> list[Candidate]:
     """Every candidate spec loaded (a head on the target's embedding) with its compatibility verdict."""
     cands: list[Candidate] = []
+    shared: dict = {}  # MODEL and its pruned variants share MODEL's weights
     for spec in cfg.candidates:
         if spec.startswith(HEAD_PREFIX):
             if not cfg.calibrate_prompts:
@@ -270,8 +271,7 @@ def _load_candidates(cfg: PairConfig, target: Loaded, device: str) -> list[Candi
             cands.append(Candidate(spec, None, Compat("head", True, ["reads the target's hidden states (EAGLE-3)"]),
                                    head=head))
             continue
-        loaded, kept = load_model_draft(spec, target, device)
-        loaded.name = spec
+        loaded, kept = load_model_draft(spec, target, device, shared)
         cands.append(Candidate(spec, loaded, _compat(target, loaded, kept), kept=kept))
     return cands
 

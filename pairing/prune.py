@@ -23,7 +23,7 @@ the ids it has read in the sequence (`decode.pruned`; false when absent, as file
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -143,15 +143,27 @@ def target_rows(target: Loaded) -> int:
     return target.model.get_output_embeddings().weight.shape[0]
 
 
-def load_model_draft(spec: str, target: Loaded, device: str = "cpu") -> tuple[Loaded, KeptVocab | None]:
+def load_model_draft(spec: str, target: Loaded, device: str = "cpu",
+                     shared: dict[tuple[str, str], Loaded] | None = None) -> tuple[Loaded, KeptVocab | None]:
     """A standalone draft spec -> (the model, loaded; the kept ids for `prune:MODEL:vocab=FILE`, else None).
-    A pruned draft proposes target ids, so it must share the target's tokenizer; its file is checked first."""
+    A pruned draft proposes target ids, so it must share the target's tokenizer; its file is checked first.
+    `shared` (a dict the caller keeps) loads each model once for the specs that name it: a ranking of MODEL beside
+    its pruned variants holds one copy of MODEL's weights, not one a variant (the decoder never changes them)."""
+
+    def model(name: str) -> Loaded:
+        key = (resolve_candidate(name), device)
+        if shared is None:
+            return load(key[0], device=device)
+        if key not in shared:
+            shared[key] = load(key[0], device=device)
+        return replace(shared[key], name=spec)
+
     parsed = parse_prune_spec(spec)
     if parsed is None:
-        return load(resolve_candidate(spec), device=device), None
+        return model(spec), None
     model_spec, vocab_path = parsed
     kept = read_vocab(vocab_path, target_rows(target))  # a bad file fails before a model is loaded
-    loaded = load(resolve_candidate(model_spec), device=device)
+    loaded = model(model_spec)
     loaded.name = spec
     check_vocab(target, loaded)
     rows = loaded.model.get_output_embeddings().weight.shape[0]

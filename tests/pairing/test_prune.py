@@ -139,6 +139,20 @@ def test_load_model_draft_and_draft_runner(setup, tmp_path: Path) -> None:
     assert none is None and not isinstance(draft_runner(plain.model, None, 32, None)[0], PrunedRunner)
 
 
+def test_a_model_and_its_pruned_variants_share_one_copy_of_its_weights(setup, tmp_path: Path) -> None:
+    """With `shared`, MODEL and prune:MODEL:... load MODEL once (each keeps its own name); without, each loads."""
+    target_dir, other, _ = setup
+    target = load(target_dir)
+    f = vocab_file(tmp_path / "v.json", vocab_size=len(WORDS) + 3, ids=[2, 5, 7, 9], n=4)
+    shared: dict = {}
+    whole, _ = load_model_draft(str(other), target, shared=shared)
+    pruned, kept = load_model_draft(f"prune:{other}:vocab={f}", target, shared=shared)
+    assert pruned.model is whole.model and len(shared) == 1 and kept is not None
+    assert whole.name == str(other) and pruned.name == f"prune:{other}:vocab={f}"
+    alone, _ = load_model_draft(f"prune:{other}:vocab={f}", target)  # negative control: no dict, a copy of its own
+    assert alone.model is not whole.model
+
+
 def test_load_model_draft_refuses_what_cannot_prune(setup, tmp_path: Path) -> None:
     target_dir, other, _ = setup
     target = load(target_dir)
