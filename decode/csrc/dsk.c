@@ -3,7 +3,8 @@
  * OpenMP runtime torch already loaded. Every output is one vector accumulator summed over K in order and reduced
  * the same way whatever T is, so a row's result does not depend on the rows beside it (bit for bit). T rows share
  * each weight vector loaded (T multiply-adds a weight: past 8 rows the multiply-adds, not the reads, set the pace).
- * decode/native.py compiles it on first use (gcc -O3 -march=native) and calls it through ctypes. K must be a multiple of LANES. Built for AVX-512F or AVX2 + FMA; anything else gets no kernels. */
+ * decode/native.py compiles it on first use (gcc -O3 -march=native) and calls it through ctypes. K must be a
+ * multiple of LANES. Built for AVX-512F or AVX2 + FMA; anything else gets no kernels. */
 #include <stddef.h>
 #include <stdint.h>
 #include <immintrin.h>
