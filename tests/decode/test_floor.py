@@ -183,14 +183,28 @@ def test_small_models_are_never_timed_and_a_plan_is_timed_once_per_model(monkeyp
     monkeypatch.setattr(fl, "PLAN_MIN_BYTES", 0)
     monkeypatch.setattr(fl, "PLAN_ROWS", 3)
     plan = fl.plan_rows(runner, ("test-model", 3), 1, repeats=1)
-    assert calls == [1] and all(plan[T] > T for T in plan) and runner.row_plan == plan
+    assert calls == [1, 1] and all(plan[T] > T for T in plan) and runner.row_plan == plan  # one plan, two rounds
     assert runner.blas_rows <= {1, 2, 3}
     other = make_runner(tiny(3, dtype=torch.float32), 128)  # make_runner's own key: timed once more
-    assert len(calls) == 2
+    assert len(calls) == 4
     fl.plan_rows(other, ("test-model", 3), 1)  # the same key as before: no timing
-    assert len(calls) == 2 and other.row_plan == plan and other.blas_rows == runner.blas_rows
+    assert len(calls) == 4 and other.row_plan == plan and other.blas_rows == runner.blas_rows
     monkeypatch.setenv("DRAFTSMITH_ROWS", "off")
     assert fl.plan_rows(make_runner(tiny(4, dtype=torch.float32), 128), ("x",), 1) == {}
+
+
+def test_the_plan_keeps_the_faster_of_two_rounds(monkeypatch) -> None:
+    """A first round in which one row count runs slow (a process's first forwards can) does not decide the plan:
+    each (plan, rows) keeps the faster of two rounds; the slow round alone would have padded 1 row to 3."""
+    runner = make_runner(tiny(8, dtype=torch.float32), 128)  # a small model: not planned here
+    rounds = [{"dnn": {1: 0.30, 2: 0.31, 3: 0.20}}, {"dnn": {1: 0.10, 2: 0.31, 3: 0.20}}]
+    monkeypatch.setattr(fl, "forward_times", lambda *a, **k: rounds.pop(0))
+    monkeypatch.setattr(fl, "PLAN_MIN_BYTES", 0)
+    monkeypatch.setattr(fl, "PLAN_ROWS", 3)
+    monkeypatch.setattr(fl.native, "kernels", lambda: None)
+    assert fl.plan_rows(runner, ("two-rounds", 8), 1, repeats=1) == {2: 3}  # 1 row stays: 0.10 s, not 0.30
+    assert rounds == []  # both rounds timed
+    assert fl.choose_rows({1: 0.30, 2: 0.31, 3: 0.20}) == {1: 3, 2: 3}  # negative control: the first round alone
 
 
 def test_forward_times_interleaves_plans_and_keeps_the_runners_own() -> None:
