@@ -32,12 +32,8 @@ static inline float vsum(vf v) {
 #endif
 
 #define MAX_T 12 /* rows a call */
-#ifndef AHEAD_ROWS
 #define AHEAD_ROWS 16 /* prefetch the weight rows this far ahead: short rows (K = 896) defeat the hardware prefetcher */
-#endif
-#ifndef PF_HINT
 #define PF_HINT 1 /* prefetcht2, into L2: an L1 hint is evicted by the input rows once 4-12 of them fill L1 */
-#endif
 
 int dsk_lanes(void) {
 #ifdef LANES
@@ -62,7 +58,7 @@ int dsk_max_rows(void) { return MAX_T; }
         for (int k = 0; k < K; k += LANES) {                                                               \
             const char *p = pf + (size_t)RR * E * k;  /* RR * E * LANES bytes of the rows ahead a step */  \
             for (int c = 0; c < RR * E * LANES; c += 64)                                                   \
-                if (p + c < end) __builtin_prefetch(p + c, 0, PF_HINT);                                          \
+                if (p + c < end) __builtin_prefetch(p + c, 0, PF_HINT);                                   \
             vf wv[RR];  /* the block's weights for these K, then each input row once against all of them */ \
             _Pragma("GCC unroll 16") for (int r = 0; r < RR; r++) wv[r] = LOADW(w + (size_t)(n0 + r) * K + k); \
             _Pragma("GCC unroll 16") for (int t = 0; t < T; t++) {                                         \
@@ -78,23 +74,21 @@ int dsk_max_rows(void) { return MAX_T; }
     }
 
 /* y for T rows: blocks of RR output rows shared among the threads, then the last N % RR rows one at a time. */
+#define ROWS_FN(NAME, WT, BLK, TL, RR)                                                                     \
+    static void NAME(const float *x, const WT *w, const float *s, const float *b, float *y, int N, int K) {  \
+        const char *end = (const char *)(w + (size_t)N * K);                                               \
+        _Pragma("omp parallel for schedule(static)")                                                       \
+        for (int i = 0; i < N / RR; i++) BLK(x, w, s, b, y, N, K, i * RR, end);                            \
+        for (int n = N / RR * RR; n < N; n++) TL(x, w, s, b, y, N, K, n, end);                             \
+    }
+
 #define LINEAR_T(T, RR)                                                                                    \
     BLOCK(block_f32_##T, float, vload, 4, T, RR)                                                           \
     BLOCK(block_q8_##T, int8_t, vload8, 1, T, RR)                                                          \
     BLOCK(tail_f32_##T, float, vload, 4, T, 1)                                                             \
     BLOCK(tail_q8_##T, int8_t, vload8, 1, T, 1)                                                            \
-    static void f32_##T(const float *x, const float *w, const float *s, const float *b, float *y, int N, int K) { \
-        const char *end = (const char *)(w + (size_t)N * K);                                               \
-        _Pragma("omp parallel for schedule(static)")                                                       \
-        for (int i = 0; i < N / RR; i++) block_f32_##T(x, w, s, b, y, N, K, i * RR, end);                  \
-        for (int n = N / RR * RR; n < N; n++) tail_f32_##T(x, w, s, b, y, N, K, n, end);                   \
-    }                                                                                                      \
-    static void q8_##T(const float *x, const int8_t *w, const float *s, const float *b, float *y, int N, int K) { \
-        const char *end = (const char *)(w + (size_t)N * K);                                               \
-        _Pragma("omp parallel for schedule(static)")                                                       \
-        for (int i = 0; i < N / RR; i++) block_q8_##T(x, w, s, b, y, N, K, i * RR, end);                   \
-        for (int n = N / RR * RR; n < N; n++) tail_q8_##T(x, w, s, b, y, N, K, n, end);                    \
-    }
+    ROWS_FN(f32_##T, float, block_f32_##T, tail_f32_##T, RR)                                               \
+    ROWS_FN(q8_##T, int8_t, block_q8_##T, tail_q8_##T, RR)
 
 /* Output rows a block by input rows: T * RR accumulators plus a weight vector within the register file (32 vector
  * registers with AVX-512, 16 with AVX2). */
