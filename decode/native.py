@@ -1,5 +1,6 @@
 """draftsmith's own few-row CPU kernels (decode/csrc/dsk.c): a Linear over 1..12 rows whose weight is int8 with a
-float scale per output row (the int8 draft's), or float32, streamed once at close to the machine's read bandwidth
+float scale per output row (the int8 draft's), int4 in groups of 32 with a float16 scale and minimum each (the int4
+draft's, `q4_linear`: its inputs quantised to int8 a row for integer dot products), or float32, streamed once at close to the machine's read bandwidth
 (each weight vector loaded once for all the rows; a row's output has the same bits whatever rows are beside it).
 
 fbgemm's dynamic int8 Linear and oneDNN's float32 one read a weight at roughly 22-28 GB/s on one row on the 2-core
@@ -30,6 +31,7 @@ from torch import Tensor
 
 SOURCE = Path(__file__).parent / "csrc" / "dsk.c"
 MAX_ROWS = 12  # the kernels take 1..12 rows (dsk.c MAX_T)
+GROUP = 32  # int4 weights: one scale and minimum per GROUP weights of a row (dsk.c GROUP)
 _WHY: list[str] = []
 
 
@@ -59,9 +61,10 @@ class Kernels:
         self.lanes = lib.dsk_lanes()
         if lib.dsk_max_rows() != MAX_ROWS:
             raise OSError(f"{SOURCE.name} takes {lib.dsk_max_rows()} rows, native.py expects {MAX_ROWS}")
-        self._f32, self._q8 = lib.dsk_f32_linear, lib.dsk_q8_linear
-        for fn in (self._f32, self._q8):
-            fn.restype = None
+        self._f32, self._q8, self._q4 = lib.dsk_f32_linear, lib.dsk_q8_linear, lib.dsk_q4_linear
+        self.q4_chunk = lib.dsk_q4_chunk()  # int4 weights are packed in chunks of this many (0: no int4 kernel)
+        for fn in (self._f32, self._q8, self._q4):
+            fn.restype = ctypes.c_int if fn is self._q4 else None
             fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 3
 
     def fits(self, x: Tensor, weight: Tensor) -> bool:
@@ -96,6 +99,29 @@ class Kernels:
         fn = self._q8 if weight.dtype == torch.int8 else self._f32
         fn(x.data_ptr(), weight.data_ptr(), 0 if scale is None else scale.data_ptr(),
            0 if bias is None else bias.data_ptr(), y.data_ptr(), T, N, K)
+        return y
+
+
+    def q4_linear(self, x: Tensor, packed: Tensor, sm: Tensor, bias: Tensor | None = None) -> Tensor:
+        """x (T, K) float32 @ W^T + bias for T <= MAX_ROWS, W (N, K) int4 in groups of GROUP along K: `packed`
+        (N, K / 2) uint8 in chunks of `q4_chunk` weights (byte i of a chunk: weight i in the low nibble, weight
+        q4_chunk / 2 + i in the high one), `sm` (N, K / GROUP, 2) float16 each group's scale and minimum (w = q *
+        scale + min); `decode.quant.pack_int4`. Each row of x is quantised to int8 (one scale: max |x| / 127) for
+        integer dot products."""
+        T, K = x.shape
+        N = packed.shape[0]
+        if not (0 < T <= MAX_ROWS and x.dtype == torch.float32 and self.q4_chunk and K % self.q4_chunk == 0
+                and packed.dtype == torch.uint8 and packed.shape == (N, K // 2) and packed.is_contiguous()
+                and sm.dtype == torch.float16 and sm.shape == (N, K // GROUP, 2) and sm.is_contiguous()
+                and (bias is None or (bias.dtype == torch.float32 and bias.shape == (N,) and bias.is_contiguous()))):
+            raise ValueError(f"native int4 linear: x {tuple(x.shape)} {x.dtype}, packed {tuple(packed.shape)} "
+                             f"{packed.dtype}, sm {tuple(sm.shape)} do not fit (1..{MAX_ROWS} float32 rows, "
+                             f"K % {self.q4_chunk} == 0)")
+        x = x.contiguous()
+        y = torch.empty(T, N, dtype=torch.float32)
+        if self._q4(x.data_ptr(), packed.data_ptr(), sm.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                    y.data_ptr(), T, N, K):
+            raise MemoryError("native int4 linear: no memory for the int8 inputs")
         return y
 
 

@@ -104,6 +104,10 @@ def head_rows(head: nn.Module, ids: Tensor) -> nn.Module:
             if head.bias is not None:
                 cut.bias.copy_(head.bias[ids.to(w.device)])
         return cut.requires_grad_(False).eval()
+    from decode.quant import Int4Linear
+
+    if isinstance(head, Int4Linear):
+        return Int4Linear.rows_of(head, ids.to(head.packed.device))
     dynamic = torch.ao.nn.quantized.dynamic.Linear
     if isinstance(head, dynamic):
         w, b = head.weight(), head.bias()
@@ -131,6 +135,11 @@ def head_source(head: nn.Module) -> tuple[Tensor, Tensor, Tensor | None]:
         if rows is None:
             raise DraftsmithError("context ids need an int8 head with zero points 0 (symmetric)")
         return rows
+    from decode.quant import Int4Linear
+
+    if isinstance(head, Int4Linear):  # its rows as the float weights they stand for
+        w = head.weight_float()
+        return w, torch.ones(w.shape[0], dtype=w.dtype), head.bias
     raise DraftsmithError(f"cannot read the rows of a {type(head).__name__} LM head")
 
 

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from decode.floor import plan_rows
 from decode.lean import LeanLM, lean_supported
-from decode.quant import quantize_int8
+from decode.quant import quantize_int4, quantize_int8
 
 
 class Runner(Protocol):
@@ -86,8 +86,12 @@ def make_runner(hf_model, max_seq_len: int, *, lean: bool | None = None, quantiz
     )
     if quantize == "int8":
         runner = quantize_int8(runner)
+    elif quantize == "int4":
+        if not lean:
+            raise ValueError("int4 quantisation needs the lean runner")
+        runner = quantize_int4(runner)
     elif quantize not in (None, "none"):
-        raise ValueError(f"unknown quantisation {quantize!r} (choose int8 or none)")
+        raise ValueError(f"unknown quantisation {quantize!r} (choose int8, int4 or none)")
     if lean:  # pad few-row forwards to the row count this machine runs fastest (`decode.floor.plan_rows`)
         nbytes = sum(p.numel() * p.element_size() for p in hf_model.parameters())
         plan_rows(runner, (hf_model.config.name_or_path, hf_model.config.num_hidden_layers, nbytes, quantize), nbytes)

@@ -1,5 +1,7 @@
-"""The fastest standalone draft for a target: a whole model beside its vocabulary-pruned variants (FR-Spec), ranked
-side by side on dev prompts (the recipe kind `fastest`: recipes/qwen-draft.yaml).
+"""The fastest standalone draft for a target: a whole model beside its int4 copy and vocabulary-pruned variants of
+that (FR-Spec), ranked side by side on dev prompts (the recipe kind `fastest`: recipes/qwen-draft.yaml). The int4
+copy (`int4:BASE`, `decode.quant`) reads 0.625 bytes a weight where the int8 draft reads 1; with `int4: false`, or
+where this CPU has no int4 kernel, the pruned variants prune the whole model as it is.
 
     board = make_fastest(ctx_target, "qwen2.5-coder-0.5b-instruct", FastestConfig(sizes=[8192, 32768]), pair_cfg,
                          out=RUN / "distill", prompts="code,chat")
@@ -30,6 +32,7 @@ from decode.loading import load
 from decode.prompts import Prompt, first_per_domain, load_prompts
 from distill.vocab import continuation_texts, count_tokens
 from pairing.leaderboard import PairConfig, run_pair
+from decode.quant import INT4_PREFIX, int4_ok
 from pairing.prune import build_vocab, target_rows
 
 
@@ -45,6 +48,7 @@ class FastestConfig:
     prompts_per_domain: int = 8  # dev prompts a domain whose target continuations are counted (after the pair's)
     max_new_tokens: int = 96  # tokens of each counted continuation
     context_ids: bool = True  # the pruned drafts also propose the ids they have read (`decode.pruned`)
+    int4: bool = True  # rank `int4:BASE` too, and prune that (where this CPU has draftsmith's int4 kernel)
 
     def __post_init__(self) -> None:
         if not self.sizes or any(n < 1 for n in self.sizes):
@@ -111,7 +115,8 @@ def make_fastest(target: str, base: str, cfg: FastestConfig, pair: PairConfig, *
                               "the ranking's own; 0 would rank on all of them)")
     count_on = counting_prompts(prompts, pair.prompts_per_domain, cfg.prompts_per_domain, limit_per_domain)
     files = build_vocabs(target, base, count_on, cfg, out, device=device)
-    candidates = [base] + [f"prune:{base}:vocab={path}" for path in files.values()]
+    pruned = f"{INT4_PREFIX}{base}" if cfg.int4 and int4_ok(load(base).model) else base
+    candidates = [base] + ([pruned] if pruned != base else []) + [f"prune:{pruned}:vocab={p}" for p in files.values()]
     board = run_pair(target, out / "ranking", dataclasses.replace(pair, candidates=candidates), prompts=prompts,
                      limit_per_domain=limit_per_domain, device=device)
     best = winner(board)

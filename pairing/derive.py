@@ -120,6 +120,9 @@ def resolve_candidate(spec: str) -> str:
     if spec.startswith("prune:"):  # pairing.prune.PRUNE_PREFIX (pairing.prune imports this module)
         raise DraftsmithError(f"{spec}: a vocabulary-pruned draft runs in draftsmith's decoder only (pair, validate, "
                               "grid, decode --draft); here name a whole model (its MODEL part)")
+    if spec.startswith("int4:"):  # decode.quant.INT4_PREFIX
+        raise DraftsmithError(f"{spec}: an int4 draft runs in draftsmith's decoder only (pair, validate, grid, "
+                              "decode --draft); here name the whole model (drop int4:)")
     parsed = parse_derive_spec(spec)
     if parsed is None:
         return spec

@@ -129,7 +129,7 @@ def _draft(cand: Candidate, max_seq_len: int, cfg: PairConfig):
     the kept ids when pruned)."""
     if cand.head is not None:
         return HeadDraft(cand.head, max_seq_len, quantize=head_quant(cand.head, cfg.draft_quant))
-    return draft_runner(cand.loaded.model, cand.kept, max_seq_len, cfg.draft_quant)[0]
+    return draft_runner(cand.loaded.model, cand.kept, max_seq_len, cfg.draft_quant, cand.spec)[0]
 
 
 def _params_million(model) -> float:

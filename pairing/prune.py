@@ -34,7 +34,7 @@ from decode.io import atomic_write_json, read_json
 from decode.loading import Loaded, load
 from decode.pair import check_vocab
 from decode.pruned import Proposes, PrunedRunner, coverage_size, vocab_ids
-from decode.quant import draft_quant
+from decode.quant import INT4_PREFIX, draft_quant, split_quant
 from decode.runner import Runner, make_runner
 from pairing.derive import resolve_candidate
 
@@ -151,9 +151,9 @@ def load_model_draft(spec: str, target: Loaded, device: str = "cpu",
     its pruned variants holds one copy of MODEL's weights, not one a variant (the decoder never changes them)."""
 
     def model(name: str) -> Loaded:
-        key = (resolve_candidate(name), device)
+        key = (resolve_candidate(split_quant(name)[0]), device)  # int4:MODEL loads MODEL (`draft_runner` packs it)
         if shared is None:
-            return load(key[0], device=device)
+            return replace(load(key[0], device=device), name=spec)
         if key not in shared:
             shared[key] = load(key[0], device=device)
         return replace(shared[key], name=spec)
@@ -172,13 +172,26 @@ def load_model_draft(spec: str, target: Loaded, device: str = "cpu",
     return loaded, kept
 
 
-def draft_runner(model, kept: KeptVocab | None, max_seq_len: int, quant: str | None) -> tuple[Runner, str | None]:
+def spec_quant(spec: str) -> str | None:
+    """The quantisation a draft spec asks for itself: "int4" for `int4:MODEL` and `prune:int4:MODEL:vocab=FILE`."""
+    parsed = parse_prune_spec(spec)
+    return split_quant(parsed[0] if parsed else spec)[1]
+
+
+def is_model_draft_spec(spec: str | None) -> bool:
+    """Whether `spec` names a standalone draft that `load_model_draft` must open (pruned or int4), not a plain model."""
+    return spec is not None and (spec.startswith(INT4_PREFIX) or parse_prune_spec(spec) is not None)
+
+
+def draft_runner(model, kept: KeptVocab | None, max_seq_len: int, quant: str | None,
+                 spec: str = "") -> tuple[Runner, str | None]:
     """A standalone draft as the decoder runs it: int8 Linear weights where `quant` asks and the model can take
-    them (`decode.quant.draft_quant`), its head cut to the kept ids when pruned. -> (runner, the quantisation)."""
-    q = draft_quant(model, quant)
+    them (`decode.quant.draft_quant`), int4 where its `spec` asks (`int4:MODEL`; int8 where this CPU has no int4
+    kernel), its head cut to the kept ids when pruned. -> (runner, the quantisation)."""
+    q = draft_quant(model, spec_quant(spec) or quant)
     runner = make_runner(model, max_seq_len, quantize=q)
     return (PrunedRunner(runner, kept.ids, context=kept.context) if kept is not None else runner), q
 
 
-__all__ = ["FORMAT", "KeptVocab", "PRUNE_PREFIX", "build_vocab", "draft_runner", "load_model_draft",
-           "parse_prune_spec", "read_vocab", "target_rows"]
+__all__ = ["FORMAT", "KeptVocab", "PRUNE_PREFIX", "build_vocab", "draft_runner", "is_model_draft_spec",
+           "load_model_draft", "parse_prune_spec", "read_vocab", "spec_quant", "target_rows"]

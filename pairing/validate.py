@@ -111,7 +111,7 @@ def open_draft(spec: str, target: Loaded, max_len: int, quant: str | None, devic
         q = head_quant(head, quant)
         return Opened(HeadDraft(head, max_len, quantize=q), q, head)
     loaded, kept = load_model_draft(spec, target, device)
-    runner, q = draft_runner(loaded.model, kept, max_len, quant)
+    runner, q = draft_runner(loaded.model, kept, max_len, quant, spec)
     return Opened(runner, q)
 
 

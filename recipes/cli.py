@@ -115,11 +115,11 @@ def _decode_pair(args: argparse.Namespace, policy):
     from dataclasses import replace
 
     from decode.pair import load_pair
-    from pairing.prune import parse_prune_spec
+    from pairing.prune import is_model_draft_spec
 
     draft = None if args.no_draft else args.draft
     head = _head_spec(draft)
-    pruned = draft if head is None and draft is not None and parse_prune_spec(draft) is not None else None
+    pruned = draft if head is None and is_model_draft_spec(draft) else None
     if draft is not None and head is None and policy.sibling_depth == 2:
         raise DraftsmithError("--sibling-depth 2 needs a draft head (--draft head:PATH): a standalone draft cannot "
                               "draft after several candidates at once")
@@ -144,7 +144,7 @@ def _with_pruned_draft(pair, spec: str, max_seq_len: int, quant: str | None):
     from pairing.prune import draft_runner, load_model_draft
 
     loaded, kept = load_model_draft(spec, pair.target)
-    return replace(pair, draft=loaded, draft_runner=draft_runner(loaded.model, kept, max_seq_len, quant)[0])
+    return replace(pair, draft=loaded, draft_runner=draft_runner(loaded.model, kept, max_seq_len, quant, spec)[0])
 
 
 def _head_spec(draft: str | None) -> str | None:
@@ -186,11 +186,11 @@ def _check_positions(target, args: argparse.Namespace) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     from decode.bench import BenchConfig, run_bench
     from decode.pair import load_pair
-    from pairing.prune import parse_prune_spec
+    from pairing.prune import is_model_draft_spec
 
     cfg = _config(BenchConfig, args)
     pair = None
-    if parse_prune_spec(args.draft) is not None:  # its runner proposes the kept ids; HF assisted runs it whole
+    if is_model_draft_spec(args.draft):  # its runner proposes the kept ids; HF assisted runs it whole
         pair = _with_pruned_draft(load_pair(args.target, None), args.draft, 2048, cfg.draft_quant)
     report = run_bench(args.target, args.draft, cfg, out=args.out, pair=pair)
     fmt = lambda v: "-" if v is None else f"{v:.2f}"

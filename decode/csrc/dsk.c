@@ -1,5 +1,5 @@
-/* draftsmith's few-row CPU kernels: y (T, N) = x (T, K) @ W (N, K)^T for T = 1..MAX_T rows, W float32 or int8 with
- * one float scale per output row (the int8 draft's weights), streamed once with software prefetch, 2 threads of the
+/* draftsmith's few-row CPU kernels: y (T, N) = x (T, K) @ W (N, K)^T for T = 1..MAX_T rows, W float32, int8 with
+ * one float scale per output row (the int8 draft's weights) or int4 in groups of 32 (the int4 draft's, below), streamed once with software prefetch, 2 threads of the
  * OpenMP runtime torch already loaded. Every output is one vector accumulator summed over K in order and reduced
  * the same way whatever T is, so a row's result does not depend on the rows beside it (bit for bit). T rows share
  * each weight vector loaded (T multiply-adds a weight: past 8 rows the multiply-adds, not the reads, set the pace).
@@ -7,6 +7,8 @@
  * multiple of LANES. Built for AVX-512F or AVX2 + FMA; anything else gets no kernels. */
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <math.h>
 #include <immintrin.h>
 
 #if defined(__AVX512F__)
@@ -90,14 +92,134 @@ int dsk_max_rows(void) { return MAX_T; }
     ROWS_FN(f32_##T, float, block_f32_##T, tail_f32_##T, RR)                                               \
     ROWS_FN(q8_##T, int8_t, block_q8_##T, tail_q8_##T, RR)
 
+/* int4 weights, int8 inputs. A weight row is kept in groups of 32 along K, each with a float scale and minimum
+ * (w = q * scale + min, q in 0..15), as chunks of 8 * LANES weights in 4 * LANES bytes: byte i holds weight i (low
+ * nibble) and weight 4 * LANES + i (high nibble); sm (N, K / 32, 2) the groups' (scale, min) as float16. Each input row is
+ * quantised to int8 with one scale (max |x| / 127); a lane of the integer dot product holds 4 weights of one group,
+ * so w . x = sum over lanes of scale * (q . xq) + min * (sum of the 4 xq), times the row's scale. Needs AVX-512BW
+ * (VNNI where present) or AVX2. */
+#if LANES == 16 && defined(__AVX512BW__)
+#define Q4
+static inline vf vmaxabs(vf m, vf v) { return _mm512_max_ps(m, _mm512_abs_ps(v)); }
+static inline float vhmax(vf v) { return _mm512_reduce_max_ps(v); }
+static inline void vquant(const float *x, float inv, int8_t *q) {
+    _mm_storeu_si128((__m128i *)q, _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(vload(x), _mm512_set1_ps(inv)))));
+}
+typedef __m512i vi;
+static inline vi viload(const void *p) { return _mm512_loadu_si512(p); }
+static inline vi vilo(vi v) { return _mm512_and_si512(v, _mm512_set1_epi8(15)); }
+static inline vi vihi(vi v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15)); }
+static inline vf vicvt(vi v) { return _mm512_cvtepi32_ps(v); }
+#if defined(__AVX512VNNI__)
+static inline vi vidot(vi w, vi x) { return _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x); }
+#else
+static inline vi vidot(vi w, vi x) { return _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1)); }
+#endif
+/* The scale and minimum of each lane's group in half h of a chunk (its 4 groups' pairs at p): lanes 0-7 one group,
+ * 8-15 the next. */
+static inline void vsm(const uint16_t *p, int h, vf *s, vf *m) {
+    vf v = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)));
+    __m512i i = h ? _mm512_set_epi32(6, 6, 6, 6, 6, 6, 6, 6, 4, 4, 4, 4, 4, 4, 4, 4)
+                  : _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
+    *s = _mm512_permutexvar_ps(i, v);
+    *m = _mm512_permutexvar_ps(_mm512_add_epi32(i, _mm512_set1_epi32(1)), v);
+}
+#elif LANES == 8
+#define Q4
+static inline vf vmaxabs(vf m, vf v) { return _mm256_max_ps(m, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v)); }
+static inline float vhmax(vf v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+static inline void vquant(const float *x, float inv, int8_t *q) {
+    __m256i i = _mm256_cvtps_epi32(_mm256_mul_ps(vload(x), _mm256_set1_ps(inv)));
+    __m128i h = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+    _mm_storel_epi64((__m128i *)q, _mm_packs_epi16(h, h));
+}
+typedef __m256i vi;
+static inline vi viload(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline vi vilo(vi v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); }
+static inline vi vihi(vi v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15)); }
+static inline vf vicvt(vi v) { return _mm256_cvtepi32_ps(v); }
+static inline vi vidot(vi w, vi x) { return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)); }
+static inline void vsm(const uint16_t *p, int h, vf *s, vf *m) { /* a half is one group */
+    __m256 v = _mm256_castps128_ps256(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)p)));
+    *s = _mm256_permutevar8x32_ps(v, _mm256_set1_epi32(2 * h));
+    *m = _mm256_permutevar8x32_ps(v, _mm256_set1_epi32(2 * h + 1));
+}
+#endif
+
+#ifdef Q4
+#define CHUNK (8 * LANES) /* weights of a chunk, in 4 * LANES bytes */
+#ifndef AHEAD4
+#define AHEAD4 16
+#endif
+#define BLOCK4(NAME, T, RR)                                                                                \
+    static void NAME(const int8_t *xq, const float *xs, const float *sx, const uint8_t *w, const uint16_t *sm, \
+                     const float *b, float *y, int N, int K, int n0, const char *end) {                    \
+        vf a[T][RR];                                                                                       \
+        _Pragma("GCC unroll 16") for (int t = 0; t < T; t++)                                               \
+            _Pragma("GCC unroll 16") for (int r = 0; r < RR; r++) a[t][r] = vzero();                       \
+        const int B = K / 2, S = K / 16; /* bytes and sm floats a row */                                   \
+        const char *pf = (const char *)(w + (size_t)(n0 + AHEAD4) * B);                                \
+        const char *pfs = (const char *)(sm + (size_t)(n0 + AHEAD4) * S);                              \
+        const char *ends = (const char *)(sm + (size_t)N * S);                                             \
+        for (int c = 0; c < K / CHUNK; c++) {                                                              \
+            const char *p = pf + (size_t)RR * 4 * LANES * c, *ps = pfs + (size_t)RR * LANES * c;       \
+            for (int o = 0; o < RR * 4 * LANES; o += 64)                                                   \
+                if (p + o < end) __builtin_prefetch(p + o, 0, PF_HINT);                                   \
+            for (int o = 0; o < RR * LANES; o += 64)                                                   \
+                if (ps + o < ends) __builtin_prefetch(ps + o, 0, PF_HINT);                                \
+            _Pragma("GCC unroll 16") for (int r = 0; r < RR; r++) {                                        \
+                vi wb = viload(w + (size_t)(n0 + r) * B + (size_t)c * 4 * LANES);                          \
+                const uint16_t *q = sm + (size_t)(n0 + r) * S + (size_t)c * (LANES / 2);                      \
+                _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {                                      \
+                    vi wh = h ? vihi(wb) : vilo(wb);                                                       \
+                    vf s, m;                                                                               \
+                    vsm(q, h, &s, &m);                                                                     \
+                    _Pragma("GCC unroll 16") for (int t = 0; t < T; t++) {                                 \
+                        vi xv = viload(xq + (size_t)t * K + (size_t)c * CHUNK + h * 4 * LANES);            \
+                        vf xsv = vload(xs + (size_t)t * (K / 4) + (size_t)c * 2 * LANES + h * LANES);      \
+                        a[t][r] = vfma(vicvt(vidot(wh, xv)), s, a[t][r]);                                  \
+                        a[t][r] = vfma(xsv, m, a[t][r]);                                                   \
+                    }                                                                                      \
+                }                                                                                          \
+            }                                                                                              \
+        }                                                                                                  \
+        _Pragma("GCC unroll 16") for (int r = 0; r < RR; r++) {                                            \
+            float c = b ? b[n0 + r] : 0.0f;                                                                \
+            _Pragma("GCC unroll 16") for (int t = 0; t < T; t++)                                           \
+                y[(size_t)t * N + n0 + r] = vsum(a[t][r]) * sx[t] + c;                                     \
+        }                                                                                                  \
+    }
+
+#define LINEAR4_T(T, RR)                                                                                   \
+    BLOCK4(block_q4_##T, T, RR)                                                                            \
+    BLOCK4(tail_q4_##T, T, 1)                                                                              \
+    static void q4_##T(const int8_t *xq, const float *xs, const float *sx, const uint8_t *w, const uint16_t *sm, \
+                       const float *b, float *y, int N, int K) {                                           \
+        const char *end = (const char *)(w + (size_t)N * K / 2);                                           \
+        _Pragma("omp parallel for schedule(static)")                                                       \
+        for (int i = 0; i < N / RR; i++) block_q4_##T(xq, xs, sx, w, sm, b, y, N, K, i * RR, end);          \
+        for (int n = N / RR * RR; n < N; n++) tail_q4_##T(xq, xs, sx, w, sm, b, y, N, K, n, end);          \
+    }
+#endif
+
 /* Output rows a block by input rows: T * RR accumulators plus a weight vector within the register file (32 vector
  * registers with AVX-512, 16 with AVX2). */
 #if LANES == 16
 LINEAR_T(1, 8) LINEAR_T(2, 8) LINEAR_T(3, 8) LINEAR_T(4, 6) LINEAR_T(5, 4) LINEAR_T(6, 4)
 LINEAR_T(7, 3) LINEAR_T(8, 3) LINEAR_T(9, 2) LINEAR_T(10, 2) LINEAR_T(11, 2) LINEAR_T(12, 2)
+#ifdef Q4
+LINEAR4_T(1, 8) LINEAR4_T(2, 8) LINEAR4_T(3, 6) LINEAR4_T(4, 5) LINEAR4_T(5, 4) LINEAR4_T(6, 4)
+LINEAR4_T(7, 3) LINEAR4_T(8, 3) LINEAR4_T(9, 2) LINEAR4_T(10, 2) LINEAR4_T(11, 2) LINEAR4_T(12, 2)
+#endif
 #else
 LINEAR_T(1, 8) LINEAR_T(2, 4) LINEAR_T(3, 4) LINEAR_T(4, 3) LINEAR_T(5, 2) LINEAR_T(6, 2)
 LINEAR_T(7, 1) LINEAR_T(8, 1) LINEAR_T(9, 1) LINEAR_T(10, 1) LINEAR_T(11, 1) LINEAR_T(12, 1)
+LINEAR4_T(1, 4) LINEAR4_T(2, 3) LINEAR4_T(3, 2) LINEAR4_T(4, 2) LINEAR4_T(5, 2) LINEAR4_T(6, 1)
+LINEAR4_T(7, 1) LINEAR4_T(8, 1) LINEAR4_T(9, 1) LINEAR4_T(10, 1) LINEAR4_T(11, 1) LINEAR4_T(12, 1)
 #endif
 
 typedef void (*f32_fn)(const float *, const float *, const float *, const float *, float *, int, int);
@@ -113,4 +235,44 @@ void dsk_f32_linear(const float *x, const float *w, const float *s, const float 
 void dsk_q8_linear(const float *x, const int8_t *w, const float *s, const float *b, float *y, int T, int N, int K) {
     if (T >= 1 && T <= MAX_T) Q8[T - 1](x, w, s, b, y, N, K);
 }
+
+#ifdef Q4
+/* x (K) -> xq = round(x / scale) in -127..127, xs = the sums of each 4 consecutive xq; returns scale = max |x| / 127
+ * (1 for a row of zeros). Rounds to nearest even (the default mode), multiplying by 127 / max |x|. */
+static float quant_row(const float *x, int8_t *xq, float *xs, int K) {
+    vf m = vzero();
+    for (int k = 0; k < K; k += LANES) m = vmaxabs(m, vload(x + k));
+    float amax = vhmax(m), scale = amax > 0.0f ? amax / 127.0f : 1.0f, inv = amax > 0.0f ? 127.0f / amax : 1.0f;
+    for (int k = 0; k < K; k += LANES) vquant(x + k, inv, xq + k);
+    for (int k = 0; k < K; k += 4) xs[k / 4] = (float)(xq[k] + xq[k + 1] + xq[k + 2] + xq[k + 3]);
+    return scale;
+}
+
+typedef void (*q4_fn)(const int8_t *, const float *, const float *, const uint8_t *, const uint16_t *, const float *,
+                      float *, int, int);
+static const q4_fn Q4S[MAX_T] = {q4_1, q4_2, q4_3, q4_4, q4_5, q4_6, q4_7, q4_8, q4_9, q4_10, q4_11, q4_12};
+
+/* Scratch for the int8 inputs: xq (T, K) int8, xs (T, K / 4) sums of 4, sx (T) scales; returns 0 or -1. */
+int dsk_q4_linear(const float *x, const uint8_t *w, const uint16_t *sm, const float *b, float *y, int T, int N, int K) {
+    if (T < 1 || T > MAX_T || K % CHUNK) return -1;
+    int8_t *xq = aligned_alloc(64, (size_t)T * K);
+    float *xs = aligned_alloc(64, (size_t)T * K); /* T * K / 4 floats */
+    if (!xq || !xs) { free(xq); free(xs); return -1; }
+    float sx[MAX_T];
+    for (int t = 0; t < T; t++) sx[t] = quant_row(x + (size_t)t * K, xq + (size_t)t * K, xs + (size_t)t * (K / 4), K);
+    Q4S[T - 1](xq, xs, sx, w, sm, b, y, N, K);
+    free(xq);
+    free(xs);
+    return 0;
+}
+
+int dsk_q4_chunk(void) { return CHUNK; }
+#endif
+#endif
+
+#ifndef Q4 /* no int4 kernel on this CPU (neither AVX-512BW nor AVX2) */
+int dsk_q4_linear(const float *x, const uint8_t *w, const uint16_t *sm, const float *b, float *y, int T, int N, int K) {
+    return -1;
+}
+int dsk_q4_chunk(void) { return 0; }
 #endif

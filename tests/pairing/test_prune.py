@@ -222,3 +222,39 @@ def test_a_pruned_candidate_ranks_beside_its_whole_model(setup, tmp_path: Path, 
     assert p["draft_vocab"]["context_ids"] is context
     assert p["cost_ratio"] > 0 and p["validation"]["greedy_equal"] and whole["validation"]["greedy_equal"]
     assert pruned in (tmp_path / "board" / "leaderboard.md").read_text()
+
+
+# --- int4:MODEL -------------------------------------------------------------------------------------------------
+
+
+def test_resolve_candidate_refuses_an_int4_spec_in_one_line() -> None:
+    with pytest.raises(DraftsmithError, match="int4 draft runs in draftsmith's decoder only") as e:
+        resolve_candidate("int4:qwen2.5-coder-0.5b-instruct")
+    assert "\n" not in str(e.value)
+
+
+def test_an_int4_spec_loads_its_model_and_runs_int4_where_it_can(tmp_path: Path, monkeypatch) -> None:
+    """`int4:MODEL` and `prune:int4:MODEL:vocab=FILE` load MODEL and run it int4 (int8 where the rows do not fit
+    draftsmith's int4 kernel: a model 32 wide), whatever the caller's own quantisation; a plain spec is unchanged."""
+    from decode.quant import Int4Linear, int4_chunk
+    from pairing.prune import spec_quant
+    from tests.pairing.test_leaderboard import save_tiny as save
+    from tests.pairing.test_leaderboard import tiny_tokenizer
+
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
+    V = len(WORDS) + 3
+    target = load(save(tmp_path / "target", 0, 1, V))
+    helpers.save_tiny(tmp_path / "wide", tiny_tokenizer(), 3, vocab_size=V, eos_id=2, bos_id=1, layers=1,
+                      hidden=128, max_positions=512)
+    f = vocab_file(tmp_path / "v.json", vocab_size=V, ids=[2, 5, 7, 9], n=4)
+    assert spec_quant(f"int4:{tmp_path / 'wide'}") == "int4" == spec_quant(f"prune:int4:m:vocab={f}")
+    assert spec_quant(str(tmp_path / "wide")) is None
+    for spec in (f"int4:{tmp_path / 'wide'}", f"prune:int4:{tmp_path / 'wide'}:vocab={f}"):
+        loaded, kept = load_model_draft(spec, target)
+        assert loaded.name == spec and (kept is None) == spec.startswith("int4:")
+        runner, quant = draft_runner(loaded.model, kept, 32, "int8", spec)
+        assert quant == ("int4" if int4_chunk() else "int8")
+        inner = runner.inner if isinstance(runner, PrunedRunner) else runner
+        assert any(isinstance(m, Int4Linear) for m in inner.modules()) == (quant == "int4")
+    plain, _ = load_model_draft(str(tmp_path / "wide"), target)
+    assert draft_runner(plain.model, None, 32, "int8", str(tmp_path / "wide"))[1] == "int8"  # negative control

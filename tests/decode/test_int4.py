@@ -1,0 +1,122 @@
+"""Int4 drafts (`decode.quant.pack_int4`, `Int4Linear`, `decode.native`'s int4 kernel): the packing against float64
+brute force, the kernel against a float64 reference of what it computes (int8 inputs, int4 groups), a row's bits
+independent of the rows beside it, and the decoder exact with an int4 draft (greedy, pruned or whole)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from decode.pruned import PrunedRunner
+from decode.quant import GROUP, Int4Linear, draft_quant, int4_chunk, int4_ok, pack_int4, split_quant, unpack_int4
+from decode.runner import make_runner
+from decode.speculative import KPolicy, generate
+from tests import helpers
+
+CHUNK = int4_chunk()
+needs_int4 = pytest.mark.skipif(not CHUNK, reason="no int4 kernel on this CPU (AVX-512BW or AVX2)")
+
+
+def brute(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each group of 32 of a row in float64: scale (max - min) / 15 and min, each rounded to float16 as stored;
+    q = round((w - min) / scale) in 0..15, back as q * scale + min -> (that weight, where (w - min) / scale is
+    within 1e-4 of a rounding tie: float32 may round those the other way)."""
+    N, K = weight.shape
+    w = weight.double().reshape(N, K // GROUP, GROUP)
+    lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+    s, lo = ((hi - lo) / 15).half().double(), lo.half().double()
+    u = (w - lo) / s
+    tie = ((u - u.floor() - 0.5).abs() < 1e-4).reshape(N, K)
+    return (u.round().clamp(0, 15) * s + lo).reshape(N, K), tie
+
+
+def reference(x: torch.Tensor, wq: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """What the kernel computes, in float64: each row of x as int8 (scale max |x| / 127, rounded half to even)
+    against the int4 weight as it stands."""
+    x = x.double()
+    amax = x.abs().amax(-1, keepdim=True)
+    s = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    xq = torch.round(x * (127 / torch.where(amax > 0, amax, torch.ones_like(amax)))).clamp(-127, 127)
+    out = (xq @ wq.double().t()) * s
+    return out if bias is None else out + bias.double()
+
+
+@needs_int4
+@pytest.mark.parametrize("n,k", [(37, 1 * 128), (300, 896), (9, 4 * 128)])
+def test_packing_matches_brute_force(n: int, k: int) -> None:
+    torch.manual_seed(n)
+    w = torch.randn(n, k) * torch.rand(n, 1)
+    packed, sm = pack_int4(w, CHUNK)
+    assert packed.shape == (n, k // 2) and sm.shape == (n, k // GROUP, 2)
+    back = unpack_int4(packed, sm, CHUNK).double()
+    want, tie = brute(w)
+    off = (back - want).abs() > 1e-5
+    assert bool((off <= tie).all()) and int(off.sum()) <= 0.001 * off.numel()  # only at rounding ties
+    step = sm[..., 0].double().repeat_interleave(GROUP, -1)
+    lo_err = (sm[..., 1].double() - w.double().reshape(n, -1, GROUP).amin(-1)).abs().repeat_interleave(GROUP, -1)
+    assert bool(((back - w.double()).abs() <= step / 2 + lo_err + 1e-3 * step).all())  # half a step of its group
+    wrong = packed.reshape(n, -1, CHUNK // 2)  # negative control: nibbles swapped is another weight
+    swapped = ((wrong & 15) << 4 | (wrong >> 4)).reshape(n, -1)
+    assert not torch.allclose(unpack_int4(swapped, sm, CHUNK), back.float(), atol=1e-3)
+
+
+@needs_int4
+@pytest.mark.parametrize("n,k,bias", [(8, 128, True), (37, 256, False), (1000, 896, True)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 12])
+def test_kernel_matches_its_float64_reference_and_rows_do_not_mix(n: int, k: int, bias: bool, rows: int) -> None:
+    torch.manual_seed(n + rows)
+    layer = Int4Linear(nn.Linear(k, n, bias=bias))
+    x = torch.randn(rows, k)
+    x[0] *= 50  # rows of very different scales: each row has its own
+    y = layer(x)
+    ref = reference(x, layer.weight_float(), layer.bias)
+    assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    single = torch.cat([layer(x[t : t + 1]) for t in range(rows)])
+    assert torch.equal(y, single)  # a row's bits do not depend on the rows beside it
+    exact_w = x.double() @ layer.weight_float().double().t()  # the int8 inputs cost < 2% here, not more
+    exact_w = exact_w if layer.bias is None else exact_w + layer.bias.double()
+    assert (y.double() - exact_w).abs().max() <= 0.02 * exact_w.abs().max()
+
+
+@needs_int4
+def test_many_rows_dequantise_and_agree_with_the_kernel() -> None:
+    torch.manual_seed(0)
+    layer = Int4Linear(nn.Linear(256, 40))
+    layer.CHUNK = 16  # several slices of rows
+    x = torch.randn(20, 256)
+    many = layer(x)  # > 12 rows: float weights, float inputs
+    torch.testing.assert_close(many.double(), x.double() @ layer.weight_float().double().t() + layer.bias.double(),
+                               rtol=1e-5, atol=1e-4)
+    few = torch.cat([layer(x[i : i + 4]) for i in range(0, 20, 4)])
+    assert (few - many).abs().max() <= 0.02 * many.abs().max()  # the kernel's int8 inputs differ a little
+
+
+def test_spec_and_fallback() -> None:
+    assert split_quant("int4:qwen2.5-coder-0.5b-instruct") == ("qwen2.5-coder-0.5b-instruct", "int4")
+    assert split_quant("qwen2.5-coder-0.5b-instruct") == ("qwen2.5-coder-0.5b-instruct", None)
+    model = helpers.tiny_llama(1, 61, hidden=128)
+    assert draft_quant(model, "int4") == ("int4" if CHUNK else "int8")
+    assert draft_quant(helpers.tiny_llama(1, 61, hidden=32), "int4") == "int8"  # rows not a multiple of the chunk
+    assert draft_quant(model.double(), "int4") is None  # float64: as loaded
+    assert int4_ok() == bool(CHUNK)
+
+
+@needs_int4
+@pytest.mark.parametrize("pruned", [False, True])
+def test_int4_draft_stays_exact(pruned: bool) -> None:
+    """Greedy output of the target alone, token for token, with an int4 draft of itself (whole, or pruned to 40
+    ids with context ids), at several K; the int4 draft is mostly right (it is the target, quantised)."""
+    V = 61
+    hf = helpers.tiny_llama(9, V, hidden=128, max_positions=512)
+    target = make_runner(hf, 128)
+    for prompt in ([5, 6], [1, 2, 3, 4, 9]):
+        ref = generate(target, prompt, max_new_tokens=40).tokens
+        for k in (1, 3, 6):
+            draft = make_runner(hf, 128, quantize="int4")
+            assert any(isinstance(m, Int4Linear) for m in draft.modules())
+            if pruned:
+                draft = PrunedRunner(draft, torch.arange(40), context=True)
+            out = generate(target, prompt, draft=draft, max_new_tokens=40, policy=KPolicy(k=k))
+            assert out.tokens == ref, (prompt, k)
+            assert out.stats.accepted > out.stats.drafted / 3
