@@ -123,40 +123,63 @@ def unpack_int4(packed: Tensor, sm: Tensor, chunk: int) -> Tensor:
 
 
 class Int4Linear(nn.Module):
-    """A Linear whose weight is `pack_int4`'s: 1..12 rows on draftsmith's kernel, more (a prompt's prefill) by
-    dequantising the weight a slice of rows at a time."""
+    """A Linear whose weight is `pack_int4`'s: 1..12 rows on draftsmith's kernel; more (a prompt's prefill, a
+    teacher-forced pass) on an int8 copy of the same weights (fbgemm, a GEMM kernel: dequantising the int4 weights
+    a call made a Qwen 0.5B draft's prefill cost 0.5 s more), or, with `many=False`, dequantised a slice at a time."""
 
-    CHUNK = 8192  # output rows dequantised at once for many rows (an LM head whole would be V x d floats)
+    CHUNK = 8192  # output rows dequantised at once without the int8 copy (an LM head whole would be V x d floats)
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear | None = None, *, many: bool = True) -> None:
         super().__init__()
+        if linear is None:  # `rows_of` fills it in
+            return
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.chunk = int4_chunk()
         packed, sm = pack_int4(linear.weight, self.chunk)
         self.register_buffer("packed", packed)
         self.register_buffer("sm", sm)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().contiguous())
+        self.many = self._int8_copy() if many else None
+
+    def _int8_copy(self) -> nn.Module:
+        """The dequantised weights as fbgemm's dynamic int8 Linear (one scale a row), for many rows."""
+        lin = torch.nn.utils.skip_init(nn.Linear, self.in_features, self.out_features, bias=self.bias is not None)
+        with torch.no_grad():
+            lin.weight.copy_(self.weight_float())
+            if self.bias is not None:
+                lin.bias.copy_(self.bias)
+        return quantize_linears_int8(nn.Sequential(lin))[0]
 
     @classmethod
     def rows_of(cls, layer: Int4Linear, ids: Tensor) -> Int4Linear:
         """A new layer holding output rows `ids` of `layer` (a pruned draft's head)."""
-        cut = cls.__new__(cls)
-        nn.Module.__init__(cut)
+        cut = cls()
         cut.in_features, cut.out_features, cut.chunk = layer.in_features, len(ids), layer.chunk
         cut.register_buffer("packed", layer.packed[ids].contiguous())
         cut.register_buffer("sm", layer.sm[ids].contiguous())
         cut.register_buffer("bias", None if layer.bias is None else layer.bias[ids].contiguous())
+        cut.many = cut._int8_copy() if layer.many is not None else None
         return cut
 
     def weight_float(self) -> Tensor:
         return unpack_int4(self.packed, self.sm, self.chunk)
 
     def forward(self, x: Tensor) -> Tensor:
+        kernels = native.kernels()
+        if (x.dim() == 2 and 0 < x.shape[0] <= native.MAX_ROWS and kernels is not None and x.dtype == torch.float32
+                and x.shape[1] == self.in_features and x.is_contiguous() and x.device.type == "cpu"):
+            # a draft step's path (97 calls a Qwen 0.5B step): the call alone, shapes checked when packed
+            y = torch.empty(x.shape[0], self.out_features)
+            if not kernels._q4(x.data_ptr(), self.packed.data_ptr(), self.sm.data_ptr(),
+                               0 if self.bias is None else self.bias.data_ptr(), y.data_ptr(), x.shape[0],
+                               self.out_features, self.in_features):
+                return y
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).float()
-        kernels = native.kernels()
         if kernels is not None and x2.shape[0] <= native.MAX_ROWS:
             y = kernels.q4_linear(x2, self.packed, self.sm, self.bias)
+        elif self.many is not None:
+            y = self.many(x2)
         else:
             parts = [x2 @ unpack_int4(self.packed[i:i + self.CHUNK], self.sm[i:i + self.CHUNK], self.chunk).t()
                      for i in range(0, self.out_features, self.CHUNK)]
