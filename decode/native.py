@@ -1,7 +1,8 @@
 """draftsmith's own few-row CPU kernels (decode/csrc/dsk.c): a Linear over 1..12 rows whose weight is int8 with a
 float scale per output row (the int8 draft's), int4 in groups of 32 with a float16 scale and minimum each (the int4
-draft's, `q4_linear`: its inputs quantised to int8 a row for integer dot products), or float32, streamed once at close to the machine's read bandwidth
-(each weight vector loaded once for all the rows; a row's output has the same bits whatever rows are beside it).
+draft's, `q4_linear`: its inputs quantised to int8 a row for integer dot products), or float32, streamed once at
+close to the machine's read bandwidth (each weight vector loaded once for all the rows; a row's output has the same
+bits whatever rows are beside it).
 
 fbgemm's dynamic int8 Linear and oneDNN's float32 one read a weight at roughly 22-28 GB/s on one row on the 2-core
 CPUs here, where a streaming read reaches 32-36 GB/s (docs/results/floor.md); these kernels convert int8 to float32

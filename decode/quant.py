@@ -8,9 +8,9 @@ each layer's q, k, v and its gate, up projections into one Linear each first: fe
 `quantize_linears_int8(module)` quantises any module's Linears in place (a draft head).
 
 Int4 drafts (`quantize="int4"`, a draft spec `int4:MODEL`): every Linear's weight in groups of 32 along its input,
-each group with its own float scale and minimum (w = q * scale + min, q in 0..15; both float16: 0.625 bytes a
-weight, 0.625x an int8 draft's reads), run on draftsmith's own kernel (`decode.native`, which dequantises in registers); only where
-that kernel is built (`int4_ok`).
+each group with its own scale and minimum (w = q * scale + min, q in 0..15; both float16: 0.625 bytes a weight,
+0.625x an int8 draft's reads), run on draftsmith's own kernel (`decode.native`: int8 inputs, integer dot
+products); only where that kernel is built (`int4_ok`).
 """
 
 from __future__ import annotations
@@ -99,8 +99,9 @@ def int4_ok(model=None) -> bool:
 
 def pack_int4(weight: Tensor, chunk: int) -> tuple[Tensor, Tensor]:
     """A float weight (N, K), K % chunk == 0 -> (packed (N, K / 2) uint8, sm (N, K / 32, 2) float16): each group of
-    32 weights of a row as q in 0..15 with the group's scale (max - min) / 15 and its minimum (float16, as stored); byte i of each chunk
-    holds weight i in its low nibble and weight chunk / 2 + i in its high one (`decode.native.Kernels.q4_linear`)."""
+    32 weights of a row as q in 0..15 with the group's scale (max - min) / 15 and its minimum (float16, as stored);
+    byte i of each chunk holds weight i in its low nibble and weight chunk / 2 + i in its high one
+    (`decode.native.Kernels.q4_linear`)."""
     N, K = weight.shape
     if chunk % GROUP or K % chunk:
         raise ValueError(f"int4 weights need a row length divisible by {chunk}, got {K}")

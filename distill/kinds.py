@@ -33,7 +33,7 @@ from distill.fastest import FASTEST, FastestConfig, make_fastest
 from distill.heads.pipeline import HEAD, HeadRunConfig, head_result, held_rows, run_head
 from distill.pipeline import DistillConfig, run_distill, split_prompts
 from pairing.leaderboard import HEAD_PREFIX, PairConfig
-from pairing.prune import parse_prune_spec
+from pairing.prune import parse_prune_spec, spec_quant
 from pairing.policy import DEFAULT_K
 from pairing.validate import DraftUnderTest
 
@@ -282,8 +282,10 @@ class Fastest:
             return [stock, DraftUnderTest("draft_after", base, label="whole model, rounds chosen on dev prompts",
                                           alpha=ranked[base]["alpha"], chooses=True, walk=True)]
         size = next((n for n, path in made["vocab_files"].items() if made["draft"].endswith(f"vocab={path}")), None)
-        return [stock, DraftUnderTest("draft_after", made["draft"], label=f"{base} pruned to {size} ids" if size
-                                      else "pruned", alpha=made["alpha"], chooses=True, walk=True)]
+        int4 = "int4 " if spec_quant(made["draft"]) == "int4" else ""
+        label = f"{int4}{base} pruned to {size} ids" if size else f"{int4}{base}" if int4 else "pruned"
+        return [stock, DraftUnderTest("draft_after", made["draft"], label=label, alpha=made["alpha"], chooses=True,
+                                      walk=True)]
 
     def export(self, ctx: RunContext) -> dict:
         raise DraftsmithError("export: a vocabulary-pruned draft runs in draftsmith's decoder only (no engine takes "

@@ -151,6 +151,7 @@ class ValidationResult:
             "policies": {n: policy_dict(pol) for n, pol in self.policies.items()},
             "draft_quant": next((q for n, q in self.quant.items() if not by[n].spec.startswith(HEAD_PREFIX)), None),
             "head_quant": next((q for n, q in self.quant.items() if by[n].spec.startswith(HEAD_PREFIX)), None),
+            "quant_by_draft": dict(self.quant),  # each decoder's own (an int4 draft beside an int8 one)
             "alpha": chooser.alpha if chooser.alpha is not None else (chooser.rates or [None])[0],
             "cost_ratio": self.cost.get("cost_ratio"), "verify_cost": self.cost.get("verify_cost", {}),
             "decoder_cost": self.cost.get("decoder_cost"),

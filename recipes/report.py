@@ -231,8 +231,16 @@ def _head(doc: Doc, h: dict) -> None:
     doc.image("head_agreement.png", png_bytes(fig))
 
 
+def _weights(b: dict, labels: dict) -> str:
+    """'draft weights int8', or each draft's where they differ (an int4 draft beside the int8 stock one)."""
+    by = b.get("quant_by_draft") or {}
+    if b.get("kind") != "head" and len(set(by.values())) > 1:
+        return "draft weights " + ", ".join(f"{q or 'float32'} ({labels.get(n, n)})" for n, q in by.items())
+    return f"draft weights {b['draft_quant'] or 'float32'}"
+
+
 def _fastest(doc: Doc, made: dict) -> None:
-    doc.h("Fastest draft: the whole model beside its pruned variants")
+    doc.h("Fastest draft: the whole model beside its variants (int4, vocabulary-pruned)")
     doc.p(f"Kept ids counted on the target's greedy answers to {len(made['counted_prompts'])} dev prompts the "
           f"ranking does not read; ranked on dev prompts. Winner: `{made['draft']}` (in draft.txt: "
           "`draftsmith pair --candidates \"$(cat draft.txt)\"` ranks it again).")
@@ -363,7 +371,7 @@ def _validation(doc: Doc, run: Path) -> None:
           f"K = {val.k} ({b['k_reason']})"
           + "".join(f", {labels.get(n, n)} at K = {K}" for n, K in val.ks.items())
           + "; "
-          f"draft weights {b['draft_quant'] or 'float32'}"
+          + _weights(b, labels)
           + (f", head weights {b['head_quant'] or 'float32'}" if b.get("kind") == "head" else "")
           + (f"; measured c = {fmt(b['cost_ratio'])}" if b.get("cost_ratio") is not None else "")
           + ". tau = tokens per target forward, bonus token included.")

@@ -1,10 +1,11 @@
 /* draftsmith's few-row CPU kernels: y (T, N) = x (T, K) @ W (N, K)^T for T = 1..MAX_T rows, W float32, int8 with
- * one float scale per output row (the int8 draft's weights) or int4 in groups of 32 (the int4 draft's, below), streamed once with software prefetch, 2 threads of the
- * OpenMP runtime torch already loaded. Every output is one vector accumulator summed over K in order and reduced
- * the same way whatever T is, so a row's result does not depend on the rows beside it (bit for bit). T rows share
- * each weight vector loaded (T multiply-adds a weight: past 8 rows the multiply-adds, not the reads, set the pace).
- * decode/native.py compiles it on first use (gcc -O3 -march=native) and calls it through ctypes. K must be a
- * multiple of LANES. Built for AVX-512F or AVX2 + FMA; anything else gets no kernels. */
+ * one float scale per output row (the int8 draft's weights) or int4 in groups of 32 (the int4 draft's, below),
+ * streamed once with software prefetch, 2 threads of the OpenMP runtime torch already loaded. Every output is one
+ * vector accumulator summed over K in order and reduced the same way whatever T is, so a row's result does not
+ * depend on the rows beside it (bit for bit). T rows share each weight vector loaded (T multiply-adds a weight:
+ * past 8 rows the multiply-adds, not the reads, set the pace). decode/native.py compiles it on first use (gcc -O3
+ * -march=native) and calls it through ctypes. K must be a multiple of LANES. Built for AVX-512F or AVX2 + FMA;
+ * anything else gets no kernels. */
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -94,16 +95,17 @@ int dsk_max_rows(void) { return MAX_T; }
 
 /* int4 weights, int8 inputs. A weight row is kept in groups of 32 along K, each with a float scale and minimum
  * (w = q * scale + min, q in 0..15), as chunks of 8 * LANES weights in 4 * LANES bytes: byte i holds weight i (low
- * nibble) and weight 4 * LANES + i (high nibble); sm (N, K / 32, 2) the groups' (scale, min) as float16. Each input row is
- * quantised to int8 with one scale (max |x| / 127); a lane of the integer dot product holds 4 weights of one group,
- * so w . x = sum over lanes of scale * (q . xq) + min * (sum of the 4 xq), times the row's scale. Needs AVX-512BW
- * (VNNI where present) or AVX2. */
+ * nibble) and weight 4 * LANES + i (high nibble); sm (N, K / 32, 2) the groups' (scale, min) as float16. Each
+ * input row is quantised to int8 with one scale (max |x| / 127); a lane of the integer dot product holds 4 weights
+ * of one group, so w . x = sum over lanes of scale * (q . xq) + min * (sum of the 4 xq), times the row's scale.
+ * Needs AVX-512BW (VNNI where present) or AVX2. */
 #if LANES == 16 && defined(__AVX512BW__)
 #define Q4
 static inline vf vmaxabs(vf m, vf v) { return _mm512_max_ps(m, _mm512_abs_ps(v)); }
 static inline float vhmax(vf v) { return _mm512_reduce_max_ps(v); }
 static inline void vquant(const float *x, float inv, int8_t *q) {
-    _mm_storeu_si128((__m128i *)q, _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(vload(x), _mm512_set1_ps(inv)))));
+    __m512i i = _mm512_cvtps_epi32(_mm512_mul_ps(vload(x), _mm512_set1_ps(inv)));
+    _mm_storeu_si128((__m128i *)q, _mm512_cvtsepi32_epi8(i));
 }
 typedef __m512i vi;
 static inline vi viload(const void *p) { return _mm512_loadu_si512(p); }

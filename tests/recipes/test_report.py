@@ -128,6 +128,14 @@ def test_fastest_validation_names_its_two_drafts(tmp_path: Path) -> None:
     md = write_report(run).read_text()
     assert "whole model, rounds chosen on dev prompts vs whole model (m0), K = 4: 1.25x tokens/s" in md
     assert "Pruned vs whole" not in md
+    assert "draft weights int8." in md  # one quantisation: said once
+
+    labels = {**labels, "draft_after": "int4 m0"}  # an int4 pick beside the int8 stock: each draft's weights
+    bench = {**bench, "labels": labels, "quant_by_draft": {"draft_before": "int8", "draft_after": "int4"}}
+    run = write_run_folder(tmp_path / "fastest-int4", candidates={"d1": 0.4}, distilled=("d1", 0.4, 0.5), bench=bench)
+    md = write_report(run).read_text()
+    assert "draft weights int8 (whole model (m0), K = 4), int4 (int4 m0)" in md
+    assert "serve the int4 m0 with draftsmith's decoder" in md
 
 
 def test_report_puts_our_decoder_beside_llama_cpp(tmp_path: Path) -> None:
