@@ -288,9 +288,9 @@ class Fastest:
                                       walk=True)]
 
     def export(self, ctx: RunContext) -> dict:
-        raise DraftsmithError("export: a vocabulary-pruned draft runs in draftsmith's decoder only (no engine takes "
-                              "one); export the whole model instead (distill.draft=MODEL), or leave export out of "
-                              "the recipe's stages")
+        raise DraftsmithError("export: an int4 or vocabulary-pruned draft runs in draftsmith's decoder only (no "
+                              "engine takes one); export the whole model instead (distill.draft=MODEL), or leave "
+                              "export out of the recipe's stages")
 
 
 KINDS: dict[str, type] = {HEAD: Head, FASTEST: Fastest}  # distill.draft value -> kind; any other: standalone
