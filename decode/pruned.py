@@ -137,6 +137,8 @@ def head_source(head: nn.Module) -> tuple[Tensor, Tensor, Tensor | None]:
         return rows
     from decode.quant import Int4Linear
 
+    if isinstance(head, Int4Linear) and head.many is not None:  # the int8 copy's rows: a quarter of float's
+        return head_source(head.many)
     if isinstance(head, Int4Linear):  # its rows as the float weights they stand for
         w = head.weight_float()
         return w, torch.ones(w.shape[0], dtype=w.dtype), head.bias

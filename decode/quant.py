@@ -30,20 +30,26 @@ if TYPE_CHECKING:
 def quantize_int8(runner: Runner) -> Runner:
     """Dynamic int8 weights, one scale per output channel, for every Linear (fbgemm on x86 CPUs): for drafts,
     whose errors the target corrects."""
+    return quantize_linears_int8(_fused_copy(runner, "int8"))
+
+
+def _fused_copy(runner: Runner, what: str) -> Runner:
+    """A lean runner's own copy to quantise (its weights are shared with the HF model), each layer's projections
+    stacked (4 Linear calls a layer, not 7); its float one-row head layout is left out (the quantised head
+    replaces it)."""
     if not isinstance(runner, nn.Module):
-        raise ValueError("int8 quantisation needs the lean runner")
+        raise ValueError(f"{what} quantisation needs the lean runner")
     import copy
 
-    original = runner
-    head_t, original.head_t = original.head_t, None  # the int8 head replaces it: don't copy it
+    head_t, runner.head_t = runner.head_t, None
     try:
-        runner = copy.deepcopy(original)  # the weights are shared with the HF model: quantise a copy
+        copied = copy.deepcopy(runner)
     finally:
-        original.head_t = head_t
-    for layer in getattr(runner, "layers", ()):  # the copy owns its weights: 4 int8 Linear calls a layer, not 7
+        runner.head_t = head_t
+    for layer in getattr(copied, "layers", ()):
         if hasattr(layer, "fuse_projections"):
             layer.fuse_projections()
-    return quantize_linears_int8(runner)
+    return copied
 
 
 def quantize_linears_int8(module: nn.Module) -> nn.Module:
@@ -192,22 +198,10 @@ class Int4Linear(nn.Module):
 
 def quantize_int4(runner: Runner) -> Runner:
     """An int4 copy of a lean runner (`Int4Linear` for every Linear, its LM head included), for drafts."""
-    if not isinstance(runner, nn.Module):
-        raise ValueError("int4 quantisation needs the lean runner")
     if not int4_ok():
         raise ValueError(f"int4 drafts need draftsmith's kernel: {native.why_not()}")
-    import copy
-
-    original = runner
-    head_t, original.head_t = original.head_t, None  # the int4 head replaces it: don't copy it
-    try:
-        runner = copy.deepcopy(original)
-    finally:
-        original.head_t = head_t
-    for layer in getattr(runner, "layers", ()):
-        if hasattr(layer, "fuse_projections"):
-            layer.fuse_projections()
-    for name, module in list(runner.named_modules()):
+    runner = _fused_copy(runner, "int4")
+    for module in list(runner.modules()):
         for child_name, child in list(module.named_children()):
             if type(child) is nn.Linear:
                 setattr(module, child_name, Int4Linear(child))

@@ -28,11 +28,11 @@ from pathlib import Path
 
 from decode.errors import DraftsmithError
 from decode.io import atomic_write_json, atomic_write_text, read_json
-from decode.loading import load
+from decode.loading import Loaded, load
 from decode.prompts import Prompt, first_per_domain, load_prompts
+from decode.quant import INT4_PREFIX, int4_ok
 from distill.vocab import continuation_texts, count_tokens
 from pairing.leaderboard import PairConfig, run_pair
-from decode.quant import INT4_PREFIX, int4_ok
 from pairing.prune import build_vocab, target_rows
 
 
@@ -69,12 +69,11 @@ def counting_prompts(prompts: str, skip: int, n: int, limit_per_domain: int | No
     return chosen
 
 
-def build_vocabs(target: str, base: str, prompts: list[Prompt], cfg: FastestConfig, out: Path, *,
+def build_vocabs(target: str, d: Loaded, prompts: list[Prompt], cfg: FastestConfig, out: Path, *,
                  device: str = "cpu") -> dict[int, Path]:
     """One kept-ids file per size in `out` (vocab-N.json), counted on the target's greedy continuations of
-    `prompts` (generated with `base` as the draft: the same text, faster)."""
+    `prompts` (generated with `d`, the loaded base, as the draft: the same text, faster)."""
     t = load(target, device=device)
-    d = load(base, device=device)
     counts = count_tokens(continuation_texts(t, prompts, cfg.max_new_tokens, draft=d), target_rows(t))
     source = {"target": target, "prompts": [p.id for p in prompts], "max_new_tokens": cfg.max_new_tokens,
               "temperature": 0.0, "tokens": int(counts.sum())}
@@ -114,8 +113,10 @@ def make_fastest(target: str, base: str, cfg: FastestConfig, pair: PairConfig, *
         raise DraftsmithError("fastest: pair.prompts_per_domain must be >= 1 (the counted prompts are the ones after "
                               "the ranking's own; 0 would rank on all of them)")
     count_on = counting_prompts(prompts, pair.prompts_per_domain, cfg.prompts_per_domain, limit_per_domain)
-    files = build_vocabs(target, base, count_on, cfg, out, device=device)
-    pruned = f"{INT4_PREFIX}{base}" if cfg.int4 and int4_ok(load(base).model) else base
+    base_model = load(base, device=device)
+    files = build_vocabs(target, base_model, count_on, cfg, out, device=device)
+    pruned = f"{INT4_PREFIX}{base}" if cfg.int4 and int4_ok(base_model.model) else base
+    del base_model
     candidates = [base] + ([pruned] if pruned != base else []) + [f"prune:{pruned}:vocab={p}" for p in files.values()]
     board = run_pair(target, out / "ranking", dataclasses.replace(pair, candidates=candidates), prompts=prompts,
                      limit_per_domain=limit_per_domain, device=device)

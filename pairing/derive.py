@@ -25,6 +25,7 @@ from typing import Any
 from decode import zoo
 from decode.errors import DraftsmithError
 from decode.io import atomic_dir
+from decode.quant import INT4_PREFIX
 
 _SPEC = re.compile(r"derive:(?P<source>.+?)((?::(?:keep|layers)=[^:]*)+)")
 _LAYERS_PREFIX = "model.layers."
@@ -120,7 +121,7 @@ def resolve_candidate(spec: str) -> str:
     if spec.startswith("prune:"):  # pairing.prune.PRUNE_PREFIX (pairing.prune imports this module)
         raise DraftsmithError(f"{spec}: a vocabulary-pruned draft runs in draftsmith's decoder only (pair, validate, "
                               "grid, decode --draft); here name a whole model (its MODEL part)")
-    if spec.startswith("int4:"):  # decode.quant.INT4_PREFIX
+    if spec.startswith(INT4_PREFIX):
         raise DraftsmithError(f"{spec}: an int4 draft runs in draftsmith's decoder only (pair, validate, grid, "
                               "decode --draft); here name the whole model (drop int4:)")
     parsed = parse_derive_spec(spec)
