@@ -36,14 +36,15 @@ def quantize_int8(runner: Runner) -> Runner:
 def _fused_copy(runner: Runner, what: str) -> Runner:
     """A lean runner's own copy to quantise (its weights are shared with the HF model), each layer's projections
     stacked (4 Linear calls a layer, not 7); its float one-row head layout is left out (the quantised head
-    replaces it)."""
+    replaces it) and its input embedding stays the HF model's (a Qwen 0.5B's is 545 MB)."""
     if not isinstance(runner, nn.Module):
         raise ValueError(f"{what} quantisation needs the lean runner")
     import copy
 
     head_t, runner.head_t = runner.head_t, None
+    embed = getattr(runner, "embed", None)  # read only: shared, not copied (a tied head's weight is still copied)
     try:
-        copied = copy.deepcopy(runner)
+        copied = copy.deepcopy(runner, {id(embed): embed} if embed is not None else None)
     finally:
         runner.head_t = head_t
     for layer in getattr(copied, "layers", ()):

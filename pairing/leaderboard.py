@@ -43,7 +43,8 @@ from decode.sampling import SamplingParams
 from decode.speculative import KPolicy
 from pairing.acceptance import measure_acceptance, measure_head_acceptance
 from pairing.compat import Compat, check_pair
-from pairing.cost import CostModel, DecoderCost, calibrate_decoder, measure_cost, speedup_curve
+from pairing.cost import (CostModel, DecoderCost, calibrate_decoder, measure_cost, shared_target_clock,
+                          speedup_curve)
 from pairing.derive import parse_derive_spec
 from pairing.policy import PolicyChoice, choose_policy
 from pairing.prune import KeptVocab, draft_runner, load_model_draft
@@ -68,11 +69,12 @@ class PairConfig:
     calibrate_prompts: int = 2  # prompts of the short calibration decode that times rounds in the decoder (0 = off)
     calibrate_tokens: int = 32  # new tokens per calibration prompt
     validate_ks: list[int] = field(default_factory=list)  # also validate at these K (the measured best K among them)
+    validate_repeats: int = 1  # interleaved passes of the validation (measured speedup: the median over them)
 
     def __post_init__(self) -> None:
         if not self.candidates:
             raise ValueError("candidates: name at least one draft (zoo name, HF folder, derive:MODEL:keep=N)")
-        for name in ("max_new_tokens", "validate_prompts", "batch_size"):
+        for name in ("max_new_tokens", "validate_prompts", "batch_size", "validate_repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.prompts_per_domain < 0:
@@ -99,6 +101,8 @@ class Candidate:
     head: object | None = None  # a decode.head.Eagle3Head for head:PATH
     kept: KeptVocab | None = None  # the kept target ids of prune:MODEL:vocab=FILE
     acc: object | None = None  # its pairing.acceptance.Acceptance, once measured
+    cost: CostModel | None = None  # its isolated c and v(K), once timed
+    dcost: DecoderCost | None = None  # its rounds timed in the decoder (target side shared: _share_target_clock)
 
 
 HEAD_PREFIX = "head:"
@@ -148,7 +152,8 @@ def _validate(target: Loaded, t_run, cands: list[Candidate], prompts: list[Promp
     what = cands[0].spec if len(cands) == 1 else f"{len(cands)} drafts"
     val = validate_drafts(t_run, drafts, [by_id[p.id]["prompt_ids"] for p in prompts], k=max(ks.values()),
                           max_new_tokens=cfg.max_new_tokens, eos_ids=eos_ids(target), names=[p.id for p in prompts],
-                          greedy=cfg.temperature == 0, desc=f"validate {what}", device=device, policies=policies)
+                          greedy=cfg.temperature == 0, desc=f"validate {what}", device=device, policies=policies,
+                          repeats=cfg.validate_repeats)
     base = val.stats["target_only"]
     out = {}
     for spec, name in names.items():
@@ -157,7 +162,7 @@ def _validate(target: Loaded, t_run, cands: list[Candidate], prompts: list[Promp
             "k": ks[spec], "prompts": len(prompts), "target_only_tok_per_s": base.tokens_per_s,
             "speculative_tok_per_s": st.tokens_per_s, "target_only_seconds": base.seconds,
             "speculative_seconds": st.seconds, "tokens": st.new_tokens,
-            "measured_speedup": val.speedup(name),
+            "measured_speedup": val.speedup(name), "measured_speedup_repeats": val.repeat_speedups(name),
             "greedy_equal": val.greedy_equal[name] is not False,
             "mean_tau": st.mean_tau,
             "rounds": st.target_forwards,
@@ -223,7 +228,10 @@ def run_pair(target_spec: str, out: Path, cfg: PairConfig, *, prompts: str = "co
     _measure_acceptance(target, cands, refs, cfg, progress)
     timing = _timing(target, refs, cfg)
     for cand in cands:
-        cand.row = _rank(target, cand, timing, cfg, device, progress)
+        cand.cost, cand.dcost = _costs(target, cand, timing, cfg, device, progress)
+    _share_target_clock(cands)
+    for cand in cands:
+        cand.row = _rank(cand, timing)
     cands.sort(key=lambda c: c.row["predicted_speedup"], reverse=True)
     if cfg.validate:
         _validate_top(target, cands, timing.runner, refs, load_prompts(prompts, limit_per_domain=cfg.validate_prompts),
@@ -371,16 +379,34 @@ def _decoder_cost(target: Loaded, cand: Candidate, d_runner, cost: CostModel, ta
     return cost, dcost
 
 
-def _rank(target: Loaded, cand: Candidate, timing: _Timing, cfg: PairConfig, device: str, progress: bool) -> dict:
-    """The candidate's leaderboard row: its tokens per round at every K (walked once, overall and per domain),
-    its measured cost and the predicted speedup and best K."""
-    acc = cand.acc
-    taus = {K: acc.tokens_per_round(K) for K in range(1, MAX_K + 1)}
-    taus_by_domain = {d: {K: acc.tokens_per_round(K, d) for K in range(1, MAX_K + 1)} for d in acc.alpha_by_domain}
+def _taus(acc) -> tuple[dict[int, float], dict[str, dict[int, float]]]:
+    """Tokens per round at every K, walked once: overall, and per domain."""
+    return ({K: acc.tokens_per_round(K) for K in range(1, MAX_K + 1)},
+            {d: {K: acc.tokens_per_round(K, d) for K in range(1, MAX_K + 1)} for d in acc.alpha_by_domain})
+
+
+def _costs(target: Loaded, cand: Candidate, timing: _Timing, cfg: PairConfig, device: str,
+           progress: bool) -> tuple[CostModel, DecoderCost | None]:
+    """The candidate's measured cost: isolated c and v(K), and its rounds timed in the decoder."""
     d_runner = _draft(cand, timing.runner.max_seq_len, cfg)
     cost = _isolated_cost(timing, None if cand.head is not None else d_runner, device)
-    cost, dcost = _decoder_cost(target, cand, d_runner, cost, taus, timing, cfg, device, progress)
-    del d_runner
+    return _decoder_cost(target, cand, d_runner, cost, _taus(cand.acc)[0], timing, cfg, device, progress)
+
+
+def _share_target_clock(cands: list[Candidate]) -> None:
+    """The standalone drafts' calibrations share one target clock (`pairing.cost.shared_target_clock`): the same
+    target verifies them all, so the VM's drift between their calibration windows must not rank them. A head's
+    verify also hands the target's features to the head, so heads keep their own."""
+    model_drafts = [c for c in cands if c.head is None and c.dcost is not None]
+    for cand, shared in zip(model_drafts, shared_target_clock([c.dcost for c in model_drafts])):
+        cand.dcost = shared
+
+
+def _rank(cand: Candidate, timing: _Timing) -> dict:
+    """The candidate's leaderboard row: its tokens per round at every K (walked once, overall and per domain),
+    its measured cost and the predicted speedup and best K."""
+    acc, cost, dcost = cand.acc, cand.cost, cand.dcost
+    taus, taus_by_domain = _taus(acc)
     choice = _choose(taus, cost, dcost, timing.mean_tokens[None])
     by_domain = {d: _choose(t, cost, dcost, timing.mean_tokens[d]) for d, t in taus_by_domain.items()}
     return _row(cand, taus, taus_by_domain, cost, dcost, choice, by_domain)

@@ -41,3 +41,26 @@ def test_int8_runner_fuses_projections_and_computes_the_same_bits() -> None:
                      r.forward(ids[24:30], 24)])
     assert all(torch.equal(a, b) for a, b in zip(*outs))
     assert not torch.equal(outs[0][0], base.forward(ids[:20], 0))  # int8: not the float runner's logits
+
+
+def test_a_quantised_runner_reads_the_hf_models_embedding_and_quantises_a_tied_head_from_a_copy() -> None:
+    """The quantised copy shares the input embedding with the HF model (read only; a Qwen 0.5B's is 545 MB) and
+    quantises its own copy of a tied LM head: the HF model's weights are left as they were."""
+    from decode.lean import LeanLM
+    from decode.quant import quantize_int8
+
+    model = helpers.tiny_llama(3, 300, layers=2, hidden=64, heads=4, kv_heads=2, arch="qwen2")
+    model.lm_head.weight = model.model.embed_tokens.weight  # tied, as the Qwen 0.5B's
+    before = model.model.embed_tokens.weight.detach().clone()
+    q = quantize_int8(LeanLM(model, 64, fast_head=False))
+    assert q.embed is model.model.embed_tokens
+    assert type(q.lm_head) is not torch.nn.Linear  # the head quantised ...
+    assert type(model.lm_head) is torch.nn.Linear and torch.equal(model.lm_head.weight, before)  # ... on a copy
+
+
+def test_release_free_memory_trims_the_heap_where_glibc_has_one() -> None:
+    import platform
+
+    from decode.runner import release_free_memory
+
+    assert release_free_memory() is (platform.libc_ver()[0] == "glibc")

@@ -348,3 +348,42 @@ def test_a_walks_speedup_is_its_rounds_time_by_hand() -> None:
     assert dc.walk_speedup(7, [(2, 2), (1, 2), (1, 1), (0, 0)], 2) == pytest.approx(want)
     with pytest.raises(ValueError, match="round"):
         dc.walk_speedup(7, [], 2)
+
+
+def _calibrated(token: float, verify: dict[int, float], step: float, prefill: float = 0.1, extra: float = 0.01):
+    from pairing.cost import DecoderCost
+
+    return DecoderCost(target_token_s=token, target_prefill_s=prefill, spec_prefill_s=prefill + extra,
+                       draft_step_s=step, other_s=0.001, verify_s=verify, calibration_k=2, calibration_seconds=1.0,
+                       calibration_tokens=64)
+
+
+def test_a_shared_target_clock_is_the_median_of_the_target_side_and_keeps_each_drafts() -> None:
+    from pairing.cost import shared_target_clock
+
+    costs = [_calibrated(0.14, {1: 0.15, 2: 0.16, 3: 0.18}, 0.015),
+             _calibrated(0.17, {1: 0.21, 2: 0.21, 3: 0.22}, 0.014, prefill=0.2, extra=0.03),  # a slow window
+             _calibrated(0.13, {1: 0.14, 2: 0.17, 3: 0.17}, 0.022)]
+    shared = shared_target_clock(costs)
+    for s, c in zip(shared, costs):
+        assert s.target_token_s == 0.14 and s.target_prefill_s == 0.1 and s.shared_over == 3
+        assert s.verify_s == {1: 0.15, 2: 0.17, 3: 0.18}  # pointwise medians: still non-decreasing
+        assert (s.draft_step_s, s.other_s) == (c.draft_step_s, c.other_s)
+        assert s.spec_prefill_s == pytest.approx(0.1 + c.spec_prefill_s - c.target_prefill_s)
+    assert shared_target_clock(costs[:1]) == costs[:1]
+
+
+def test_a_slow_calibration_window_no_longer_ranks_a_faster_draft_below() -> None:
+    """The same target's verify timed 30% slower in one draft's window (as the EPYC timed 0.206 s against
+    0.157-0.164 s in the others, its one-token step unchanged): alone, that prices the draft with the cheaper step
+    below the others; with the target's side shared, the cheaper step ranks first (the negative control: unshared)."""
+    from pairing.cost import shared_target_clock
+
+    fast_window = _calibrated(0.14, {2: 0.16}, 0.018)
+    slow_window = _calibrated(0.14, {2: 0.16 * 1.3}, 0.015)  # the cheaper draft, timed in a slow window
+    third = _calibrated(0.14, {2: 0.16}, 0.020)
+    tau, n = 2.5, 48
+    before = [c.speedup(tau, 2, n) for c in (fast_window, slow_window, third)]
+    after = [c.speedup(tau, 2, n) for c in shared_target_clock([fast_window, slow_window, third])]
+    assert before[1] < before[2] < before[0]  # the drift alone decides it
+    assert after[1] > after[0] > after[2]  # the draft steps decide it

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -40,7 +41,7 @@ def test_pair_end_to_end_writes_all_files_with_the_schema(setup, tmp_path: Path)
     target, other, prompts = setup
     out = tmp_path / "board"
     cfg = PairConfig(candidates=[str(target), str(other), f"derive:{target}:keep=1"], prompts_per_domain=2,
-                     max_new_tokens=8, validate=2, validate_prompts=1, draft_quant=None)
+                     max_new_tokens=8, validate=2, validate_prompts=1, draft_quant=None, validate_repeats=2)
     board = run_pair(str(target), out, cfg, prompts=str(prompts), progress=False)
     for name in ("leaderboard.json", "leaderboard.md", "leaderboard.csv", "leaderboard.html",
                  "alpha_by_domain.png", "speedup_vs_k.png", "alpha_by_position.png"):
@@ -65,6 +66,14 @@ def test_pair_end_to_end_writes_all_files_with_the_schema(setup, tmp_path: Path)
     a, b = (c["validation"] for c in validated)
     assert a["target_only_tok_per_s"] == b["target_only_tok_per_s"] and a["target_only_seconds"] > 0
     assert a["side_by_side_with"] == [validated[1]["draft"]] and b["side_by_side_with"] == [validated[0]["draft"]]
+    for v in (a, b):  # the median of the interleaved repeats
+        assert len(v["measured_speedup_repeats"]) == 2
+        assert v["measured_speedup"] == pytest.approx(statistics.median(v["measured_speedup_repeats"]))
+    # one target verifies every candidate: their calibrations share its clock, their draft steps stay their own
+    timed = [c["decoder_cost"] for c in cands]
+    assert all(t["target_side_shared_over"] == 3 for t in timed)
+    for key in ("target_token_s", "target_prefill_s", "verify_s"):
+        assert all(t[key] == timed[0][key] for t in timed), key
     with open(out / "leaderboard.csv") as f:
         assert len(list(csv.reader(f))) == 4
     assert "<img" in (out / "leaderboard.html").read_text()
