@@ -12,12 +12,19 @@ where this CPU has no int4 kernel, the pruned variants prune the whole model as 
    target's own greedy text), counted (`distill.vocab.count_tokens`), one kept-ids file per size
    (`pairing.prune.build_vocab`; ties to the lower id, which in a BPE vocabulary is the earlier merge).
 2. The ranking: `pairing.leaderboard.run_pair` over the base and its pruned variants, with the recipe's pair
-   settings (alpha teacher-forced, cost timed, the top `validate` candidates decoded beside the target alone).
-3. The winner: the highest measured speedup among those decoded, else the highest predicted; among those measured
-   within `TIE` (2%) of the best, the highest alpha (a few dev prompts do not part two drafts that close, and the
-   higher-alpha one loses less where rounds run long: on the AMD EPYC the 16,384-id draft measured 2.18x against
-   the 32,768-id draft's 2.16x on dev, alpha 0.779 against 0.818, and lost on the code test prompts); its candidate
-   spec goes to `RUN/draft.txt`, one line that `draftsmith pair --candidates` takes.
+   settings (alpha teacher-forced, cost timed with one target clock for all, predicted speedups).
+3. The race (`race` > 0): the top `race` of the ranking, each at the round policy the validate stage would walk
+   for it on the dev prompts (K, a stop threshold, sibling rounds, lookup tokens), decoded side by side with the
+   target alone on `race_prompts` dev prompts a domain in the validate stage's interleaved repeats
+   (`pairing.validate.race`). What the recipe serves is the winner at its walked policy, so that is what ranks:
+   at plain K the ranking measured the int4 0.5B at K = 7 1.71x the target alone on dev, below the stock 0.5B at
+   K = 6 (1.86x), where the int4 draft at its walked policy ran 1.20x the stock on the test prompts.
+4. The winner: the highest measured speedup among those raced (else decoded by the pair, else the highest
+   predicted); among those within `TIE` (2%) of the best, the highest alpha (a few dev prompts do not part two
+   drafts that close, and the higher-alpha one loses less where rounds run long: on the AMD EPYC the 16,384-id
+   draft measured 2.18x against the 32,768-id draft's 2.16x on dev, alpha 0.779 against 0.818, and lost on the
+   code test prompts); its candidate spec goes to `RUN/draft.txt`, one line that `draftsmith pair --candidates`
+   takes.
 """
 
 from __future__ import annotations
@@ -31,9 +38,11 @@ from decode.io import atomic_write_json, atomic_write_text, read_json
 from decode.loading import Loaded, load
 from decode.prompts import Prompt, first_per_domain, load_prompts
 from decode.quant import INT4_PREFIX, int4_ok
+from decode.runner import release_free_memory
 from distill.vocab import continuation_texts, count_tokens
 from pairing.leaderboard import PairConfig, run_pair
 from pairing.prune import build_vocab, target_rows
+from pairing.validate import ValidateConfig, race
 
 
 FASTEST = "fastest"  # distill.draft's value that ranks a model and its pruned variants instead of training
@@ -49,12 +58,17 @@ class FastestConfig:
     max_new_tokens: int = 96  # tokens of each counted continuation
     context_ids: bool = True  # the pruned drafts also propose the ids they have read (`decode.pruned`)
     int4: bool = True  # rank `int4:BASE` too, and prune that (where this CPU has draftsmith's int4 kernel)
+    race: int = 4  # the top N of the ranking decoded side by side, each at its own walked policy (0: the pair's own
+    # measured speedups choose, else its predictions)
+    race_prompts: int = 2  # dev prompts a domain the race times (its policies are walked on the validate stage's)
 
     def __post_init__(self) -> None:
         if not self.sizes or any(n < 1 for n in self.sizes):
             raise ValueError(f"sizes must list positive vocabulary sizes, got {self.sizes}")
-        if self.prompts_per_domain < 1 or self.max_new_tokens < 1:
-            raise ValueError("prompts_per_domain and max_new_tokens must be >= 1")
+        if self.prompts_per_domain < 1 or self.max_new_tokens < 1 or self.race_prompts < 1:
+            raise ValueError("prompts_per_domain, max_new_tokens and race_prompts must be >= 1")
+        if self.race < 0:
+            raise ValueError(f"race must be >= 0 (0 = no race), got {self.race}")
 
 
 def counting_prompts(prompts: str, skip: int, n: int, limit_per_domain: int | None = None) -> list[Prompt]:
@@ -102,10 +116,21 @@ def winner(board: dict, *, tie: float = TIE) -> dict:
     return max(rows, key=lambda c: c["predicted_speedup"])
 
 
+def raced(board: dict, result: dict) -> dict:
+    """The leaderboard with each raced candidate's measured speedup (and policy) from `race`'s result, every other
+    candidate's measured speedup cleared: `winner` then chooses among the raced."""
+    by = result["drafts"]
+    rows = [{**c, "measured_speedup": by[c["draft"]]["measured_speedup"] if c["draft"] in by else None,
+             "policy": by[c["draft"]]["policy"] if c["draft"] in by else None} for c in board["candidates"]]
+    return {**board, "candidates": rows}
+
+
 def make_fastest(target: str, base: str, cfg: FastestConfig, pair: PairConfig, *, out: Path, run: Path,
-                 prompts: str, limit_per_domain: int | None = None, device: str = "cpu") -> dict:
-    """Count, prune, rank (see the module docstring); writes out/vocab-*.json, out/ranking/ (the leaderboard),
-    out/fastest.json and run/draft.txt; returns fastest.json's content."""
+                 prompts: str, limit_per_domain: int | None = None, device: str = "cpu",
+                 validate: ValidateConfig | None = None, dev: list[Prompt] | None = None) -> dict:
+    """Count, prune, rank, race (see the module docstring); writes out/vocab-*.json, out/ranking/ (the
+    leaderboard), out/race.json, out/fastest.json and run/draft.txt; returns fastest.json's content. The race
+    (`cfg.race` > 0) walks each policy with `validate`'s settings on `dev` (the validate stage's dev prompts)."""
     done = read_json(out / "fastest.json", missing_ok=True, what="fastest result")
     if done:
         return done
@@ -120,6 +145,14 @@ def make_fastest(target: str, base: str, cfg: FastestConfig, pair: PairConfig, *
     candidates = [base] + ([pruned] if pruned != base else []) + [f"prune:{pruned}:vocab={p}" for p in files.values()]
     board = run_pair(target, out / "ranking", dataclasses.replace(pair, candidates=candidates), prompts=prompts,
                      limit_per_domain=limit_per_domain, device=device)
+    if cfg.race and dev:
+        release_free_memory()  # the ranking's copies, before the race opens its own
+        top = [c["draft"] for c in board["candidates"] if c["compatible"]][: cfg.race]
+        result = read_json(out / "race.json", missing_ok=True, what="race result")
+        if result is None or sorted(result["drafts"]) != sorted(top):
+            result = race(target, top, dev, validate or ValidateConfig(), out=out / "race.json",
+                          timed_per_domain=cfg.race_prompts, device=device)
+        board = raced(board, result)
     best = winner(board)
     atomic_write_text(run / "draft.txt", best["draft"] + "\n")
     result = {"draft": best["draft"], "base": base, "base_k": next(c["best_k"] for c in board["candidates"]
@@ -127,7 +160,9 @@ def make_fastest(target: str, base: str, cfg: FastestConfig, pair: PairConfig, *
               "alpha": best["alpha"], "best_k": best["best_k"], "measured_speedup": best.get("measured_speedup"),
               "predicted_speedup": best["predicted_speedup"], "vocab_files": {str(n): str(p) for n, p in files.items()},
               "counted_prompts": [p.id for p in count_on],
-              "ranking": [{k: c.get(k) for k in ("draft", "alpha", "best_k", "predicted_speedup", "measured_speedup")}
-                          for c in board["candidates"]]}
+              "ranking": [{k: c.get(k) for k in ("draft", "alpha", "best_k", "predicted_speedup", "measured_speedup",
+                                                 "policy")}
+                          for c in board["candidates"]],
+              "chosen_by": "race" if any(c.get("policy") for c in board["candidates"]) else "ranking"}
     atomic_write_json(out / "fastest.json", result)
     return result

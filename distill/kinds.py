@@ -35,7 +35,7 @@ from distill.pipeline import DistillConfig, run_distill, split_prompts
 from pairing.leaderboard import HEAD_PREFIX, PairConfig
 from pairing.prune import parse_prune_spec, spec_quant
 from pairing.policy import DEFAULT_K
-from pairing.validate import DraftUnderTest
+from pairing.validate import DraftUnderTest, ValidateConfig
 
 
 @dataclass
@@ -56,6 +56,7 @@ class RunContext:
     config: dict = dataclasses.field(default_factory=dict)  # the resolved recipe (for wandb)
     fastest: FastestConfig = dataclasses.field(default_factory=FastestConfig)  # the `fastest` kind's settings
     pair: PairConfig | None = None  # the pair stage's settings (the `fastest` kind ranks with them)
+    validate: ValidateConfig | None = None  # the validate stage's settings (the `fastest` kind races with them)
 
     def held_out(self) -> list[Prompt]:
         """The dev prompts: never trained on, used to choose (a checkpoint, K): the first
@@ -267,7 +268,8 @@ class Fastest:
     def train(self, ctx: RunContext) -> dict:
         result = make_fastest(ctx.target, self.base(ctx), ctx.fastest, ctx.pair, out=ctx.folders["distill"],
                               run=ctx.folders["distill"].parent, prompts=ctx.prompts,
-                              limit_per_domain=ctx.limit_per_domain, device=ctx.device)
+                              limit_per_domain=ctx.limit_per_domain, device=ctx.device, validate=ctx.validate,
+                              dev=ctx.held_out())
         return {"draft": result["draft"], "alpha": result["alpha"], "measured_speedup": result["measured_speedup"]}
 
     def validation(self, ctx: RunContext) -> list[DraftUnderTest]:

@@ -179,9 +179,27 @@ def _walks(d: DraftUnderTest, cfg: ValidateConfig) -> bool:
     return (d.walk or d.refs is not None) and cfg.gate and not cfg.k
 
 
+def _shape(cfg: ValidateConfig, standalone: bool, d: DraftUnderTest, t_run) -> tuple[int, int, int, list[int]]:
+    """(siblings, sibling depth, rows of a two-level sibling tree, lookup counts) the chooser's walk considers."""
+    siblings = cfg.siblings if cfg.gate and hasattr(t_run, "forward_tree") and cfg.siblings <= cfg.max_k else 0
+    sibling_depth = 1 if standalone else cfg.sibling_depth  # children need a head's forward_siblings
+    tree_k = 2 * siblings if siblings and sibling_depth == 2 else 0
+    lookups = sorted(set(cfg.lookup)) if standalone and d.refs else [0]  # walked on the references' copy tables
+    return siblings, sibling_depth, tree_k, lookups
+
+
+def _target_shape(t_run, cfg: ValidateConfig, tree_k: int, lookups: list[int], device: str):
+    """The target's v(K) shape outside the decoder, over every row count the walk may verify."""
+    # 9 interleaved repeats (median): with 3, one stall on a busy machine set v(2..4) ~1.29 where they are ~1.01,
+    # which ruled out sibling rounds that measured 1.41-1.43x
+    return measure_cost(t_run, None, ks=range(1, max(cfg.max_k + max(lookups), tree_k) + 1), context=COST_CONTEXT,
+                        repeats=9, warmup=2, device=device)
+
+
 def _choose(d: DraftUnderTest, opened: Opened, t_run, ids: list[list[int]], cfg: ValidateConfig, eos: list[int],
-            device: str) -> tuple[PolicyChoice, dict]:
-    """The chooser's policy and the cost it was chosen on, timed as this draft runs."""
+            device: str, iso=None) -> tuple[PolicyChoice, dict]:
+    """The chooser's policy and the cost it was chosen on, timed as this draft runs (`iso`: the target's v(K)
+    shape from `_target_shape`, when a caller times it once for several drafts)."""
     k_max = cfg.max_k
     standalone = not getattr(opened.runner, "reads_target", False)
     if standalone and not _walks(d, cfg):  # a standalone step times alone
@@ -193,14 +211,8 @@ def _choose(d: DraftUnderTest, opened: Opened, t_run, ids: list[list[int]], cfg:
         return choice, {"cost_ratio": cost.c, "verify_cost": {str(K): x for K, x in cost.v.items()}}
     if cfg.k:  # a head's step is only timed inside the decoder: with K set, nothing to time
         return choose_policy(None, fixed_k=cfg.k, max_k=k_max), {}
-    siblings = cfg.siblings if cfg.gate and hasattr(t_run, "forward_tree") and cfg.siblings <= k_max else 0
-    sibling_depth = 1 if standalone else cfg.sibling_depth  # children need a head's forward_siblings
-    tree_k = 2 * siblings if siblings and sibling_depth == 2 else 0
-    lookups = sorted(set(cfg.lookup)) if standalone and d.refs else [0]  # walked on the references' copy tables
-    # 9 interleaved repeats (median): with 3, one stall on a busy machine set v(2..4) ~1.29 where they are ~1.01,
-    # which ruled out sibling rounds that measured 1.41-1.43x
-    iso = measure_cost(t_run, None, ks=range(1, max(k_max + max(lookups), tree_k) + 1), context=COST_CONTEXT,
-                       repeats=9, warmup=2, device=device)
+    siblings, sibling_depth, tree_k, lookups = _shape(cfg, standalone, d, t_run)
+    iso = iso or _target_shape(t_run, cfg, tree_k, lookups, device)
     dc = calibrate_decoder(t_run, opened.runner, ids[:2], k=1, isolated=iso, max_new_tokens=32, eos_ids=eos,
                            device=device)
     timed = {"cost_ratio": dc.draft_step_s / dc.target_token_s,
@@ -263,3 +275,55 @@ def validate(target_spec: str, drafts: list[DraftUnderTest], dev: list[Prompt], 
         raise DraftsmithError("validate: speculative output differs from the target's greedy output "
                               f"({val.greedy_equal}); see {out}")
     return result
+
+
+@torch.no_grad()
+def race(target_spec: str, specs: list[str], dev: list[Prompt], cfg: ValidateConfig, *, out: Path,
+         timed_per_domain: int = 2, device: str = "cpu") -> dict:
+    """Standalone drafts each at its own round policy, decoded side by side: how the `fastest` kind chooses.
+
+    Each draft's policy is walked on its own rounds over the target's greedy answers to the first
+    `cfg.prompts_per_domain` `dev` prompts of each domain, as the validate stage walks the one it serves (K, a
+    stop threshold, sibling rounds, lookup tokens; the round cost timed in the decoder, the target's v(K) shape
+    timed once for all); then the target alone and every draft at its policy decode the first `timed_per_domain`
+    of them, `cfg.repeats` interleaved passes. Dev prompts only: this chooses. Writes `out` (race.json) and
+    returns {"drafts": {spec: {policy, measured_speedup (median of the passes), measured_speedup_repeats,
+    greedy_equal}}, ...}; refuses a run that is not greedy-equal, after writing it."""
+    if not specs:
+        raise DraftsmithError("race: no drafts to race")
+    target = load(target_spec, device=device)
+    dev = first_per_domain(dev, cfg.prompts_per_domain)
+    timed = first_per_domain(dev, timed_per_domain)
+    dev_ids = [prompt_ids(target.tokenizer, p.prompt) for p in dev]
+    ids = [prompt_ids(target.tokenizer, p.prompt) for p in timed]
+    max_len = _max_len(dev_ids, [], cfg)
+    t_run = make_runner(target.model, max_len)
+    eos = eos_ids(target)
+    refs = [(list(r["prompt_ids"]), list(r["continuation_ids"]))
+            for r in reference_continuations(target, dev, max_new_tokens=cfg.max_new_tokens)]
+    names = {spec: f"draft{i}" for i, spec in enumerate(specs)}
+    opened, choices, iso = {}, {}, None
+    for spec, name in names.items():
+        opened[name] = open_draft(spec, target, max_len, cfg.draft_quant, device)
+        d = DraftUnderTest(name, spec, chooses=True, walk=True, refs=refs)
+        if iso is None:
+            iso = _target_shape(t_run, cfg, *_shape(cfg, True, d, t_run)[2:], device)
+        choices[spec], _ = _choose(d, opened[name], t_run, dev_ids, cfg, eos, device, iso=iso)
+    policies = {names[s]: c.policy for s, c in choices.items()}
+    val = validate_drafts(t_run, {n: o.runner for n, o in opened.items()}, ids, k=max(p.k for p in policies.values()),
+                          policies=policies, max_new_tokens=cfg.max_new_tokens, eos_ids=eos,
+                          names=[p.id for p in timed], desc=f"race {len(specs)} drafts", device=device,
+                          repeats=cfg.repeats, groups=[p.domain for p in timed])
+    result = {
+        "target": target_spec, "chosen_on": [p.id for p in dev], "timed_on": [p.id for p in timed],
+        "drafts": {spec: {"policy": policy_dict(policies[n]), "predicted_speedup": choices[spec].predicted,
+                          "measured_speedup": val.speedup(n), "measured_speedup_repeats": val.repeat_speedups(n),
+                          "quant": opened[n].quant, "greedy_equal": val.greedy_equal[n] is not False}
+                   for spec, n in names.items()},
+        "validation": val.to_dict(), "machine": machine_info(), "versions": versions(),
+    }
+    atomic_write_json(out, result)
+    if not all(r["greedy_equal"] for r in result["drafts"].values()):
+        raise DraftsmithError(f"race: speculative output differs from the target's greedy output; see {out}")
+    return result
+

@@ -120,7 +120,7 @@ def context(recipe: Recipe, run: RunFolder) -> RunContext:
                       head=recipe.head, export_cfg=recipe.export,
                       folders={stage: run.path(stage) for stage in STAGE_DIRS}, has_data_stage=bool(recipe.data.n),
                       config=recipe.to_dict(), test_prompts=recipe.test_prompts, fastest=recipe.fastest,
-                      pair=recipe.pair)
+                      pair=recipe.pair, validate=recipe.validate)
 
 
 # --- stages -----------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from decode.errors import DraftsmithError
-from distill.fastest import TIE, winner
+from distill.fastest import TIE, raced, winner
 
 
 def row(draft: str, alpha: float, measured: float | None, predicted: float = 1.5, compatible: bool = True) -> dict:
@@ -29,3 +29,17 @@ def test_equal_alpha_in_a_tie_goes_to_the_faster_and_unmeasured_rows_go_by_predi
     assert winner(board)["draft"] == "a"
     with pytest.raises(DraftsmithError, match="tokenizer"):
         winner({"candidates": [row("c", 0.95, 3.0, compatible=False)]})
+
+
+def test_a_race_replaces_the_measured_speedups_and_only_raced_rows_can_win_by_measure() -> None:
+    board = {"candidates": [row("a", 0.84, 1.86, predicted=2.0), row("b", 0.84, 1.71, predicted=2.06),
+                            row("c", 0.82, 1.87, predicted=2.05)]}
+    result = {"drafts": {"b": {"measured_speedup": 2.09, "policy": {"k": 7}},
+                         "a": {"measured_speedup": 1.73, "policy": {"k": 4}}}}
+    after = raced(board, result)
+    assert [c["measured_speedup"] for c in after["candidates"]] == [1.73, 2.09, None]
+    assert after["candidates"][1]["policy"] == {"k": 7} and after["candidates"][2]["policy"] is None
+    # at plain K, c measured fastest and a, within 2% with the higher alpha, won the tie (the EPYC ranking, where
+    # a was the stock 0.5B itself)
+    assert winner(after)["draft"] == "b" and winner(board)["draft"] == "a"
+    assert board["candidates"][1]["measured_speedup"] == 1.71  # the board itself is left as it was

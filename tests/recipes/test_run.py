@@ -401,6 +401,12 @@ def test_a_fastest_recipe_ranks_pruned_variants_and_writes_the_winner(world: dic
     made = json.loads((out / "distill" / "fastest.json").read_text())
     assert made["base"] == str(base) and len(made["ranking"]) == 3
     assert len(made["counted_prompts"]) == 4  # prompts 3-4 of each domain: the ranking reads 1-2
+    # the three raced side by side, each at its own walked policy, on dev prompts; the fastest of them won
+    race = json.loads((out / "distill" / "race.json").read_text())
+    assert made["chosen_by"] == "race" and sorted(race["drafts"]) == sorted(r["draft"] for r in made["ranking"])
+    assert all(r["greedy_equal"] and len(r["measured_speedup_repeats"]) == 3 for r in race["drafts"].values())
+    assert set(race["timed_on"]) <= set(race["chosen_on"]) and not set(race["timed_on"]) & {"t0", "t1"}
+    assert made["measured_speedup"] == race["drafts"][made["draft"]]["measured_speedup"]
     for n in (6, 20):
         kept = json.loads((out / "distill" / f"vocab-{n}.json").read_text())
         assert len(kept["ids"]) == n
