@@ -25,6 +25,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from decode.allocator import release_freed_memory
 from decode.floor import plan_rows
 from decode.lean import LeanLM, lean_supported
 from decode.quant import quantize_int4, quantize_int8
@@ -93,33 +94,9 @@ def make_runner(hf_model, max_seq_len: int, *, lean: bool | None = None, quantiz
     elif quantize not in (None, "none"):
         raise ValueError(f"unknown quantisation {quantize!r} (choose int8, int4 or none)")
     if quantize not in (None, "none"):
-        release_free_memory()  # the float copy it quantised, freed, would otherwise stay in the process's heap
+        release_freed_memory()  # the float copy it quantised, freed, would otherwise stay in the process's heap
     if lean:  # pad few-row forwards to the row count this machine runs fastest (`decode.floor.plan_rows`)
         nbytes = sum(p.numel() * p.element_size() for p in hf_model.parameters())
         plan_rows(runner, (hf_model.config.name_or_path, hf_model.config.num_hidden_layers, nbytes, quantize), nbytes)
     return runner
-
-
-def release_free_memory() -> bool:
-    """Hand memory freed inside the process back to the system (glibc's `malloc_trim`); False where there is none.
-
-    Quantising a draft copies its float weights, quantises the copy and frees it; glibc keeps much of that in
-    its heap (matrices of a few MB each are below its mmap threshold once it has risen), so without a trim the
-    freed copies stay in the process (an int8 Qwen 0.5B: 5.97 GB resident after quantising, 4.0 GB after a
-    collection and a trim)."""
-    import ctypes
-    import ctypes.util
-    import gc
-
-    gc.collect()  # the copy's modules sit in reference cycles until a collection
-    name = ctypes.util.find_library("c")
-    try:
-        trim = ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
-        return False
-    if trim is None:
-        return False
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    trim(0)
-    return True
 

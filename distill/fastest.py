@@ -38,7 +38,7 @@ from decode.io import atomic_write_json, atomic_write_text, read_json
 from decode.loading import Loaded, load
 from decode.prompts import Prompt, first_per_domain, load_prompts
 from decode.quant import INT4_PREFIX, int4_ok
-from decode.runner import release_free_memory
+from decode.allocator import release_freed_memory
 from distill.vocab import continuation_texts, count_tokens
 from pairing.leaderboard import PairConfig, run_pair
 from pairing.prune import build_vocab, target_rows
@@ -146,7 +146,7 @@ def make_fastest(target: str, base: str, cfg: FastestConfig, pair: PairConfig, *
     board = run_pair(target, out / "ranking", dataclasses.replace(pair, candidates=candidates), prompts=prompts,
                      limit_per_domain=limit_per_domain, device=device)
     if cfg.race and dev:
-        release_free_memory()  # the ranking's copies, before the race opens its own
+        release_freed_memory()  # the ranking's copies, before the race opens its own
         top = [c["draft"] for c in board["candidates"] if c["compatible"]][: cfg.race]
         result = read_json(out / "race.json", missing_ok=True, what="race result")
         if result is None or sorted(result["drafts"]) != sorted(top):

@@ -57,10 +57,3 @@ def test_a_quantised_runner_reads_the_hf_models_embedding_and_quantises_a_tied_h
     assert type(q.lm_head) is not torch.nn.Linear  # the head quantised ...
     assert type(model.lm_head) is torch.nn.Linear and torch.equal(model.lm_head.weight, before)  # ... on a copy
 
-
-def test_release_free_memory_trims_the_heap_where_glibc_has_one() -> None:
-    import platform
-
-    from decode.runner import release_free_memory
-
-    assert release_free_memory() is (platform.libc_ver()[0] == "glibc")
