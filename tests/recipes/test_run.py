@@ -422,3 +422,22 @@ def test_a_fastest_recipe_ranks_pruned_variants_and_writes_the_winner(world: dic
                        "--draft-quant", "null", "--calibrate-prompts", "0", "--out", str(root / "runs" / "again"))
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
     assert (out / "report.md").is_file()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_stage_process_asks_to_end_with_its_parent() -> None:
+    """A validate stage runs in a spawned process; it asks the kernel for SIGTERM when the recipe process ends, so
+    a killed run leaves no orphan timing decoders (one did, and slowed the next run's every stage 3x). The control:
+    a process that does not ask reads 0."""
+    code = ("import ctypes, signal, sys\n"
+            "libc = ctypes.CDLL(None)\n"
+            "if sys.argv[1] == 'ask':\n"
+            "    from recipes.runner import _end_with_parent\n"
+            "    _end_with_parent()\n"
+            "sig = ctypes.c_int(-1)\n"
+            "libc.prctl(2, ctypes.byref(sig), 0, 0, 0)  # PR_GET_PDEATHSIG\n"
+            "print(sig.value)\n")
+    got = {how: subprocess.run([sys.executable, "-c", code, how], capture_output=True, text=True, check=True,
+                               cwd=Path(__file__).resolve().parents[2]).stdout.strip()
+           for how in ("ask", "no")}
+    assert got == {"ask": str(int(signal.SIGTERM)), "no": "0"}
