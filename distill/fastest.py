@@ -33,12 +33,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from decode.allocator import release_freed_memory
 from decode.errors import DraftsmithError
 from decode.io import atomic_write_json, atomic_write_text, read_json
 from decode.loading import Loaded, load
 from decode.prompts import Prompt, first_per_domain, load_prompts
 from decode.quant import INT4_PREFIX, int4_ok
-from decode.allocator import release_freed_memory
 from distill.vocab import continuation_texts, count_tokens
 from pairing.leaderboard import PairConfig, run_pair
 from pairing.prune import build_vocab, target_rows
