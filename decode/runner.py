@@ -99,4 +99,3 @@ def make_runner(hf_model, max_seq_len: int, *, lean: bool | None = None, quantiz
         nbytes = sum(p.numel() * p.element_size() for p in hf_model.parameters())
         plan_rows(runner, (hf_model.config.name_or_path, hf_model.config.num_hidden_layers, nbytes, quantize), nbytes)
     return runner
-

@@ -227,11 +227,12 @@ def run_pair(target_spec: str, out: Path, cfg: PairConfig, *, prompts: str = "co
                                    progress=progress)
     _measure_acceptance(target, cands, refs, cfg, progress)
     timing = _timing(target, refs, cfg)
-    for cand in cands:
-        cand.cost, cand.dcost = _costs(target, cand, timing, cfg, device, progress)
+    taus = [_taus(cand.acc) for cand in cands]  # rounds walked once a candidate: (overall, by domain)
+    for cand, (overall, _) in zip(cands, taus):
+        cand.cost, cand.dcost = _costs(target, cand, overall, timing, cfg, device, progress)
     _share_target_clock(cands)
-    for cand in cands:
-        cand.row = _rank(cand, timing)
+    for cand, (overall, by_domain) in zip(cands, taus):
+        cand.row = _rank(cand, overall, by_domain, timing)
     cands.sort(key=lambda c: c.row["predicted_speedup"], reverse=True)
     if cfg.validate:
         _validate_top(target, cands, timing.runner, refs, load_prompts(prompts, limit_per_domain=cfg.validate_prompts),
@@ -385,12 +386,13 @@ def _taus(acc) -> tuple[dict[int, float], dict[str, dict[int, float]]]:
             {d: {K: acc.tokens_per_round(K, d) for K in range(1, MAX_K + 1)} for d in acc.alpha_by_domain})
 
 
-def _costs(target: Loaded, cand: Candidate, timing: _Timing, cfg: PairConfig, device: str,
+def _costs(target: Loaded, cand: Candidate, taus: dict[int, float], timing: _Timing, cfg: PairConfig, device: str,
            progress: bool) -> tuple[CostModel, DecoderCost | None]:
-    """The candidate's measured cost: isolated c and v(K), and its rounds timed in the decoder."""
+    """The candidate's measured cost: isolated c and v(K), and its rounds timed in the decoder (at the K its
+    tokens per round `taus` and the isolated cost rank best)."""
     d_runner = _draft(cand, timing.runner.max_seq_len, cfg)
     cost = _isolated_cost(timing, None if cand.head is not None else d_runner, device)
-    return _decoder_cost(target, cand, d_runner, cost, _taus(cand.acc)[0], timing, cfg, device, progress)
+    return _decoder_cost(target, cand, d_runner, cost, taus, timing, cfg, device, progress)
 
 
 def _share_target_clock(cands: list[Candidate]) -> None:
@@ -402,11 +404,11 @@ def _share_target_clock(cands: list[Candidate]) -> None:
         cand.dcost = shared
 
 
-def _rank(cand: Candidate, timing: _Timing) -> dict:
-    """The candidate's leaderboard row: its tokens per round at every K (walked once, overall and per domain),
-    its measured cost and the predicted speedup and best K."""
-    acc, cost, dcost = cand.acc, cand.cost, cand.dcost
-    taus, taus_by_domain = _taus(acc)
+def _rank(cand: Candidate, taus: dict[int, float], taus_by_domain: dict[str, dict[int, float]],
+          timing: _Timing) -> dict:
+    """The candidate's leaderboard row: its tokens per round at every K (overall and per domain), its measured
+    cost and the predicted speedup and best K."""
+    cost, dcost = cand.cost, cand.dcost
     choice = _choose(taus, cost, dcost, timing.mean_tokens[None])
     by_domain = {d: _choose(t, cost, dcost, timing.mean_tokens[d]) for d, t in taus_by_domain.items()}
     return _row(cand, taus, taus_by_domain, cost, dcost, choice, by_domain)
