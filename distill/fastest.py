@@ -61,6 +61,8 @@ class FastestConfig:
     race: int = 4  # the top N of the ranking decoded side by side, each at its own walked policy (0: the pair's own
     # measured speedups choose, else its predictions)
     race_prompts: int = 2  # dev prompts a domain the race times (its policies are walked on the validate stage's)
+    race_reference: bool = True  # the base at its ranking's K decodes in the race too, and the winner is the draft
+    # whose worst domain runs fastest over it (what validate measures), not the fastest over all prompts
 
     def __post_init__(self) -> None:
         if not self.sizes or any(n < 1 for n in self.sizes):
@@ -103,25 +105,30 @@ TIE = 0.02  # measured speedups this close to the best are a tie on a few dev pr
 
 
 def winner(board: dict, *, tie: float = TIE) -> dict:
-    """The leaderboard row to serve: among the candidates decoded, the highest alpha of those whose measured speedup
-    is within `tie` of the highest (then the faster); with none decoded, the highest predicted speedup."""
+    """The leaderboard row to serve: among the candidates decoded, the highest alpha of those whose score is within
+    `tie` of the highest (then the higher score); with none decoded, the highest predicted speedup. The score is a
+    raced row's `worst_over_reference` where the race had a reference, else the measured speedup."""
     rows = [c for c in board["candidates"] if c["compatible"]]
     if not rows:
         raise DraftsmithError("fastest: no candidate shares the target's tokenizer")
     measured = [c for c in rows if c.get("measured_speedup") is not None]
     if measured:
-        best = max(c["measured_speedup"] for c in measured)
-        close = [c for c in measured if c["measured_speedup"] >= (1 - tie) * best]
-        return max(close, key=lambda c: (c["alpha"], c["measured_speedup"]))
+        by_worst = all(c.get("worst_over_reference") is not None for c in measured)
+        score = {c["draft"]: c["worst_over_reference"] if by_worst else c["measured_speedup"] for c in measured}
+        best = max(score.values())
+        close = [c for c in measured if score[c["draft"]] >= (1 - tie) * best]
+        return max(close, key=lambda c: (c["alpha"], score[c["draft"]]))
     return max(rows, key=lambda c: c["predicted_speedup"])
 
 
 def raced(board: dict, result: dict) -> dict:
-    """The leaderboard with each raced candidate's measured speedup (and policy) from `race`'s result, every other
-    candidate's measured speedup cleared: `winner` then chooses among the raced."""
+    """The leaderboard with each raced candidate's measured speedup, policy and (where the race had a reference)
+    worst domain's speedup over it from `race`'s result, every other candidate's cleared: `winner` then chooses
+    among the raced."""
     by = result["drafts"]
-    rows = [{**c, "measured_speedup": by[c["draft"]]["measured_speedup"] if c["draft"] in by else None,
-             "policy": by[c["draft"]]["policy"] if c["draft"] in by else None} for c in board["candidates"]]
+    keys = ("measured_speedup", "policy", "worst_over_reference")
+    rows = [{**c, **{k: by[c["draft"]].get(k) if c["draft"] in by else None for k in keys}}
+            for c in board["candidates"]]
     return {**board, "candidates": rows}
 
 
@@ -145,24 +152,26 @@ def make_fastest(target: str, base: str, cfg: FastestConfig, pair: PairConfig, *
     candidates = [base] + ([pruned] if pruned != base else []) + [f"prune:{pruned}:vocab={p}" for p in files.values()]
     board = run_pair(target, out / "ranking", dataclasses.replace(pair, candidates=candidates), prompts=prompts,
                      limit_per_domain=limit_per_domain, device=device)
+    base_k = next(c["best_k"] for c in board["candidates"] if c["draft"] == base)
     if cfg.race and dev:
         release_freed_memory()  # the ranking's copies, before the race opens its own
         top = [c["draft"] for c in board["candidates"] if c["compatible"]][: cfg.race]
+        reference = (base, base_k) if cfg.race_reference else None
         result = read_json(out / "race.json", missing_ok=True, what="race result")
         if result is None or sorted(result["drafts"]) != sorted(top):
             result = race(target, top, dev, validate or ValidateConfig(), out=out / "race.json",
-                          timed_per_domain=cfg.race_prompts, device=device)
+                          timed_per_domain=cfg.race_prompts, reference=reference, device=device)
         board = raced(board, result)
     best = winner(board)
     atomic_write_text(run / "draft.txt", best["draft"] + "\n")
-    result = {"draft": best["draft"], "base": base, "base_k": next(c["best_k"] for c in board["candidates"]
-                                                                   if c["draft"] == base),
+    result = {"draft": best["draft"], "base": base, "base_k": base_k,
               "alpha": best["alpha"], "best_k": best["best_k"], "measured_speedup": best.get("measured_speedup"),
               "predicted_speedup": best["predicted_speedup"], "vocab_files": {str(n): str(p) for n, p in files.items()},
               "counted_prompts": [p.id for p in count_on],
               "ranking": [{k: c.get(k) for k in ("draft", "alpha", "best_k", "predicted_speedup", "measured_speedup",
-                                                 "policy")}
+                                                 "policy", "worst_over_reference")}
                           for c in board["candidates"]],
-              "chosen_by": "race" if any(c.get("policy") for c in board["candidates"]) else "ranking"}
+              "chosen_by": ("race, worst domain over the base" if best.get("worst_over_reference") is not None else
+                            "race" if any(c.get("policy") for c in board["candidates"]) else "ranking")}
     atomic_write_json(out / "fastest.json", result)
     return result

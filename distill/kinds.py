@@ -34,7 +34,7 @@ from distill.heads.pipeline import HEAD, HeadRunConfig, head_result, held_rows, 
 from distill.pipeline import DistillConfig, run_distill, split_prompts
 from pairing.leaderboard import HEAD_PREFIX, PairConfig
 from pairing.prune import parse_prune_spec, spec_quant
-from pairing.policy import DEFAULT_K
+from pairing.policy import DEFAULT_K, policy_from_dict
 from pairing.validate import DraftUnderTest, ValidateConfig
 
 
@@ -280,14 +280,16 @@ class Fastest:
         base = made["base"]
         stock = DraftUnderTest("draft_before", base, label=f"whole model ({base}), K = {made['base_k']}",
                                k=made["base_k"])
+        raced = ranked[made["draft"]].get("policy")  # the policy the race walked for it: served as raced
+        policy = policy_from_dict(raced) if raced else None
         if made["draft"] == base:  # the whole model won: beside itself at its ranking's K, its rounds walked
             return [stock, DraftUnderTest("draft_after", base, label="whole model, rounds chosen on dev prompts",
-                                          alpha=ranked[base]["alpha"], chooses=True, walk=True)]
+                                          alpha=ranked[base]["alpha"], chooses=True, walk=True, policy=policy)]
         size = next((n for n, path in made["vocab_files"].items() if made["draft"].endswith(f"vocab={path}")), None)
         int4 = "int4 " if spec_quant(made["draft"]) == "int4" else ""
         label = f"{int4}{base} pruned to {size} ids" if size else f"{int4}{base}" if int4 else "pruned"
         return [stock, DraftUnderTest("draft_after", made["draft"], label=label, alpha=made["alpha"], chooses=True,
-                                      walk=True)]
+                                      walk=True, policy=policy)]
 
     def export(self, ctx: RunContext) -> dict:
         raise DraftsmithError("export: an int4 or vocabulary-pruned draft runs in draftsmith's decoder only (no "

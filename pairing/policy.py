@@ -36,6 +36,12 @@ def policy_dict(p: KPolicy) -> dict:
             "lookup": p.lookup}
 
 
+def policy_from_dict(d: dict) -> KPolicy:
+    """`policy_dict`'s form back to the policy (fixed K, k_max as the decoder's default)."""
+    return KPolicy(k=d["k"], k_max=max(16, d["k"]), confidence=d.get("confidence"), siblings=d.get("siblings", 0),
+                   sibling_depth=d.get("sibling_depth", 1), lookup=d.get("lookup", 0))
+
+
 @dataclass(frozen=True)
 class PolicyChoice:
     """A chosen policy with its evidence: `curve` (K -> predicted speedup of fixed-K rounds) and `options`

@@ -91,6 +91,8 @@ class DraftUnderTest:
     walk: bool = False  # a standalone chooser: walk its rounds on the target's greedy answers to the dev prompts
     # (`standalone_records`) for K, a stop threshold and sibling rounds (with `ValidateConfig.gate`)
     refs: list[tuple[list[int], list[int]]] | None = None  # those answers (prompt ids, continuation), set by validate
+    policy: KPolicy | None = None  # a chooser's policy already chosen on the dev prompts (the `fastest` kind's race,
+    # walked as validate walks it): served as is, nothing timed to choose it
 
 
 @dataclass
@@ -258,10 +260,13 @@ def validate(target_spec: str, drafts: list[DraftUnderTest], dev: list[Prompt], 
     opened = {d.name: open_draft(d.spec, target, max_len, cfg.draft_quant, device) for d in drafts}
     chooser = next(d for d in drafts if d.chooses)
     eos = eos_ids(target)
-    if _walks(chooser, cfg) and chooser.refs is None:
-        refs = reference_continuations(target, dev, max_new_tokens=cfg.max_new_tokens)
-        chooser.refs = [(list(r["prompt_ids"]), list(r["continuation_ids"])) for r in refs]
-    choice, cost = _choose(chooser, opened[chooser.name], t_run, dev_ids, cfg, eos, device)
+    if chooser.policy is not None:
+        choice, cost = PolicyChoice(chooser.policy, None, "raced on the dev prompts (distill/race.json)"), {}
+    else:
+        if _walks(chooser, cfg) and chooser.refs is None:
+            refs = reference_continuations(target, dev, max_new_tokens=cfg.max_new_tokens)
+            chooser.refs = [(list(r["prompt_ids"]), list(r["continuation_ids"])) for r in refs]
+        choice, cost = _choose(chooser, opened[chooser.name], t_run, dev_ids, cfg, eos, device)
     policies = {d.name: (KPolicy(k=d.k, k_max=max(16, d.k)) if d.k else choice.policy) for d in drafts}
     val = validate_drafts(t_run, {n: o.runner for n, o in opened.items()}, ids, k=choice.k, policies=policies,
                           max_new_tokens=cfg.max_new_tokens, eos_ids=eos, names=[p.id for p in timed],
@@ -279,16 +284,19 @@ def validate(target_spec: str, drafts: list[DraftUnderTest], dev: list[Prompt], 
 
 @torch.no_grad()
 def race(target_spec: str, specs: list[str], dev: list[Prompt], cfg: ValidateConfig, *, out: Path,
-         timed_per_domain: int = 2, device: str = "cpu") -> dict:
+         timed_per_domain: int = 2, reference: tuple[str, int] | None = None, device: str = "cpu") -> dict:
     """Standalone drafts each at its own round policy, decoded side by side: how the `fastest` kind chooses.
 
     Each draft's policy is walked on its own rounds over the target's greedy answers to the first
     `cfg.prompts_per_domain` `dev` prompts of each domain, as the validate stage walks the one it serves (K, a
     stop threshold, sibling rounds, lookup tokens; the round cost timed in the decoder, the target's v(K) shape
     timed once for all); then the target alone and every draft at its policy decode the first `timed_per_domain`
-    of them, `cfg.repeats` interleaved passes. Dev prompts only: this chooses. Writes `out` (race.json) and
-    returns {"drafts": {spec: {policy, measured_speedup (median of the passes), measured_speedup_repeats,
-    greedy_equal}}, ...}; refuses a run that is not greedy-equal, after writing it."""
+    of them, `cfg.repeats` interleaved passes. Dev prompts only: this chooses. `reference` (spec, K): that draft
+    at fixed K decodes beside them (what validate times the winner against), and each draft's tokens/s over it is
+    recorded per domain (median of the passes) with the worst domain's: `over_reference`, `worst_over_reference`.
+    Writes `out` (race.json) and returns {"drafts": {spec: {policy, measured_speedup (median of the passes),
+    measured_speedup_repeats, greedy_equal[, over_reference, worst_over_reference]}}, ...}; refuses a run that is
+    not greedy-equal, after writing it."""
     if not specs:
         raise DraftsmithError("race: no drafts to race")
     target = load(target_spec, device=device)
@@ -296,7 +304,7 @@ def race(target_spec: str, specs: list[str], dev: list[Prompt], cfg: ValidateCon
     timed = first_per_domain(dev, timed_per_domain)
     dev_ids = [prompt_ids(target.tokenizer, p.prompt) for p in dev]
     ids = [prompt_ids(target.tokenizer, p.prompt) for p in timed]
-    max_len = _max_len(dev_ids, [], cfg)
+    max_len = _max_len(dev_ids, [DraftUnderTest(REFERENCE, reference[0], k=reference[1])] if reference else [], cfg)
     t_run = make_runner(target.model, max_len)
     eos = eos_ids(target)
     refs = [(list(r["prompt_ids"]), list(r["continuation_ids"]))
@@ -310,6 +318,9 @@ def race(target_spec: str, specs: list[str], dev: list[Prompt], cfg: ValidateCon
             iso = _target_shape(t_run, cfg, *_shape(cfg, True, d, t_run)[2:], device)
         choices[spec], _ = _choose(d, opened[name], t_run, dev_ids, cfg, eos, device, iso=iso)
     policies = {names[s]: c.policy for s, c in choices.items()}
+    if reference is not None:
+        opened[REFERENCE] = open_draft(reference[0], target, max_len, cfg.draft_quant, device)
+        policies[REFERENCE] = KPolicy(k=reference[1], k_max=max(16, reference[1]))
     val = validate_drafts(t_run, {n: o.runner for n, o in opened.items()}, ids, k=max(p.k for p in policies.values()),
                           policies=policies, max_new_tokens=cfg.max_new_tokens, eos_ids=eos,
                           names=[p.id for p in timed], desc=f"race {len(specs)} drafts", device=device,
@@ -318,12 +329,29 @@ def race(target_spec: str, specs: list[str], dev: list[Prompt], cfg: ValidateCon
         "target": target_spec, "chosen_on": [p.id for p in dev], "timed_on": [p.id for p in timed],
         "drafts": {spec: {"policy": policy_dict(policies[n]), "predicted_speedup": choices[spec].predicted,
                           "measured_speedup": val.speedup(n), "measured_speedup_repeats": val.repeat_speedups(n),
-                          "quant": opened[n].quant, "greedy_equal": val.greedy_equal[n] is not False}
+                          "quant": opened[n].quant, "greedy_equal": val.greedy_equal[n] is not False,
+                          **(_over(val, n) if reference is not None else {})}
                    for spec, n in names.items()},
+        **({"reference": {"draft": reference[0], "k": reference[1], "name": REFERENCE,
+                          "greedy_equal": val.greedy_equal[REFERENCE] is not False}} if reference is not None else {}),
         "validation": val.to_dict(), "machine": machine_info(), "versions": versions(),
     }
     atomic_write_json(out, result)
-    if not all(r["greedy_equal"] for r in result["drafts"].values()):
+    if not all(r["greedy_equal"] for r in [*result["drafts"].values(), result.get("reference", {})]
+               if "greedy_equal" in r):
         raise DraftsmithError(f"race: speculative output differs from the target's greedy output; see {out}")
     return result
 
+
+
+REFERENCE = "reference"  # the race's fixed-K reference decoder's name in its validation
+
+
+def _over(val: Validation, name: str) -> dict:
+    """Draft `name`'s tokens/s over the race's reference: over all prompts and per domain (`spread`: median of the
+    passes, range, each pass), and the worst domain's median."""
+    over = {"all" if g is None else g: val.ratio_spread(name, REFERENCE, group=g)
+            for g in [None, *dict.fromkeys(val.groups)]}
+    domains = [s["median"] for g, s in over.items() if g != "all" and s]
+    worst = min(domains) if domains else over["all"]["median"] if over["all"] else None
+    return {"over_reference": over, "worst_over_reference": worst}

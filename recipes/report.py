@@ -244,9 +244,12 @@ def _fastest(doc: Doc, made: dict) -> None:
     doc.p(f"Kept ids counted on the target's greedy answers to {len(made['counted_prompts'])} dev prompts the "
           f"ranking does not read; ranked on dev prompts. Winner: `{made['draft']}` (in draft.txt: "
           "`draftsmith pair --candidates \"$(cat draft.txt)\"` ranks it again).")
-    doc.table(["draft", "alpha", "best K", "predicted speedup", "measured speedup (dev)"],
+    worst = any(r.get("worst_over_reference") is not None for r in made["ranking"])
+    doc.table(["draft", "alpha", "best K", "predicted speedup", "measured speedup (dev)"]
+              + (["worst domain over the base (dev)"] if worst else []),
               [[r["draft"], r["alpha"], r["best_k"], r["predicted_speedup"], r["measured_speedup"]]
-               for r in made["ranking"]])
+               + ([r.get("worst_over_reference")] if worst else []) for r in made["ranking"]])
+    doc.p(f"Chosen by: {made.get('chosen_by', 'ranking')}.")
 
 
 def _distill(doc: Doc, run: Path) -> None:

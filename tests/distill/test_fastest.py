@@ -43,3 +43,20 @@ def test_a_race_replaces_the_measured_speedups_and_only_raced_rows_can_win_by_me
     # a was the stock 0.5B itself)
     assert winner(after)["draft"] == "b" and winner(board)["draft"] == "a"
     assert board["candidates"][1]["measured_speedup"] == 1.71  # the board itself is left as it was
+
+
+def test_with_a_reference_the_best_worst_domain_wins_not_the_fastest_overall() -> None:
+    """The goal is per domain (each domain over the stock draft at its K): a draft fastest over all prompts
+    because one domain runs far ahead loses to one that clears both. The control: without the reference the same
+    race picks the fastest overall."""
+    board = {"candidates": [row("pruned", 0.83, None), row("int4", 0.84, None), row("stock", 0.84, None)]}
+    drafts = {"pruned": {"measured_speedup": 2.15, "policy": {"k": 8}, "worst_over_reference": 1.05},
+              "int4": {"measured_speedup": 2.05, "policy": {"k": 7}, "worst_over_reference": 1.14},
+              "stock": {"measured_speedup": 1.95, "policy": {"k": 7}, "worst_over_reference": 1.06}}
+    assert winner(raced(board, {"drafts": drafts}))["draft"] == "int4"
+    plain = {d: {k: v for k, v in r.items() if k != "worst_over_reference"} for d, r in drafts.items()}
+    assert winner(raced(board, {"drafts": plain}))["draft"] == "pruned"
+    drafts["pruned"]["worst_over_reference"] = 1.13  # within 2% of int4's 1.14: a tie, alpha decides
+    assert winner(raced(board, {"drafts": drafts}))["draft"] == "int4"
+    board["candidates"][0]["alpha"] = 0.85
+    assert winner(raced(board, {"drafts": drafts}))["draft"] == "pruned"

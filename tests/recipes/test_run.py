@@ -401,10 +401,19 @@ def test_a_fastest_recipe_ranks_pruned_variants_and_writes_the_winner(world: dic
     made = json.loads((out / "distill" / "fastest.json").read_text())
     assert made["base"] == str(base) and len(made["ranking"]) == 3
     assert len(made["counted_prompts"]) == 4  # prompts 3-4 of each domain: the ranking reads 1-2
-    # the three raced side by side, each at its own walked policy, on dev prompts; the fastest of them won
+    # the three raced side by side, each at its own walked policy, on dev prompts, beside the whole model at its
+    # ranking's K (the reference validate times); the one whose worst domain ran fastest over it won
     race = json.loads((out / "distill" / "race.json").read_text())
-    assert made["chosen_by"] == "race" and sorted(race["drafts"]) == sorted(r["draft"] for r in made["ranking"])
-    assert all(r["greedy_equal"] and len(r["measured_speedup_repeats"]) == 3 for r in race["drafts"].values())
+    assert made["chosen_by"] == "race, worst domain over the base"
+    assert sorted(race["drafts"]) == sorted(r["draft"] for r in made["ranking"])
+    assert race["reference"]["draft"] == str(base) and race["reference"]["k"] == made["base_k"]
+    assert race["reference"]["greedy_equal"] and "reference" in race["validation"]["greedy_equal"]
+    for r in race["drafts"].values():
+        assert r["greedy_equal"] and len(r["measured_speedup_repeats"]) == 3
+        assert set(r["over_reference"]) == {"all", "code", "chat"}
+        assert r["worst_over_reference"] == min(r["over_reference"][g]["median"] for g in ("code", "chat"))
+    worst = {d: r["worst_over_reference"] for d, r in race["drafts"].items()}
+    assert worst[made["draft"]] >= 0.98 * max(worst.values())  # the best worst domain, or within its 2% tie
     assert set(race["timed_on"]) <= set(race["chosen_on"]) and not set(race["timed_on"]) & {"t0", "t1"}
     assert made["measured_speedup"] == race["drafts"][made["draft"]]["measured_speedup"]
     for n in (6, 20):
@@ -414,9 +423,10 @@ def test_a_fastest_recipe_ranks_pruned_variants_and_writes_the_winner(world: dic
     assert line == made["draft"] and "\n" not in line
     bench = json.loads((out / "validate" / "bench.json").read_text())
     assert all(bench["greedy_equal"].values()) and bench["prompts"] == ["t0", "t1"] and not bench["in_sample"]
-    # the stock model at its ranking's K beside the winner, whose rounds were walked on the dev prompts' answers
+    # the stock model at its ranking's K beside the winner, served at the policy the race walked for it
     assert set(bench["greedy_equal"]) == {"draft_before", "draft_after"}
-    assert bench["policies"]["draft_before"]["k"] == made["base_k"] and "walked" in bench["k_reason"]
+    assert bench["policies"]["draft_before"]["k"] == made["base_k"] and "raced" in bench["k_reason"]
+    assert bench["policies"]["draft_after"] == race["drafts"][made["draft"]]["policy"]
     again = draftsmith(world, "pair", "--target", str(target), "--candidates", line, "--prompts",
                        str(root / "prompts.jsonl"), "--prompts-per-domain", "1", "--max-new-tokens", "4",
                        "--draft-quant", "null", "--calibrate-prompts", "0", "--out", str(root / "runs" / "again"))
