@@ -63,7 +63,7 @@ class Kernels:
         if lib.dsk_max_rows() != MAX_ROWS:
             raise OSError(f"{SOURCE.name} takes {lib.dsk_max_rows()} rows, native.py expects {MAX_ROWS}")
         self._f32, self._q8, self._q4 = lib.dsk_f32_linear, lib.dsk_q8_linear, lib.dsk_q4_linear
-        self.q4_chunk = lib.dsk_q4_chunk()  # int4 weights are packed in chunks of this many (0: no int4 kernel)
+        self.q4_chunk = lib.dsk_q4_chunk()  # an int4 row's length must be a multiple of this (0: no int4 kernel)
         for fn in (self._f32, self._q8, self._q4):
             fn.restype = ctypes.c_int if fn is self._q4 else None
             fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 3
@@ -103,25 +103,27 @@ class Kernels:
         return y
 
 
-    def q4_linear(self, x: Tensor, packed: Tensor, sm: Tensor, bias: Tensor | None = None) -> Tensor:
-        """x (T, K) float32 @ W^T + bias for T <= MAX_ROWS, W (N, K) int4 in groups of GROUP along K: `packed`
-        (N, K / 2) uint8 in chunks of `q4_chunk` weights (byte i of a chunk: weight i in the low nibble, weight
-        q4_chunk / 2 + i in the high one), `sm` (N, K / GROUP, 2) float16 each group's scale and minimum (w = q *
-        scale + min); `decode.quant.pack_int4`. Each row of x is quantised to int8 (one scale: max |x| / 127) for
-        integer dot products."""
+    def q4_linear(self, x: Tensor, packed: Tensor, sm: Tensor, bias: Tensor | None = None, *,
+                  n: int | None = None) -> Tensor:
+        """x (T, K) float32 @ W^T + bias for T <= MAX_ROWS, W (n, K) int4 in groups of GROUP along K, as
+        `decode.quant.pack_int4` lays it out: `packed` (Np, K / 2) uint8 and `sm` (Np, K / GROUP, 2) float16 (each
+        group's scale and minimum, w = q * scale + min), its rows 16 at a time (Np: n rounded up to 16; `n`
+        defaults to Np). Each row of x is quantised to int8 (one scale: max |x| / 127) for integer dot products."""
         T, K = x.shape
-        N = packed.shape[0]
+        Np = packed.shape[0]
+        n = Np if n is None else n
         if not (0 < T <= MAX_ROWS and x.dtype == torch.float32 and self.q4_chunk and K % self.q4_chunk == 0
-                and packed.dtype == torch.uint8 and packed.shape == (N, K // 2) and packed.is_contiguous()
-                and sm.dtype == torch.float16 and sm.shape == (N, K // GROUP, 2) and sm.is_contiguous()
-                and (bias is None or (bias.dtype == torch.float32 and bias.shape == (N,) and bias.is_contiguous()))):
+                and Np % 16 == 0 and Np - 16 < n <= Np
+                and packed.dtype == torch.uint8 and packed.shape == (Np, K // 2) and packed.is_contiguous()
+                and sm.dtype == torch.float16 and sm.shape == (Np, K // GROUP, 2) and sm.is_contiguous()
+                and (bias is None or (bias.dtype == torch.float32 and bias.shape == (n,) and bias.is_contiguous()))):
             raise ValueError(f"native int4 linear: x {tuple(x.shape)} {x.dtype}, packed {tuple(packed.shape)} "
-                             f"{packed.dtype}, sm {tuple(sm.shape)} do not fit (1..{MAX_ROWS} float32 rows, "
-                             f"K % {self.q4_chunk} == 0)")
+                             f"{packed.dtype}, sm {tuple(sm.shape)}, {n} rows do not fit (1..{MAX_ROWS} float32 "
+                             f"rows, K % {self.q4_chunk} == 0, rows padded to a multiple of 16)")
         x = x.contiguous()
-        y = torch.empty(T, N, dtype=torch.float32)
+        y = torch.empty(T, n, dtype=torch.float32)
         if self._q4(x.data_ptr(), packed.data_ptr(), sm.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                    y.data_ptr(), T, N, K):
+                    y.data_ptr(), T, n, K):
             raise MemoryError("native int4 linear: no memory for the int8 inputs")
         return y
 

@@ -90,7 +90,8 @@ def split_quant(spec: str) -> tuple[str, str | None]:
 
 
 def int4_chunk() -> int:
-    """The chunk (weights) int4 rows are packed in for draftsmith's kernel here; 0 where it has none."""
+    """What an int4 row's length must be a multiple of for draftsmith's kernel here (its group, 32); 0 where it
+    has none."""
     k = native.kernels()
     return 0 if k is None else k.q4_chunk
 
@@ -104,30 +105,61 @@ def int4_ok(model=None) -> bool:
     return model is None or all(m.in_features % chunk == 0 for m in model.modules() if isinstance(m, nn.Linear))
 
 
-def pack_int4(weight: Tensor, chunk: int) -> tuple[Tensor, Tensor]:
-    """A float weight (N, K), K % chunk == 0 -> (packed (N, K / 2) uint8, sm (N, K / 32, 2) float16): each group of
-    32 weights of a row as q in 0..15 with the group's scale (max - min) / 15 and its minimum (float16, as stored);
-    byte i of each chunk holds weight i in its low nibble and weight chunk / 2 + i in its high one
-    (`decode.native.Kernels.q4_linear`)."""
+RB = 16  # output rows the int4 kernel interleaves (dsk.c RB): a block of them, one int32 lane each
+
+
+def quantize_groups(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """A float weight (N, K), K % GROUP == 0 -> (q (N, K) uint8 in 0..15, sm (N, K / GROUP, 2) float16): each group
+    of 32 weights of a row with its scale (max - min) / 15 and minimum, as stored (w = q * scale + min)."""
     N, K = weight.shape
-    if chunk % GROUP or K % chunk:
-        raise ValueError(f"int4 weights need a row length divisible by {chunk}, got {K}")
     w = weight.detach().float().reshape(N, K // GROUP, GROUP)
     lo, hi = w.amin(-1), w.amax(-1)
     sm = torch.stack([((hi - lo) / 15).clamp_min(2 ** -14), lo], -1).half().contiguous()  # float16, as stored
     scale, lo = sm[..., 0].float(), sm[..., 1].float()
-    q = ((w - lo[..., None]) / scale[..., None]).round_().clamp_(0, 15).to(torch.uint8).reshape(N, K // chunk, chunk)
-    packed = q[..., :chunk // 2] | (q[..., chunk // 2:] << 4)
-    return packed.reshape(N, K // 2).contiguous(), sm
+    q = ((w - lo[..., None]) / scale[..., None]).round_().clamp_(0, 15).to(torch.uint8)
+    return q.reshape(N, K), sm
 
 
-def unpack_int4(packed: Tensor, sm: Tensor, chunk: int) -> Tensor:
-    """`pack_int4`'s parts -> the float weight they stand for (N, K): q * scale + min."""
-    N = packed.shape[0]
-    b = packed.reshape(N, -1, chunk // 2)
-    q = torch.cat([b & 15, b >> 4], -1).reshape(N, -1, GROUP).float()
+def interleave_int4(q: Tensor, sm: Tensor) -> tuple[Tensor, Tensor]:
+    """`quantize_groups`'s (q, sm) -> the kernel's layout: rows padded with zeros to a multiple of RB and taken RB
+    at a time; for each group of 32, 4 steps of 64 bytes whose byte 4 j + i holds row j's weight 8 s + i in its low
+    nibble and 8 s + 4 + i in its high one (i < 4); sm as each group's RB scales then RB minimums. Shapes
+    (Np, K / 2) uint8 and (Np, K / GROUP, 2) float16, Np = N rounded up to RB."""
+    N, K = q.shape
+    G, Np = K // GROUP, -(-N // RB) * RB
+    q = torch.cat([q, q.new_zeros(Np - N, K)]) if Np > N else q
+    sm = torch.cat([sm, sm.new_zeros(Np - N, G, 2)]) if Np > N else sm
+    b = q.reshape(Np // RB, RB, G, 4, 2, 4)  # block, row j, group, step s, low/high half, i
+    b = b[..., 0, :] | (b[..., 1, :] << 4)  # (blocks, j, G, s, i)
+    packed = b.permute(0, 2, 3, 1, 4).contiguous().reshape(Np, K // 2)
+    sm = sm.reshape(Np // RB, RB, G, 2).permute(0, 2, 3, 1).contiguous().reshape(Np, G, 2)
+    return packed, sm
+
+
+def deinterleave_int4(packed: Tensor, sm: Tensor, n: int) -> tuple[Tensor, Tensor]:
+    """`interleave_int4`'s inverse: the first `n` rows' (q (n, K) uint8, sm (n, K / GROUP, 2) float16)."""
+    Np, K = packed.shape[0], packed.shape[1] * 2
+    G = K // GROUP
+    b = packed.reshape(Np // RB, G, 4, RB, 4).permute(0, 3, 1, 2, 4)  # block, j, G, s, i
+    q = torch.stack([b & 15, b >> 4], -2).reshape(Np, K)
+    sm = sm.reshape(Np // RB, G, 2, RB).permute(0, 3, 1, 2).reshape(Np, G, 2)
+    return q[:n].contiguous(), sm[:n].contiguous()
+
+
+def pack_int4(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """A float weight (N, K), K % GROUP == 0 -> the int4 kernel's (packed, sm) (`interleave_int4` of
+    `quantize_groups`; `decode.native.Kernels.q4_linear`)."""
+    if weight.shape[1] % GROUP:
+        raise ValueError(f"int4 weights need a row length divisible by {GROUP}, got {weight.shape[1]}")
+    return interleave_int4(*quantize_groups(weight))
+
+
+def unpack_int4(packed: Tensor, sm: Tensor, n: int) -> Tensor:
+    """`pack_int4`'s parts -> the float weight of its first `n` rows (n, K): q * scale + min."""
+    q, sm = deinterleave_int4(packed, sm, n)
+    q = q.reshape(n, -1, GROUP).float()
     sm = sm.float()
-    return torch.addcmul(sm[..., 1:], q, sm[..., :1]).reshape(N, -1)
+    return torch.addcmul(sm[..., 1:], q, sm[..., :1]).reshape(n, -1)
 
 
 class Int4Linear(nn.Module):
@@ -142,8 +174,7 @@ class Int4Linear(nn.Module):
         if linear is None:  # `rows_of` fills it in
             return
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.chunk = int4_chunk()
-        packed, sm = pack_int4(linear.weight, self.chunk)
+        packed, sm = pack_int4(linear.weight)
         self.register_buffer("packed", packed)
         self.register_buffer("sm", sm)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().contiguous())
@@ -162,35 +193,49 @@ class Int4Linear(nn.Module):
     def rows_of(cls, layer: Int4Linear, ids: Tensor) -> Int4Linear:
         """A new layer holding output rows `ids` of `layer` (a pruned draft's head)."""
         cut = cls()
-        cut.in_features, cut.out_features, cut.chunk = layer.in_features, len(ids), layer.chunk
-        cut.register_buffer("packed", layer.packed[ids].contiguous())
-        cut.register_buffer("sm", layer.sm[ids].contiguous())
+        cut.in_features, cut.out_features = layer.in_features, len(ids)
+        q, sm = deinterleave_int4(layer.packed, layer.sm, layer.out_features)
+        packed, sm = interleave_int4(q[ids], sm[ids])  # the same nibbles and pairs: the same bits out
+        cut.register_buffer("packed", packed)
+        cut.register_buffer("sm", sm)
         cut.register_buffer("bias", None if layer.bias is None else layer.bias[ids].contiguous())
         cut.many = cut._int8_copy() if layer.many is not None else None
         return cut
 
-    def weight_float(self) -> Tensor:
-        return unpack_int4(self.packed, self.sm, self.chunk)
+    def weight_float(self, rows: slice | None = None) -> Tensor:
+        """The float weight the int4 one stands for, or its output rows `rows` (a slice whose start is a multiple
+        of RB)."""
+        if rows is None:
+            return unpack_int4(self.packed, self.sm, self.out_features)
+        start, stop = rows.start or 0, min(rows.stop or self.out_features, self.out_features)
+        if start % RB:
+            raise ValueError(f"a slice of int4 rows starts at a multiple of {RB}, got {start}")
+        end = -(-stop // RB) * RB
+        return unpack_int4(self.packed[start:end], self.sm[start:end], stop - start)
 
     def forward(self, x: Tensor) -> Tensor:
         kernels = native.kernels()
-        if (x.dim() == 2 and 0 < x.shape[0] <= native.MAX_ROWS and kernels is not None and x.dtype == torch.float32
+        T = x.shape[0] if x.dim() == 2 else 0
+        if (0 < T <= native.MAX_ROWS and kernels is not None and x.dtype == torch.float32
                 and x.shape[1] == self.in_features and x.is_contiguous() and x.device.type == "cpu"):
             # a draft step's path (97 calls a Qwen 0.5B step): the call alone, shapes checked when packed
-            y = torch.empty(x.shape[0], self.out_features)
-            if not kernels._q4(x.data_ptr(), self.packed.data_ptr(), self.sm.data_ptr(),
-                               0 if self.bias is None else self.bias.data_ptr(), y.data_ptr(), x.shape[0],
-                               self.out_features, self.in_features):
+            y = torch.empty(T, self.out_features)
+            ptrs = self.__dict__.get("_ptrs")
+            if ptrs is None or ptrs[0] != self.packed.data_ptr():  # (set again where the buffers moved)
+                ptrs = self._ptrs = (self.packed.data_ptr(), self.sm.data_ptr(),
+                                     0 if self.bias is None else self.bias.data_ptr())
+            if not kernels._q4(x.data_ptr(), ptrs[0], ptrs[1], ptrs[2], y.data_ptr(), T, self.out_features,
+                               self.in_features):
                 return y
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).float()
         if kernels is not None and x2.shape[0] <= native.MAX_ROWS:
-            y = kernels.q4_linear(x2, self.packed, self.sm, self.bias)
+            y = kernels.q4_linear(x2, self.packed, self.sm, self.bias, n=self.out_features)
         elif self.many is not None:
             y = self.many(x2)
         else:
-            parts = [x2 @ unpack_int4(self.packed[i:i + self.CHUNK], self.sm[i:i + self.CHUNK], self.chunk).t()
-                     for i in range(0, self.out_features, self.CHUNK)]
+            w = self.weight_float  # (a slice of rows at a time: an LM head whole would be V x d floats)
+            parts = [x2 @ w(slice(i, i + self.CHUNK)).t() for i in range(0, self.out_features, self.CHUNK)]
             y = torch.cat(parts, -1)
             if self.bias is not None:
                 y = y + self.bias

@@ -8,7 +8,8 @@
 
 Any draft kind goes through here: a model spec (zoo name, HF folder, .gguf, derive:..., prune:MODEL:vocab=FILE) or
 `head:FOLDER`. One draft `chooses`: its evidence picks the round policy (`pairing.policy.choose_policy`) over the
-round cost timed here, and every draft without a K of its own runs that policy. The cost is timed the way the draft
+round cost timed here (or it brings one already chosen on the dev prompts: `DraftUnderTest.policy`, the `fastest`
+kind's raced policy), and every draft without a K of its own runs that policy. The cost is timed the way the draft
 runs: a draft that reads the target (a head) only inside the decoder (a short calibration decode), any other draft
 step by step in isolation. The result (`ValidationResult`, written as bench.json) records each draft's policy, the
 choice and its evidence, the timings, the machine and the versions. A run whose speculative output differs from the
@@ -328,6 +329,9 @@ def race(target_spec: str, specs: list[str], dev: list[Prompt], cfg: ValidateCon
     result = {
         "target": target_spec, "chosen_on": [p.id for p in dev], "timed_on": [p.id for p in timed],
         "drafts": {spec: {"policy": policy_dict(policies[n]), "predicted_speedup": choices[spec].predicted,
+                          "k_reason": choices[spec].reason,
+                          "predicted_speedup_by_k": {str(K): x for K, x in choices[spec].curve.items()},
+                          "predicted_speedup_gated": choices[spec].options,
                           "measured_speedup": val.speedup(n), "measured_speedup_repeats": val.repeat_speedups(n),
                           "quant": opened[n].quant, "greedy_equal": val.greedy_equal[n] is not False,
                           **(_over(val, n) if reference is not None else {})}

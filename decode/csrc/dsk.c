@@ -10,6 +10,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <math.h>
+#include <string.h>
 #include <immintrin.h>
 
 #if defined(__AVX512F__)
@@ -94,11 +95,11 @@ int dsk_max_rows(void) { return MAX_T; }
     ROWS_FN(q8_##T, int8_t, block_q8_##T, tail_q8_##T, RR)
 
 /* int4 weights, int8 inputs. A weight row is kept in groups of 32 along K, each with a float scale and minimum
- * (w = q * scale + min, q in 0..15), as chunks of 8 * LANES weights in 4 * LANES bytes: byte i holds weight i (low
- * nibble) and weight 4 * LANES + i (high nibble); sm (N, K / 32, 2) the groups' (scale, min) as float16. Each
- * input row is quantised to int8 with one scale (max |x| / 127); a lane of the integer dot product holds 4 weights
- * of one group, so w . x = sum over lanes of scale * (q . xq) + min * (sum of the 4 xq), times the row's scale.
- * Needs AVX-512BW (VNNI where present) or AVX2. */
+ * (w = q * scale + min, q in 0..15, the pair as float16), the rows interleaved 16 at a time (`BLOCK4`): a lane of
+ * the integer dot products is one output row, so a group's 32 products sum in int32 in that lane and take its
+ * scale once, and no lane sums need reducing at the end. Each input row is quantised to int8 with one scale
+ * (max |x| / 127): w . x = sum over groups of scale * (q . xq) + min * (sum of the group's xq), times the row's
+ * scale. Needs AVX-512BW (VNNI where present) or AVX2. */
 #if LANES == 16 && defined(__AVX512BW__)
 #define Q4
 static inline vf vmaxabs(vf m, vf v) { return _mm512_max_ps(m, _mm512_abs_ps(v)); }
@@ -112,20 +113,6 @@ static inline vi viload(const void *p) { return _mm512_loadu_si512(p); }
 static inline vi vilo(vi v) { return _mm512_and_si512(v, _mm512_set1_epi8(15)); }
 static inline vi vihi(vi v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15)); }
 static inline vf vicvt(vi v) { return _mm512_cvtepi32_ps(v); }
-#if defined(__AVX512VNNI__)
-static inline vi vidot(vi w, vi x) { return _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x); }
-#else
-static inline vi vidot(vi w, vi x) { return _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1)); }
-#endif
-/* The scale and minimum of each lane's group in half h of a chunk (its 4 groups' pairs at p): lanes 0-7 one group,
- * 8-15 the next. */
-static inline void vsm(const uint16_t *p, int h, vf *s, vf *m) {
-    vf v = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)));
-    __m512i i = h ? _mm512_set_epi32(6, 6, 6, 6, 6, 6, 6, 6, 4, 4, 4, 4, 4, 4, 4, 4)
-                  : _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
-    *s = _mm512_permutexvar_ps(i, v);
-    *m = _mm512_permutexvar_ps(_mm512_add_epi32(i, _mm512_set1_epi32(1)), v);
-}
 #elif LANES == 8
 #define Q4
 static inline vf vmaxabs(vf m, vf v) { return _mm256_max_ps(m, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v)); }
@@ -144,68 +131,107 @@ static inline vi viload(const void *p) { return _mm256_loadu_si256((const __m256
 static inline vi vilo(vi v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); }
 static inline vi vihi(vi v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15)); }
 static inline vf vicvt(vi v) { return _mm256_cvtepi32_ps(v); }
-static inline vi vidot(vi w, vi x) { return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)); }
-static inline void vsm(const uint16_t *p, int h, vf *s, vf *m) { /* a half is one group */
-    __m256 v = _mm256_castps128_ps256(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)p)));
-    *s = _mm256_permutevar8x32_ps(v, _mm256_set1_epi32(2 * h));
-    *m = _mm256_permutevar8x32_ps(v, _mm256_set1_epi32(2 * h + 1));
-}
 #endif
 
 #ifdef Q4
-#define CHUNK (8 * LANES) /* weights of a chunk, in 4 * LANES bytes */
+#define GROUP 32 /* weights a (scale, minimum) pair covers along K */
+#define RB 16 /* output rows a block: the weights of 16 rows interleaved, one int32 lane each (LANES == 16) */
+#define HALVES (RB / LANES) /* AVX2 runs a block as two halves of 8 rows */
 #ifndef AHEAD4
-#define AHEAD4 16
+#define AHEAD4 1024 /* bytes ahead of the block's stream to prefetch */
 #endif
-#define BLOCK4(NAME, T, RR)                                                                                \
-    static void NAME(const int8_t *xq, const float *xs, const float *sx, const uint8_t *w, const uint16_t *sm, \
-                     const float *b, float *y, int N, int K, int n0, const char *end) {                    \
-        vf a[T][RR];                                                                                       \
-        _Pragma("GCC unroll 16") for (int t = 0; t < T; t++)                                               \
-            _Pragma("GCC unroll 16") for (int r = 0; r < RR; r++) a[t][r] = vzero();                       \
-        const int B = K / 2, S = K / 16; /* bytes and sm floats a row */                                   \
-        const char *pf = (const char *)(w + (size_t)(n0 + AHEAD4) * B);                                \
-        const char *pfs = (const char *)(sm + (size_t)(n0 + AHEAD4) * S);                              \
-        const char *ends = (const char *)(sm + (size_t)N * S);                                             \
-        for (int c = 0; c < K / CHUNK; c++) {                                                              \
-            const char *p = pf + (size_t)RR * 4 * LANES * c, *ps = pfs + (size_t)RR * LANES * c;       \
-            for (int o = 0; o < RR * 4 * LANES; o += 64)                                                   \
-                if (p + o < end) __builtin_prefetch(p + o, 0, PF_HINT);                                   \
-            for (int o = 0; o < RR * LANES; o += 64)                                                   \
-                if (ps + o < ends) __builtin_prefetch(ps + o, 0, PF_HINT);                                \
-            _Pragma("GCC unroll 16") for (int r = 0; r < RR; r++) {                                        \
-                vi wb = viload(w + (size_t)(n0 + r) * B + (size_t)c * 4 * LANES);                          \
-                const uint16_t *q = sm + (size_t)(n0 + r) * S + (size_t)c * (LANES / 2);                      \
-                _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {                                      \
-                    vi wh = h ? vihi(wb) : vilo(wb);                                                       \
-                    vf s, m;                                                                               \
-                    vsm(q, h, &s, &m);                                                                     \
-                    _Pragma("GCC unroll 16") for (int t = 0; t < T; t++) {                                 \
-                        vi xv = viload(xq + (size_t)t * K + (size_t)c * CHUNK + h * 4 * LANES);            \
-                        vf xsv = vload(xs + (size_t)t * (K / 4) + (size_t)c * 2 * LANES + h * LANES);      \
-                        a[t][r] = vfma(vicvt(vidot(wh, xv)), s, a[t][r]);                                  \
-                        a[t][r] = vfma(xsv, m, a[t][r]);                                                   \
-                    }                                                                                      \
+/* The integer dot product of 4 unsigned nibbles by 4 signed int8 inputs a lane, added to acc. */
+#if LANES == 16
+static inline vi q4dot(vi acc, vi w, vi x) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpbusd_epi32(acc, w, x);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1)));
+#endif
+}
+static inline vi vbcast(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
+static inline vi vizero(void) { return _mm512_setzero_si512(); }
+static inline vf vhalf(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+static inline void vstore_n(float *y, vf v, int n) { _mm512_mask_storeu_ps(y, (__mmask16)((1u << n) - 1), v); }
+static inline vf vload_n(const float *p, int n) { return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p); }
+#else
+static inline vi q4dot(vi acc, vi w, vi x) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+}
+static inline vi vbcast(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
+static inline vi vizero(void) { return _mm256_setzero_si256(); }
+static inline vf vhalf(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+static inline void vstore_n(float *y, vf v, int n) {
+    float t[8];
+    _mm256_storeu_ps(t, v);
+    for (int i = 0; i < n; i++) y[i] = t[i];
+}
+static inline vf vload_n(const float *p, int n) {
+    float t[8] = {0};
+    for (int i = 0; i < n; i++) t[i] = p[i];
+    return _mm256_loadu_ps(t);
+}
+#endif
+
+/* Output rows [16 blk + LANES h, + LANES) over T input rows. The block's weights: for each group g of K, 4 steps of
+ * 64 bytes, byte 4 j + i of step s holding row j's weight 32 g + 8 s + i (low nibble) and + 4 (high nibble), i < 4;
+ * sm: for each group 16 scales then 16 minimums (float16). Each lane sums its row's group in int32 (exact), then
+ * a = a + float(sum) * scale + min * (the group's sum of xq): the same operations in the same order whatever T. */
+#define BLOCK4(T)                                                                                          \
+    static void block_q4_##T(const int8_t *xq, const float *xg, const float *sx, const uint8_t *w,          \
+                             const uint16_t *sm, const float *b, float *y, int N, int K, int blk, int h) {  \
+        const int G = K / GROUP;                                                                           \
+        const uint8_t *wb = w + (size_t)blk * G * 4 * 64 + h * LANES * 4;                                  \
+        const uint16_t *sb = sm + (size_t)blk * G * 2 * RB + h * LANES;                                    \
+        const char *end = (const char *)(w + (size_t)((N + RB - 1) / RB) * G * 4 * 64);                      \
+        vf a[T];                                                                                           \
+        _Pragma("GCC unroll 16") for (int t = 0; t < T; t++) a[t] = vzero();                               \
+        for (int g = 0; g < G; g++) {                                                                      \
+            const uint8_t *p = wb + (size_t)g * 4 * 64;                                                    \
+            const char *pf = (const char *)p + AHEAD4;                                                     \
+            _Pragma("GCC unroll 4") for (int o = 0; o < 4 * 64; o += 64)                                  \
+                if (pf + o < end) __builtin_prefetch(pf + o, 0, PF_HINT);                                  \
+            vi lo[T], hi[T];                                                                               \
+            _Pragma("GCC unroll 16") for (int t = 0; t < T; t++) lo[t] = hi[t] = vizero();                 \
+            _Pragma("GCC unroll 4") for (int s = 0; s < 4; s++) {                                          \
+                vi v = viload(p + 64 * s);                                                                 \
+                vi wl = vilo(v), wh = vihi(v);                                                             \
+                _Pragma("GCC unroll 16") for (int t = 0; t < T; t++) {                                     \
+                    const int8_t *xp = xq + (size_t)t * K + (size_t)g * GROUP + 8 * s;                     \
+                    lo[t] = q4dot(lo[t], wl, vbcast(xp));                                                  \
+                    hi[t] = q4dot(hi[t], wh, vbcast(xp + 4));                                              \
                 }                                                                                          \
             }                                                                                              \
+            vf sc = vhalf(sb + (size_t)g * 2 * RB), mn = vhalf(sb + (size_t)g * 2 * RB + RB);              \
+            _Pragma("GCC unroll 16") for (int t = 0; t < T; t++) {                                         \
+                a[t] = vfma(vicvt(VIADD(lo[t], hi[t])), sc, a[t]);                                         \
+                a[t] = vfma(mn, VSET1(xg[(size_t)t * G + g]), a[t]);                                       \
+            }                                                                                              \
         }                                                                                                  \
-        _Pragma("GCC unroll 16") for (int r = 0; r < RR; r++) {                                            \
-            float c = b ? b[n0 + r] : 0.0f;                                                                \
-            _Pragma("GCC unroll 16") for (int t = 0; t < T; t++)                                           \
-                y[(size_t)t * N + n0 + r] = vsum(a[t][r]) * sx[t] + c;                                     \
+        const int n0 = blk * RB + h * LANES, n = N - n0 < LANES ? N - n0 : LANES;                          \
+        if (n <= 0) return;                                                                                \
+        vf bias = b ? vload_n(b + n0, n) : vzero();                                                        \
+        _Pragma("GCC unroll 16") for (int t = 0; t < T; t++) {                                             \
+            vf r = vfma(a[t], VSET1(sx[t]), bias);                                                          \
+            if (n == LANES) vstore(y + (size_t)t * N + n0, r); else vstore_n(y + (size_t)t * N + n0, r, n); \
         }                                                                                                  \
-    }
-
-#define LINEAR4_T(T, RR)                                                                                   \
-    BLOCK4(block_q4_##T, T, RR)                                                                            \
-    BLOCK4(tail_q4_##T, T, 1)                                                                              \
-    static void q4_##T(const int8_t *xq, const float *xs, const float *sx, const uint8_t *w, const uint16_t *sm, \
-                       const float *b, float *y, int N, int K) {                                           \
-        const char *end = (const char *)(w + (size_t)N * K / 2);                                           \
+    }                                                                                                      \
+    static void q4_##T(const int8_t *xq, const float *xg, const float *sx, const uint8_t *w,                \
+                       const uint16_t *sm, const float *b, float *y, int N, int K) {                       \
+        const int blocks = (N + RB - 1) / RB;                                                              \
         _Pragma("omp parallel for schedule(static)")                                                       \
-        for (int i = 0; i < N / RR; i++) block_q4_##T(xq, xs, sx, w, sm, b, y, N, K, i * RR, end);          \
-        for (int n = N / RR * RR; n < N; n++) tail_q4_##T(xq, xs, sx, w, sm, b, y, N, K, n, end);          \
+        for (int i = 0; i < blocks * HALVES; i++) block_q4_##T(xq, xg, sx, w, sm, b, y, N, K, i / HALVES, i % HALVES); \
     }
+#if LANES == 16
+#define VIADD(a, b) _mm512_add_epi32(a, b)
+#define VSET1(x) _mm512_set1_ps(x)
+static inline void vstore(float *p, vf v) { _mm512_storeu_ps(p, v); }
+#else
+#define VIADD(a, b) _mm256_add_epi32(a, b)
+#define VSET1(x) _mm256_set1_ps(x)
+static inline void vstore(float *p, vf v) { _mm256_storeu_ps(p, v); }
+#endif
+BLOCK4(1) BLOCK4(2) BLOCK4(3) BLOCK4(4) BLOCK4(5) BLOCK4(6) BLOCK4(7) BLOCK4(8) BLOCK4(9) BLOCK4(10) BLOCK4(11) BLOCK4(12)
 #endif
 
 /* Output rows a block by input rows: T * RR accumulators plus a weight vector within the register file (32 vector
@@ -213,15 +239,9 @@ static inline void vsm(const uint16_t *p, int h, vf *s, vf *m) { /* a half is on
 #if LANES == 16
 LINEAR_T(1, 8) LINEAR_T(2, 8) LINEAR_T(3, 8) LINEAR_T(4, 6) LINEAR_T(5, 4) LINEAR_T(6, 4)
 LINEAR_T(7, 3) LINEAR_T(8, 3) LINEAR_T(9, 2) LINEAR_T(10, 2) LINEAR_T(11, 2) LINEAR_T(12, 2)
-#ifdef Q4
-LINEAR4_T(1, 8) LINEAR4_T(2, 8) LINEAR4_T(3, 6) LINEAR4_T(4, 5) LINEAR4_T(5, 4) LINEAR4_T(6, 4)
-LINEAR4_T(7, 3) LINEAR4_T(8, 3) LINEAR4_T(9, 2) LINEAR4_T(10, 2) LINEAR4_T(11, 2) LINEAR4_T(12, 2)
-#endif
 #else
 LINEAR_T(1, 8) LINEAR_T(2, 4) LINEAR_T(3, 4) LINEAR_T(4, 3) LINEAR_T(5, 2) LINEAR_T(6, 2)
 LINEAR_T(7, 1) LINEAR_T(8, 1) LINEAR_T(9, 1) LINEAR_T(10, 1) LINEAR_T(11, 1) LINEAR_T(12, 1)
-LINEAR4_T(1, 4) LINEAR4_T(2, 3) LINEAR4_T(3, 2) LINEAR4_T(4, 2) LINEAR4_T(5, 2) LINEAR4_T(6, 1)
-LINEAR4_T(7, 1) LINEAR4_T(8, 1) LINEAR4_T(9, 1) LINEAR4_T(10, 1) LINEAR4_T(11, 1) LINEAR4_T(12, 1)
 #endif
 
 typedef void (*f32_fn)(const float *, const float *, const float *, const float *, float *, int, int);
@@ -239,14 +259,18 @@ void dsk_q8_linear(const float *x, const int8_t *w, const float *s, const float 
 }
 
 #ifdef Q4
-/* x (K) -> xq = round(x / scale) in -127..127, xs = the sums of each 4 consecutive xq; returns scale = max |x| / 127
+/* x (K) -> xq = round(x / scale) in -127..127, xg = the sums of each group's xq; returns scale = max |x| / 127
  * (1 for a row of zeros). Rounds to nearest even (the default mode), multiplying by 127 / max |x|. */
-static float quant_row(const float *x, int8_t *xq, float *xs, int K) {
+static float quant_row(const float *x, int8_t *xq, float *xg, int K) {
     vf m = vzero();
     for (int k = 0; k < K; k += LANES) m = vmaxabs(m, vload(x + k));
     float amax = vhmax(m), scale = amax > 0.0f ? amax / 127.0f : 1.0f, inv = amax > 0.0f ? 127.0f / amax : 1.0f;
     for (int k = 0; k < K; k += LANES) vquant(x + k, inv, xq + k);
-    for (int k = 0; k < K; k += 4) xs[k / 4] = (float)(xq[k] + xq[k + 1] + xq[k + 2] + xq[k + 3]);
+    for (int g = 0; g < K / GROUP; g++) {
+        int sum = 0;
+        for (int i = 0; i < GROUP; i++) sum += xq[g * GROUP + i];
+        xg[g] = (float)sum;
+    }
     return scale;
 }
 
@@ -254,21 +278,23 @@ typedef void (*q4_fn)(const int8_t *, const float *, const float *, const uint8_
                       float *, int, int);
 static const q4_fn Q4S[MAX_T] = {q4_1, q4_2, q4_3, q4_4, q4_5, q4_6, q4_7, q4_8, q4_9, q4_10, q4_11, q4_12};
 
-/* Scratch for the int8 inputs: xq (T, K) int8, xs (T, K / 4) sums of 4, sx (T) scales; returns 0 or -1. */
+/* w: ceil(N / 16) blocks of 16 rows (`BLOCK4`'s layout; decode.quant.pack_int4), N the rows written. Scratch for
+ * the int8 inputs: xq (T, K) int8, xg (T, K / GROUP) group sums, sx (T) scales; returns 0 or -1. */
 int dsk_q4_linear(const float *x, const uint8_t *w, const uint16_t *sm, const float *b, float *y, int T, int N, int K) {
-    if (T < 1 || T > MAX_T || K % CHUNK) return -1;
-    int8_t *xq = aligned_alloc(64, (size_t)T * K);
-    float *xs = aligned_alloc(64, (size_t)T * K); /* T * K / 4 floats */
-    if (!xq || !xs) { free(xq); free(xs); return -1; }
+    if (T < 1 || T > MAX_T || K % GROUP || K % LANES) return -1;
+    int8_t *xq = aligned_alloc(64, ((size_t)T * K + 63) / 64 * 64);
+    float *xg = aligned_alloc(64, ((size_t)T * (K / GROUP) * 4 + 63) / 64 * 64);
+    if (!xq || !xg) { free(xq); free(xg); return -1; }
     float sx[MAX_T];
-    for (int t = 0; t < T; t++) sx[t] = quant_row(x + (size_t)t * K, xq + (size_t)t * K, xs + (size_t)t * (K / 4), K);
-    Q4S[T - 1](xq, xs, sx, w, sm, b, y, N, K);
+    for (int t = 0; t < T; t++)
+        sx[t] = quant_row(x + (size_t)t * K, xq + (size_t)t * K, xg + (size_t)t * (K / GROUP), K);
+    Q4S[T - 1](xq, xg, sx, w, sm, b, y, N, K);
     free(xq);
-    free(xs);
+    free(xg);
     return 0;
 }
 
-int dsk_q4_chunk(void) { return CHUNK; }
+int dsk_q4_chunk(void) { return GROUP; } /* a row's length must be a multiple of this */
 #endif
 #endif
 

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from decode.pruned import PrunedRunner
-from decode.quant import GROUP, Int4Linear, draft_quant, int4_chunk, int4_ok, pack_int4, split_quant, unpack_int4
+from decode.quant import (GROUP, Int4Linear, deinterleave_int4, draft_quant, int4_chunk, int4_ok, pack_int4,
+                          quantize_groups, split_quant, unpack_int4)
 from decode.runner import make_runner
 from decode.speculative import KPolicy, generate
 from tests import helpers
@@ -43,26 +44,31 @@ def reference(x: torch.Tensor, wq: torch.Tensor, bias: torch.Tensor | None) -> t
 
 
 @needs_int4
-@pytest.mark.parametrize("n,k", [(37, 1 * 128), (300, 896), (9, 4 * 128)])
+@pytest.mark.parametrize("n,k", [(37, 1 * 128), (300, 896), (9, 4 * 128), (16, 32), (5, 576)])
 def test_packing_matches_brute_force(n: int, k: int) -> None:
     torch.manual_seed(n)
     w = torch.randn(n, k) * torch.rand(n, 1)
-    packed, sm = pack_int4(w, CHUNK)
-    assert packed.shape == (n, k // 2) and sm.shape == (n, k // GROUP, 2)
-    back = unpack_int4(packed, sm, CHUNK).double()
+    packed, sm = pack_int4(w)
+    rows = -(-n // 16) * 16  # padded to the kernel's blocks of 16 rows
+    assert packed.shape == (rows, k // 2) and sm.shape == (rows, k // GROUP, 2)
+    back = unpack_int4(packed, sm, n).double()
     want, tie = brute(w)
     off = (back - want).abs() > 1e-5
     assert bool((off <= tie).all()) and int(off.sum()) <= 0.001 * off.numel()  # only at rounding ties
-    step = sm[..., 0].double().repeat_interleave(GROUP, -1)
-    lo_err = (sm[..., 1].double() - w.double().reshape(n, -1, GROUP).amin(-1)).abs().repeat_interleave(GROUP, -1)
+    pairs = deinterleave_int4(packed, sm, n)[1]  # (n, K / GROUP, 2): each group's scale and minimum
+    step = pairs[..., 0].double().repeat_interleave(GROUP, -1)
+    lo_err = (pairs[..., 1].double() - w.double().reshape(n, -1, GROUP).amin(-1)).abs().repeat_interleave(GROUP, -1)
     assert bool(((back - w.double()).abs() <= step / 2 + lo_err + 1e-3 * step).all())  # half a step of its group
-    wrong = packed.reshape(n, -1, CHUNK // 2)  # negative control: nibbles swapped is another weight
-    swapped = ((wrong & 15) << 4 | (wrong >> 4)).reshape(n, -1)
-    assert not torch.allclose(unpack_int4(swapped, sm, CHUNK), back.float(), atol=1e-3)
+    swapped = (packed & 15) << 4 | (packed >> 4)  # negative controls: nibbles swapped is another weight,
+    assert not torch.allclose(unpack_int4(swapped, sm, n), back.float(), atol=1e-3)
+    assert not torch.allclose(unpack_int4(packed.roll(1, 1), sm, n), back.float(), atol=1e-3)  # as are bytes moved
+    q, stored = quantize_groups(w)  # the layout is a pure permutation of the quantised nibbles and pairs
+    assert torch.equal(deinterleave_int4(packed, sm, n)[0], q) and torch.equal(pairs, stored)
 
 
 @needs_int4
-@pytest.mark.parametrize("n,k,bias", [(8, 128, True), (37, 256, False), (1000, 896, True)])
+@pytest.mark.parametrize("n,k,bias", [(8, 128, True), (37, 256, False), (1000, 896, True), (16, 32, False),
+                                      (21, 576, True)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 12])
 def test_kernel_matches_its_float64_reference_and_rows_do_not_mix(n: int, k: int, bias: bool, rows: int) -> None:
     torch.manual_seed(n + rows)
@@ -106,7 +112,7 @@ def test_spec_and_fallback() -> None:
     assert split_quant("qwen2.5-coder-0.5b-instruct") == ("qwen2.5-coder-0.5b-instruct", None)
     model = helpers.tiny_llama(1, 61, hidden=128)
     assert draft_quant(model, "int4") == ("int4" if CHUNK else "int8")
-    assert draft_quant(helpers.tiny_llama(1, 61, hidden=32), "int4") == "int8"  # rows not a multiple of the chunk
+    assert draft_quant(helpers.tiny_llama(1, 61, hidden=48), "int4") == "int8"  # rows not a multiple of 32
     assert draft_quant(model.double(), "int4") is None  # float64: as loaded
     assert int4_ok() == bool(CHUNK)
 
