@@ -15,16 +15,18 @@ where this CPU has no int4 kernel, the pruned variants prune the whole model as 
    settings (alpha teacher-forced, cost timed with one target clock for all, predicted speedups).
 3. The race (`race` > 0): the top `race` of the ranking, each at the round policy the validate stage would walk
    for it on the dev prompts (K, a stop threshold, sibling rounds, lookup tokens), decoded side by side with the
-   target alone on `race_prompts` dev prompts a domain in the validate stage's interleaved repeats
-   (`pairing.validate.race`). What the recipe serves is the winner at its walked policy, so that is what ranks:
+   target alone and (`race_reference`) the base at its ranking's K on `race_prompts` dev prompts a domain in the
+   validate stage's interleaved repeats (`pairing.validate.race`). What the recipe serves is the winner at its walked
+   policy (validate serves that policy as raced), so that is what ranks:
    at plain K the ranking measured the int4 0.5B at K = 7 1.71x the target alone on dev, below the stock 0.5B at
    K = 6 (1.86x), where the int4 draft at its walked policy ran 1.20x the stock on the test prompts.
-4. The winner: the highest measured speedup among those raced (else decoded by the pair, else the highest
-   predicted); among those within `TIE` (2%) of the best, the highest alpha (a few dev prompts do not part two
-   drafts that close, and the higher-alpha one loses less where rounds run long: on the AMD EPYC the 16,384-id
-   draft measured 2.18x against the 32,768-id draft's 2.16x on dev, alpha 0.779 against 0.818, and lost on the
-   code test prompts); its candidate spec goes to `RUN/draft.txt`, one line that `draftsmith pair --candidates`
-   takes.
+4. The winner: among those raced, the best worst domain over the base at its K (the goal is per domain: a draft far
+   ahead on chat can trail on code), or without the reference the highest measured speedup (else decoded by the
+   pair, else the highest predicted); among those within `TIE` (2%) of the best, the highest alpha (a few dev
+   prompts do not part two drafts that close, and the higher-alpha one loses less where rounds run long: on the
+   AMD EPYC the 16,384-id draft measured 2.18x against the 32,768-id draft's 2.16x on dev, alpha 0.779 against
+   0.818, and lost on the code test prompts); its candidate spec goes to `RUN/draft.txt`, one line that
+   `draftsmith pair --candidates` takes.
 """
 
 from __future__ import annotations
@@ -158,7 +160,9 @@ def make_fastest(target: str, base: str, cfg: FastestConfig, pair: PairConfig, *
         top = [c["draft"] for c in board["candidates"] if c["compatible"]][: cfg.race]
         reference = (base, base_k) if cfg.race_reference else None
         result = read_json(out / "race.json", missing_ok=True, what="race result")
-        if result is None or sorted(result["drafts"]) != sorted(top):
+        had = (result or {}).get("reference")
+        if (result is None or sorted(result["drafts"]) != sorted(top)
+                or (had and (had["draft"], had["k"])) != (reference and tuple(reference))):
             result = race(target, top, dev, validate or ValidateConfig(), out=out / "race.json",
                           timed_per_domain=cfg.race_prompts, reference=reference, device=device)
         board = raced(board, result)

@@ -231,7 +231,8 @@ static inline void vstore(float *p, vf v) { _mm512_storeu_ps(p, v); }
 #define VSET1(x) _mm256_set1_ps(x)
 static inline void vstore(float *p, vf v) { _mm256_storeu_ps(p, v); }
 #endif
-BLOCK4(1) BLOCK4(2) BLOCK4(3) BLOCK4(4) BLOCK4(5) BLOCK4(6) BLOCK4(7) BLOCK4(8) BLOCK4(9) BLOCK4(10) BLOCK4(11) BLOCK4(12)
+BLOCK4(1) BLOCK4(2) BLOCK4(3) BLOCK4(4) BLOCK4(5) BLOCK4(6)
+BLOCK4(7) BLOCK4(8) BLOCK4(9) BLOCK4(10) BLOCK4(11) BLOCK4(12)
 #endif
 
 /* Output rows a block by input rows: T * RR accumulators plus a weight vector within the register file (32 vector
