@@ -184,6 +184,13 @@ class Validation:
         reps = self.ratio_repeats(a, b, group)
         return spread(reps) if reps else None
 
+    def ratio_by_group(self, a: str, b: str = "target_only") -> dict[str, dict]:
+        """`ratio_spread(a, b)` over all the prompts ("all") and over each group's (in first-seen order), those
+        with repeats."""
+        spreads = {"all" if g is None else g: self.ratio_spread(a, b, group=g)
+                   for g in [None, *dict.fromkeys(self.groups)]}
+        return {g: s for g, s in spreads.items() if s}
+
     def by_group(self) -> dict[str, dict]:
         """Per group (in first-seen order): its prompts and each draft's speedup over the target alone, the
         median over the repeats with the range and every repeat's value."""

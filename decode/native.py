@@ -33,6 +33,7 @@ from torch import Tensor
 SOURCE = Path(__file__).parent / "csrc" / "dsk.c"
 MAX_ROWS = 12  # the kernels take 1..12 rows (dsk.c MAX_T)
 GROUP = 32  # int4 weights: one scale and minimum per GROUP weights of a row (dsk.c GROUP)
+RB = 16  # int4 weights: output rows interleaved a block, one int32 lane each (dsk.c RB)
 _WHY: list[str] = []
 
 
@@ -107,19 +108,19 @@ class Kernels:
                   n: int | None = None) -> Tensor:
         """x (T, K) float32 @ W^T + bias for T <= MAX_ROWS, W (n, K) int4 in groups of GROUP along K, as
         `decode.quant.pack_int4` lays it out: `packed` (Np, K / 2) uint8 and `sm` (Np, K / GROUP, 2) float16 (each
-        group's scale and minimum, w = q * scale + min), its rows 16 at a time (Np: n rounded up to 16; `n`
+        group's scale and minimum, w = q * scale + min), its rows RB at a time (Np: n rounded up to RB; `n`
         defaults to Np). Each row of x is quantised to int8 (one scale: max |x| / 127) for integer dot products."""
         T, K = x.shape
         Np = packed.shape[0]
         n = Np if n is None else n
         if not (0 < T <= MAX_ROWS and x.dtype == torch.float32 and self.q4_chunk and K % self.q4_chunk == 0
-                and Np % 16 == 0 and Np - 16 < n <= Np
+                and Np % RB == 0 and Np - RB < n <= Np
                 and packed.dtype == torch.uint8 and packed.shape == (Np, K // 2) and packed.is_contiguous()
                 and sm.dtype == torch.float16 and sm.shape == (Np, K // GROUP, 2) and sm.is_contiguous()
                 and (bias is None or (bias.dtype == torch.float32 and bias.shape == (n,) and bias.is_contiguous()))):
             raise ValueError(f"native int4 linear: x {tuple(x.shape)} {x.dtype}, packed {tuple(packed.shape)} "
                              f"{packed.dtype}, sm {tuple(sm.shape)}, {n} rows do not fit (1..{MAX_ROWS} float32 "
-                             f"rows, K % {self.q4_chunk} == 0, rows padded to a multiple of 16)")
+                             f"rows, K % {self.q4_chunk} == 0, rows padded to a multiple of {RB})")
         x = x.contiguous()
         y = torch.empty(T, n, dtype=torch.float32)
         if self._q4(x.data_ptr(), packed.data_ptr(), sm.data_ptr(), 0 if bias is None else bias.data_ptr(),

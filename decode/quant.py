@@ -105,7 +105,7 @@ def int4_ok(model=None) -> bool:
     return model is None or all(m.in_features % chunk == 0 for m in model.modules() if isinstance(m, nn.Linear))
 
 
-RB = 16  # output rows the int4 kernel interleaves (dsk.c RB): a block of them, one int32 lane each
+RB = native.RB  # output rows the int4 kernel interleaves: a block of them, one int32 lane each
 
 
 def quantize_groups(weight: Tensor) -> tuple[Tensor, Tensor]:

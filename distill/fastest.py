@@ -161,8 +161,8 @@ def make_fastest(target: str, base: str, cfg: FastestConfig, pair: PairConfig, *
         reference = (base, base_k) if cfg.race_reference else None
         result = read_json(out / "race.json", missing_ok=True, what="race result")
         had = (result or {}).get("reference")
-        if (result is None or sorted(result["drafts"]) != sorted(top)
-                or (had and (had["draft"], had["k"])) != (reference and tuple(reference))):
+        same_reference = (had["draft"], had["k"]) == reference if had else reference is None
+        if result is None or sorted(result["drafts"]) != sorted(top) or not same_reference:
             result = race(target, top, dev, validate or ValidateConfig(), out=out / "race.json",
                           timed_per_domain=cfg.race_prompts, reference=reference, device=device)
         board = raced(board, result)

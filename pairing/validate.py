@@ -75,6 +75,9 @@ class ValidateConfig:
             raise ValueError(f"draft_quant must be int8 or null, got {self.draft_quant!r}")
 
 
+REFERENCE = "reference"  # the race's fixed-K reference decoder's name in its validation
+
+
 @dataclass
 class DraftUnderTest:
     """One draft to time. Evidence for choosing its policy, any of: `alpha` (teacher-forced, i.i.d. rounds),
@@ -171,9 +174,7 @@ class ValidationResult:
 def after_vs_before(val: Validation) -> dict:
     """tokens/s of draft_after over draft_before in each repeat (both timed in it), over all the prompts and over
     each domain's: {"all" | domain: {"median", "range", "repeats"}}."""
-    spreads = {"all" if g is None else g: val.ratio_spread("draft_after", "draft_before", group=g)
-               for g in [None, *dict.fromkeys(val.groups)]}
-    return {g: s for g, s in spreads.items() if s}
+    return val.ratio_by_group("draft_after", "draft_before")
 
 
 def _walks(d: DraftUnderTest, cfg: ValidateConfig) -> bool:
@@ -341,21 +342,15 @@ def race(target_spec: str, specs: list[str], dev: list[Prompt], cfg: ValidateCon
         "validation": val.to_dict(), "machine": machine_info(), "versions": versions(),
     }
     atomic_write_json(out, result)
-    if not all(r["greedy_equal"] for r in [*result["drafts"].values(), result.get("reference", {})]
-               if "greedy_equal" in r):
+    if not all(val.greedy_equal[n] is not False for n in opened):  # the raced drafts and the reference
         raise DraftsmithError(f"race: speculative output differs from the target's greedy output; see {out}")
     return result
-
-
-
-REFERENCE = "reference"  # the race's fixed-K reference decoder's name in its validation
 
 
 def _over(val: Validation, name: str) -> dict:
     """Draft `name`'s tokens/s over the race's reference: over all prompts and per domain (`spread`: median of the
     passes, range, each pass), and the worst domain's median."""
-    over = {"all" if g is None else g: val.ratio_spread(name, REFERENCE, group=g)
-            for g in [None, *dict.fromkeys(val.groups)]}
-    domains = [s["median"] for g, s in over.items() if g != "all" and s]
-    worst = min(domains) if domains else over["all"]["median"] if over["all"] else None
+    over = val.ratio_by_group(name, REFERENCE)
+    domains = [s["median"] for g, s in over.items() if g != "all"]
+    worst = min(domains) if domains else over["all"]["median"] if "all" in over else None
     return {"over_reference": over, "worst_over_reference": worst}
