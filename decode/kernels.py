@@ -46,9 +46,9 @@ def blas():
 @contextlib.contextmanager
 def native_kernels():
     """Within: every float32 `linear` over 1-12 rows outside autograd, and every int8 draft Linear (torch's dynamic
-    quantised one) over 1-12 rows, runs `decode.native`'s kernel where it is built (it reads a weight at close to the
+    quantised one) over any rows, runs `decode.native`'s kernel where it is built (it reads a weight at close to the
     machine's bandwidth, where oneDNN's, MKL's and fbgemm's one-row kernels do not): a runner's forward over a row
-    count its plan gives to it (`decode.floor.plan_rows`)."""
+    count its plan gives to it (`decode.floor.plan_rows`), and an int8 draft's prefill (`LeanLM.native_many`)."""
     before, _NATIVE[0] = _NATIVE[0], True
     try:
         yield
@@ -155,7 +155,7 @@ def linear(x: Tensor, layer: nn.Module) -> Tensor:
     Linear or of the int8 draft's quantised one run on draftsmith's own kernel where it is built
     (`decode.native`). Other layer types (the int8 Linear elsewhere: fbgemm) run as they are."""
     if type(layer) is not nn.Linear:
-        if _NATIVE[0] and type(layer) is DYNAMIC_INT8 and x.dim() == 2 and x.shape[0] <= native.MAX_ROWS:
+        if _NATIVE[0] and type(layer) is DYNAMIC_INT8 and x.dim() == 2:  # any rows: a draft's prefill too
             return _native_int8(x, layer)
         return layer(x)
     if _NATIVE[0] and x.dim() == 2 and x.shape[0] <= native.MAX_ROWS and not torch.is_grad_enabled():

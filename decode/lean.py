@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from decode.attention import rms_norm, rotate_half
 from decode.kernels import blas, dnn_layout, dnn_usable, linear, native_kernels
 from decode.kv_cache import KVCache
+from decode.native import MAX_ROWS
 
 LEAN_ARCHITECTURES = ("llama", "qwen2", "mistral")
 
@@ -126,6 +127,8 @@ class LeanLM(nn.Module):
     row_plan: dict[int, int] = {}  # T -> rows a forward over T rows runs at (padded): `decode.floor.plan_rows`
     blas_rows: frozenset[int] = frozenset()  # forwards over these row counts run BLAS, not oneDNN: the same plan
     native_rows: frozenset[int] = frozenset()  # ... and these draftsmith's own kernel (`decode.native`), first
+    native_many: bool = False  # forwards over more than 12 rows (a prefill) on it too: an int8 draft's
+    # (`decode.quant.quantize_int8`; fbgemm quantises a whole prompt's inputs with one scale)
 
     def __init__(self, hf_model, max_seq_len: int, *, fast_head: bool = True) -> None:
         super().__init__()
@@ -221,7 +224,7 @@ class LeanLM(nn.Module):
     def _run(
         self, tokens: Tensor, cos: Tensor, sin: Tensor, pos: int | Tensor, mask: Tensor | None, keep: int = 0
     ) -> Tensor:
-        if tokens.shape[0] in self.native_rows:
+        if tokens.shape[0] in self.native_rows or (self.native_many and tokens.shape[0] > MAX_ROWS):
             with native_kernels():
                 return self._layers_and_head(tokens, cos, sin, pos, mask, keep)
         if tokens.shape[0] not in self.blas_rows:  # (no context manager on this path: torch.compile traces it)

@@ -1,4 +1,5 @@
-"""draftsmith's own few-row CPU kernels (decode/csrc/dsk.c): a Linear over 1..12 rows whose weight is int8 with a
+"""draftsmith's own few-row CPU kernels (decode/csrc/dsk.c): a Linear over 1..12 rows (more: a draft's prefill, a
+block of output rows at a time over every 12 of them, its weights read once) whose weight is int8 with a
 float scale per output row (the int8 draft's), int4 in groups of 32 with a float16 scale and minimum each (the int4
 draft's, `q4_linear`: its inputs quantised to int8 a row for integer dot products), or float32, streamed once at
 close to the machine's read bandwidth (each weight vector loaded once for all the rows; a row's output has the same
@@ -31,7 +32,7 @@ import torch
 from torch import Tensor
 
 SOURCE = Path(__file__).parent / "csrc" / "dsk.c"
-MAX_ROWS = 12  # the kernels take 1..12 rows (dsk.c MAX_T)
+MAX_ROWS = 12  # rows the kernels take in one pass over a weight (dsk.c MAX_T); more run 12 at a time
 GROUP = 32  # int4 weights: one scale and minimum per GROUP weights of a row (dsk.c GROUP)
 RB = 16  # int4 weights: output rows interleaved a block, one int32 lane each (dsk.c RB)
 _WHY: list[str] = []
@@ -57,7 +58,8 @@ def _compile(cc: str, out: Path) -> None:
 
 
 class Kernels:
-    """The compiled library: `linear(x, weight, scale, bias)` -> (T, N) for T <= MAX_ROWS rows."""
+    """The compiled library: `linear(x, weight, scale, bias)` -> (T, N) for T >= 1 rows (one pass over the weight
+    for T <= MAX_ROWS)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lanes = lib.dsk_lanes()
@@ -70,17 +72,17 @@ class Kernels:
             fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 3
 
     def fits(self, x: Tensor, weight: Tensor) -> bool:
-        """Whether these kernels take this call: 1..MAX_ROWS contiguous float32 rows on the CPU, a contiguous int8 or
+        """Whether these kernels take this call: contiguous float32 rows on the CPU, a contiguous int8 or
         float32 weight whose row length is a multiple of the vector width."""
-        return (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype == torch.float32 and x.device.type == "cpu"
+        return (x.dim() == 2 and 0 < x.shape[0] and x.dtype == torch.float32 and x.device.type == "cpu"
                 and weight.dtype in (torch.int8, torch.float32) and weight.is_contiguous()
                 and weight.shape[1] == x.shape[1] and x.shape[1] % self.lanes == 0)
 
     def linear(self, x: Tensor, weight: Tensor, scale: Tensor | None = None, bias: Tensor | None = None) -> Tensor:
-        """x (T, K) float32 @ (scale[:, None] * weight (N, K))^T + bias, for T <= MAX_ROWS (`fits`)."""
+        """x (T, K) float32 @ (scale[:, None] * weight (N, K))^T + bias (`fits`)."""
         y = self.try_linear(x, weight, scale, bias)
         if y is None:
-            raise ValueError(f"native linear takes 1..{MAX_ROWS} float32 rows of a contiguous int8/float32 weight "
+            raise ValueError(f"native linear takes float32 rows of a contiguous int8/float32 weight "
                              f"with K % {self.lanes} == 0; got x {tuple(x.shape)} {x.dtype}, weight "
                              f"{tuple(weight.shape)} {weight.dtype}")
         return y
@@ -106,20 +108,20 @@ class Kernels:
 
     def q4_linear(self, x: Tensor, packed: Tensor, sm: Tensor, bias: Tensor | None = None, *,
                   n: int | None = None) -> Tensor:
-        """x (T, K) float32 @ W^T + bias for T <= MAX_ROWS, W (n, K) int4 in groups of GROUP along K, as
+        """x (T, K) float32 @ W^T + bias for T >= 1 rows, W (n, K) int4 in groups of GROUP along K, as
         `decode.quant.pack_int4` lays it out: `packed` (Np, K / 2) uint8 and `sm` (Np, K / GROUP, 2) float16 (each
         group's scale and minimum, w = q * scale + min), its rows RB at a time (Np: n rounded up to RB; `n`
         defaults to Np). Each row of x is quantised to int8 (one scale: max |x| / 127) for integer dot products."""
         T, K = x.shape
         Np = packed.shape[0]
         n = Np if n is None else n
-        if not (0 < T <= MAX_ROWS and x.dtype == torch.float32 and self.q4_chunk and K % self.q4_chunk == 0
+        if not (0 < T and x.dtype == torch.float32 and self.q4_chunk and K % self.q4_chunk == 0
                 and Np % RB == 0 and Np - RB < n <= Np
                 and packed.dtype == torch.uint8 and packed.shape == (Np, K // 2) and packed.is_contiguous()
                 and sm.dtype == torch.float16 and sm.shape == (Np, K // GROUP, 2) and sm.is_contiguous()
                 and (bias is None or (bias.dtype == torch.float32 and bias.shape == (n,) and bias.is_contiguous()))):
             raise ValueError(f"native int4 linear: x {tuple(x.shape)} {x.dtype}, packed {tuple(packed.shape)} "
-                             f"{packed.dtype}, sm {tuple(sm.shape)}, {n} rows do not fit (1..{MAX_ROWS} float32 "
+                             f"{packed.dtype}, sm {tuple(sm.shape)}, {n} rows do not fit (float32 "
                              f"rows, K % {self.q4_chunk} == 0, rows padded to a multiple of {RB})")
         x = x.contiguous()
         y = torch.empty(T, n, dtype=torch.float32)

@@ -1,7 +1,9 @@
-/* draftsmith's few-row CPU kernels: y (T, N) = x (T, K) @ W (N, K)^T for T = 1..MAX_T rows, W float32, int8 with
- * one float scale per output row (the int8 draft's weights) or int4 in groups of 32 (the int4 draft's, below),
- * streamed once with software prefetch, 2 threads of the OpenMP runtime torch already loaded. Every output is one
- * vector accumulator summed over K in order and reduced the same way whatever T is, so a row's result does not
+/* draftsmith's few-row CPU kernels: y (T, N) = x (T, K) @ W (N, K)^T for T = 1..MAX_T rows in one pass over W
+ * (more rows, a draft's prefill: a block of output rows at a time over every MAX_T rows, its weights then read
+ * from cache), W float32, int8 with one float scale per output row (the int8 draft's weights) or int4 in groups of
+ * 32 (the int4 draft's, below), streamed once with software prefetch, 2 threads of the OpenMP runtime torch
+ * already loaded. Every output is one vector accumulator summed over K in order and reduced the same way whatever
+ * T is, so a row's result does not
  * depend on the rows beside it (bit for bit). T rows share each weight vector loaded (T multiply-adds a weight:
  * past 8 rows the multiply-adds, not the reads, set the pace). decode/native.py compiles it on first use (gcc -O3
  * -march=native) and calls it through ctypes. K must be a multiple of LANES. Built for AVX-512F or AVX2 + FMA;
@@ -91,8 +93,29 @@ int dsk_max_rows(void) { return MAX_T; }
     BLOCK(block_q8_##T, int8_t, vload8, 1, T, RR)                                                          \
     BLOCK(tail_f32_##T, float, vload, 4, T, 1)                                                             \
     BLOCK(tail_q8_##T, int8_t, vload8, 1, T, 1)                                                            \
+    BLOCK(many_f32_##T, float, vload, 4, T, RR_MANY)                                                       \
+    BLOCK(many_q8_##T, int8_t, vload8, 1, T, RR_MANY)                                                      \
     ROWS_FN(f32_##T, float, block_f32_##T, tail_f32_##T, RR)                                               \
     ROWS_FN(q8_##T, int8_t, block_q8_##T, tail_q8_##T, RR)
+
+/* More than MAX_T rows (a prompt's prefill): blocks of RR_MANY output rows shared among the threads, each block's
+ * weights read from memory once and then from cache for every MAX_T input rows in turn (the same per-row sums:
+ * the same bits as a call over those rows alone). */
+#define MANY_FN(NAME, WT, BLKS, TAILS)                                                                     \
+    static void NAME(const float *x, const WT *w, const float *s, const float *b, float *y, int T, int N, int K) { \
+        const char *end = (const char *)(w + (size_t)N * K);                                               \
+        _Pragma("omp parallel for schedule(static)")                                                       \
+        for (int i = 0; i < N / RR_MANY; i++)                                                              \
+            for (int t0 = 0; t0 < T; t0 += MAX_T) {                                                        \
+                int n = T - t0 < MAX_T ? T - t0 : MAX_T;                                                   \
+                BLKS[n - 1](x + (size_t)t0 * K, w, s, b, y + (size_t)t0 * N, N, K, i * RR_MANY, end);      \
+            }                                                                                              \
+        for (int r = N / RR_MANY * RR_MANY; r < N; r++)                                                    \
+            for (int t0 = 0; t0 < T; t0 += MAX_T) {                                                        \
+                int n = T - t0 < MAX_T ? T - t0 : MAX_T;                                                   \
+                TAILS[n - 1](x + (size_t)t0 * K, w, s, b, y + (size_t)t0 * N, N, K, r, end);               \
+            }                                                                                              \
+    }
 
 /* int4 weights, int8 inputs. A weight row is kept in groups of 32 along K, each with a float scale and minimum
  * (w = q * scale + min, q in 0..15, the pair as float16), the rows interleaved 16 at a time (`BLOCK4`): a lane of
@@ -238,6 +261,11 @@ BLOCK4(7) BLOCK4(8) BLOCK4(9) BLOCK4(10) BLOCK4(11) BLOCK4(12)
 /* Output rows a block by input rows: T * RR accumulators plus a weight vector within the register file (32 vector
  * registers with AVX-512, 16 with AVX2). */
 #if LANES == 16
+#define RR_MANY 2 /* output rows a block over more than MAX_T rows: MAX_T * RR_MANY accumulators */
+#else
+#define RR_MANY 1
+#endif
+#if LANES == 16
 LINEAR_T(1, 8) LINEAR_T(2, 8) LINEAR_T(3, 8) LINEAR_T(4, 6) LINEAR_T(5, 4) LINEAR_T(6, 4)
 LINEAR_T(7, 3) LINEAR_T(8, 3) LINEAR_T(9, 2) LINEAR_T(10, 2) LINEAR_T(11, 2) LINEAR_T(12, 2)
 #else
@@ -250,13 +278,25 @@ typedef void (*q8_fn)(const float *, const int8_t *, const float *, const float 
 static const f32_fn F32[MAX_T] = {f32_1, f32_2, f32_3, f32_4,  f32_5,  f32_6,
                                   f32_7, f32_8, f32_9, f32_10, f32_11, f32_12};
 static const q8_fn Q8[MAX_T] = {q8_1, q8_2, q8_3, q8_4, q8_5, q8_6, q8_7, q8_8, q8_9, q8_10, q8_11, q8_12};
+typedef void (*f32_blk)(const float *, const float *, const float *, const float *, float *, int, int, int,
+                        const char *);
+typedef void (*q8_blk)(const float *, const int8_t *, const float *, const float *, float *, int, int, int,
+                       const char *);
+#define BLOCKS(P) {P##1, P##2, P##3, P##4, P##5, P##6, P##7, P##8, P##9, P##10, P##11, P##12}
+static const f32_blk F32_MANY[MAX_T] = BLOCKS(many_f32_), F32_TAIL[MAX_T] = BLOCKS(tail_f32_);
+static const q8_blk Q8_MANY[MAX_T] = BLOCKS(many_q8_), Q8_TAIL[MAX_T] = BLOCKS(tail_q8_);
+MANY_FN(f32_many, float, F32_MANY, F32_TAIL)
+MANY_FN(q8_many, int8_t, Q8_MANY, Q8_TAIL)
 
+/* T >= 1 rows: up to MAX_T in one pass over the weight, more a block of RR_MANY output rows at a time. */
 void dsk_f32_linear(const float *x, const float *w, const float *s, const float *b, float *y, int T, int N, int K) {
     if (T >= 1 && T <= MAX_T) F32[T - 1](x, w, s, b, y, N, K);
+    else if (T > MAX_T) f32_many(x, w, s, b, y, T, N, K);
 }
 
 void dsk_q8_linear(const float *x, const int8_t *w, const float *s, const float *b, float *y, int T, int N, int K) {
     if (T >= 1 && T <= MAX_T) Q8[T - 1](x, w, s, b, y, N, K);
+    else if (T > MAX_T) q8_many(x, w, s, b, y, T, N, K);
 }
 
 #ifdef Q4
@@ -278,20 +318,39 @@ static float quant_row(const float *x, int8_t *xq, float *xg, int K) {
 typedef void (*q4_fn)(const int8_t *, const float *, const float *, const uint8_t *, const uint16_t *, const float *,
                       float *, int, int);
 static const q4_fn Q4S[MAX_T] = {q4_1, q4_2, q4_3, q4_4, q4_5, q4_6, q4_7, q4_8, q4_9, q4_10, q4_11, q4_12};
+typedef void (*q4_blk)(const int8_t *, const float *, const float *, const uint8_t *, const uint16_t *,
+                       const float *, float *, int, int, int, int);
+static const q4_blk Q4_BLOCKS[MAX_T] = BLOCKS(block_q4_);
+
+/* More than MAX_T rows: each block of output rows over every MAX_T input rows in turn, its weights read from memory
+ * once and then from cache (the same per-row sums: the same bits as a call over those rows alone). */
+static void q4_many(const int8_t *xq, const float *xg, const float *sx, const uint8_t *w, const uint16_t *sm,
+                    const float *b, float *y, int T, int N, int K) {
+    const int blocks = (N + RB - 1) / RB, G = K / GROUP;
+    _Pragma("omp parallel for schedule(static)")
+    for (int i = 0; i < blocks * HALVES; i++)
+        for (int t0 = 0; t0 < T; t0 += MAX_T) {
+            int n = T - t0 < MAX_T ? T - t0 : MAX_T;
+            Q4_BLOCKS[n - 1](xq + (size_t)t0 * K, xg + (size_t)t0 * G, sx + t0, w, sm, b, y + (size_t)t0 * N, N, K,
+                             i / HALVES, i % HALVES);
+        }
+}
 
 /* w: ceil(N / 16) blocks of 16 rows (`BLOCK4`'s layout; decode.quant.pack_int4), N the rows written. Scratch for
  * the int8 inputs: xq (T, K) int8, xg (T, K / GROUP) group sums, sx (T) scales; returns 0 or -1. */
 int dsk_q4_linear(const float *x, const uint8_t *w, const uint16_t *sm, const float *b, float *y, int T, int N, int K) {
-    if (T < 1 || T > MAX_T || K % GROUP || K % LANES) return -1;
+    if (T < 1 || K % GROUP || K % LANES) return -1;
     int8_t *xq = aligned_alloc(64, ((size_t)T * K + 63) / 64 * 64);
     float *xg = aligned_alloc(64, ((size_t)T * (K / GROUP) * 4 + 63) / 64 * 64);
-    if (!xq || !xg) { free(xq); free(xg); return -1; }
-    float sx[MAX_T];
+    float *sx = aligned_alloc(64, ((size_t)T * 4 + 63) / 64 * 64);
+    if (!xq || !xg || !sx) { free(xq); free(xg); free(sx); return -1; }
     for (int t = 0; t < T; t++)
         sx[t] = quant_row(x + (size_t)t * K, xq + (size_t)t * K, xg + (size_t)t * (K / GROUP), K);
-    Q4S[T - 1](xq, xg, sx, w, sm, b, y, N, K);
+    if (T <= MAX_T) Q4S[T - 1](xq, xg, sx, w, sm, b, y, N, K);
+    else q4_many(xq, xg, sx, w, sm, b, y, T, N, K);
     free(xq);
     free(xg);
+    free(sx);
     return 0;
 }
 

@@ -32,10 +32,11 @@ def exact(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 @needs_kernels
 @pytest.mark.parametrize("n,k,bias", [(8, 64, True), (37, 128, False), (1000, 896, True), (3, 32, True)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 12])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 12, 13, 30])
 def test_kernels_match_brute_force(n: int, k: int, bias: bool, rows: int) -> None:
-    """Both kernels against float64 brute force, over row counts with a tail past the last block of 8; the int8
-    one within float32 rounding where fbgemm (which quantises the activations too) is not."""
+    """Both kernels against float64 brute force, over row counts with a tail past the last block of 8 and past one
+    pass of 12 rows (a prefill); the int8 one within float32 rounding where fbgemm (which quantises the activations
+    too) is not."""
     layer = int8_layer(n + k, n, k, bias)
     x = torch.randn(rows, k)
     want = exact(layer, x)
@@ -50,11 +51,11 @@ def test_kernels_match_brute_force(n: int, k: int, bias: bool, rows: int) -> Non
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", range(2, native.MAX_ROWS + 1))
+@pytest.mark.parametrize("rows", [*range(2, native.MAX_ROWS + 1), 13, 25, 40])
 def test_rows_of_a_call_are_the_bits_of_single_rows(rows: int) -> None:
     """A T-row call computes each row as a 1-row call does (the same order of sums, whatever block of output rows
-    T's kernel takes), and a row's output does not depend on where it falls in a block: stacking layers' rows
-    (`fuse_projections`) keeps its bits."""
+    T's kernel takes, and past 12 rows whichever 12 it falls among), and a row's output does not depend on where it
+    falls in a block: stacking layers' rows (`fuse_projections`) keeps its bits."""
     layer = int8_layer(rows, 45, 64)
     x = torch.randn(rows, 64)
     w = torch.randn(45, 64)
@@ -67,12 +68,14 @@ def test_rows_of_a_call_are_the_bits_of_single_rows(rows: int) -> None:
 
 
 @needs_kernels
-def test_more_rows_or_outside_the_switch_run_fbgemm_and_a_new_weight_is_read_again() -> None:
+def test_outside_the_switch_runs_fbgemm_and_a_new_weight_is_read_again() -> None:
     layer = int8_layer(2, 24, 64)
     x = torch.randn(native.MAX_ROWS + 1, 64)
     assert torch.equal(linear(x[:1], layer), layer(x[:1]))  # outside native_kernels(): fbgemm's kernel
+    assert torch.equal(linear(x, layer), layer(x))
     with native_kernels():
-        assert torch.equal(linear(x, layer), layer(x))  # MAX_ROWS + 1 rows: fbgemm's kernel
+        many = linear(x, layer)  # MAX_ROWS + 1 rows: the native kernel too, not fbgemm's
+        assert not torch.equal(many, layer(x)) and (many.double() - exact(layer, x)).abs().max() < 1e-4
         before = linear(x[:1], layer)
         w = layer.weight()
         layer.set_weight_bias(torch._make_per_channel_quantized_tensor(
@@ -98,6 +101,25 @@ def test_int8_draft_runner_steps_on_the_native_kernel() -> None:
         assert not torch.equal(runner.forward(ids[10:11], 10), off)
 
 
+@needs_kernels
+def test_int8_draft_prefills_on_the_native_kernel() -> None:
+    """An int8 lean runner's forward over more than 12 rows (a prompt's prefill) runs the native kernel
+    (`native_many`: no activation quantisation, each row as a one-row call would), not fbgemm's, whose one scale
+    for the whole prompt's inputs cost the Qwen 0.5B drafts agreement with their target; off, fbgemm's again."""
+    model = helpers.tiny_llama(3, 300, layers=2, hidden=64, heads=4, kv_heads=2, arch="qwen2")
+    runner = quantize_int8(make_runner(model, 64))
+    assert runner.native_many
+    ids = torch.arange(20) * 7 % 300
+    on = runner.forward(ids, 0)
+    runner.native_rows = frozenset(range(1, native.MAX_ROWS + 1))
+    steps = torch.cat([runner.forward(ids[:12], 0), runner.forward(ids[12:], 12)])  # 12 and 8 rows, native
+    near = (on - steps).abs().max()  # the same Linears' bits; attention over 20 rows or 12 + 8 rounds apart
+    assert near < 1e-4 * on.abs().max()
+    runner.native_many = False
+    off = runner.forward(ids, 0)
+    assert 10 * near < (on - off).abs().max() < 0.1 * off.abs().max()  # fbgemm's inputs on one scale: further
+
+
 @pytest.mark.parametrize("env,why", [({"DRAFTSMITH_NATIVE": "off"}, "DRAFTSMITH_NATIVE=off"),
                                      ({"CC": "/nonexistent/gcc"}, "compiling dsk.c failed")])
 def test_no_kernels_means_the_library_ones(monkeypatch, tmp_path, env: dict, why: str) -> None:
@@ -121,8 +143,10 @@ def test_no_kernels_means_the_library_ones(monkeypatch, tmp_path, env: dict, why
 
 @needs_kernels
 def test_bad_calls_are_refused() -> None:
-    with pytest.raises(ValueError, match=f"1..{native.MAX_ROWS} float32 rows"):
-        KERNELS.linear(torch.randn(native.MAX_ROWS + 1, 64), torch.randn(8, 64))
+    with pytest.raises(ValueError, match="float32 rows"):
+        KERNELS.linear(torch.randn(0, 64), torch.randn(8, 64))
+    with pytest.raises(ValueError, match="float32 rows"):
+        KERNELS.linear(torch.randn(3, 64, dtype=torch.float64), torch.randn(8, 64))
     with pytest.raises(ValueError, match="K %"):
         KERNELS.linear(torch.randn(1, 60), torch.randn(8, 60))
     with pytest.raises(ValueError, match="scale must be"):

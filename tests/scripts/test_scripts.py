@@ -19,8 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "scripts"
 PACKAGES = ("decode", "pairing", "distill", "recipes")
 WORDS = "the a of to and in is it that for on with as was be by this are or at from code data list sort print".split()
-TESTED = {"allocator_bench.py", "distill_table.py", "head_data_bench.py", "head_train_bench.py", "linear_bench.py",
-          "native_bench.py"}
+TESTED = {"allocator_bench.py", "distill_table.py", "draft_agreement.py", "head_data_bench.py", "head_train_bench.py",
+          "linear_bench.py", "native_bench.py"}
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +72,18 @@ def test_native_bench(world: dict, tmp_path: Path) -> None:
                "--repeats", "1", "--out", str(tmp_path))
     result = read_result(tmp_path / "bench.json")
     assert set(result["median_ms"]) == {"native", "fbgemm"} and len(result["fbgemm_over_native"]) == 1
+
+
+def test_draft_agreement(world: dict, tmp_path: Path) -> None:
+    from decode.quant import int4_ok
+
+    variants = ["float", "int8", "int8 fbgemm prefill"] + (["int4", "int4 fbgemm prefill"] if int4_ok() else [])
+    run_script(world, "draft_agreement.py", "--target", world["target"], "--draft", world["target"], "--prompts",
+               world["prompts"], "--per-domain", "1", "--max-new-tokens", "4", "--variants", ",".join(variants),
+               "--out", str(tmp_path))
+    result = read_result(tmp_path / "agreement.json")
+    assert list(result["variants"]) == variants
+    assert result["variants"]["float"]["by_domain"]["code"]["rate"] == 1.0  # the target against itself
 
 
 def test_head_data_bench(world: dict, tmp_path: Path) -> None:
