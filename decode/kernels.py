@@ -193,7 +193,8 @@ def int8_rows(layer: nn.Module) -> tuple[Tensor, Tensor, Tensor | None] | None:
 
 def _native_int8(x: Tensor, layer: nn.Module) -> Tensor:
     """The int8 Linear on the native kernel, its rows (`int8_rows`) read once and kept on the layer beside fbgemm's
-    packed copy (which serves more rows) until its weight is set again; fbgemm where that cannot run."""
+    packed copy (which serves the forwards outside `native_kernels()`) until its weight is set again; fbgemm where
+    that cannot run."""
     kernels = native.kernels()
     if kernels is None:
         return layer(x)
