@@ -118,8 +118,8 @@ def quantize_groups(weight: Tensor, refine: int = 4) -> tuple[Tensor, Tensor]:
     The pair starts at ((max - min) / 15, min); `refine` rounds then fit it by least squares to the group's weights
     given their q (w ~ scale * q + min), each group keeping the new pair only where its squared error, with the
     pair rounded to float16 as stored, is lower (`group_error`; on Gaussian weights over 5% less squared error in
-    all); on the Qwen 0.5B draft, agreement with the 1.5B's greedy answers to 20 dev prompts a domain went from 0.887 to 0.888
-    (code) and 0.690 to 0.696 (chat) (docs/results/pruned.md)."""
+    all); on the Qwen 0.5B draft, agreement with the 1.5B's greedy answers to 20 dev prompts a domain went from
+    0.887 to 0.888 (code) and 0.690 to 0.696 (chat) (docs/results/pruned.md)."""
     N, K = weight.shape
     qs, sms = [], []
     for start in range(0, N, ROWS_AT_ONCE):  # bounded temporaries: an LM head is 151,936 rows
