@@ -205,8 +205,9 @@ class Int4Linear(nn.Module):
     every 12 rows). Prefills once ran on fbgemm's int8 copy of the same weights (`many`), which quantises a whole
     prompt's inputs with one scale: a Qwen 0.5B int4 draft prefilled that way agreed less often with the 1.5B's
     greedy answers (docs/results/pruned.md). The copy remains where the kernel is not built and as the source of a
-    pruned head's context-id rows (`decode.pruned.head_source`); with `many=False`, rows are dequantised a slice at
-    a time instead."""
+    pruned head's context-id rows (`decode.pruned.head_source`), built on first use (an int4 Qwen 0.5B's copies of
+    every layer would hold 0.5 GB that nothing reads); with `many=False`, rows are dequantised a slice at a time
+    instead."""
 
     CHUNK = 8192  # output rows dequantised at once without the int8 copy (an LM head whole would be V x d floats)
 
@@ -219,7 +220,18 @@ class Int4Linear(nn.Module):
         self.register_buffer("packed", packed)
         self.register_buffer("sm", sm)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().contiguous())
-        self.many = self._int8_copy() if many else None
+        self._many_ok = many
+
+    @property
+    def many(self) -> nn.Module | None:
+        """fbgemm's int8 copy of the weights (None with `many=False`), built the first time it is asked for; kept
+        outside the module's children, so it is never saved or moved with them."""
+        if not self.__dict__.get("_many_ok"):
+            return None
+        copy = self.__dict__.get("_many")
+        if copy is None:
+            copy = self.__dict__["_many"] = self._int8_copy()
+        return copy
 
     def _int8_copy(self) -> nn.Module:
         """The dequantised weights as fbgemm's dynamic int8 Linear (one scale a row), for many rows."""
@@ -240,7 +252,7 @@ class Int4Linear(nn.Module):
         cut.register_buffer("packed", packed)
         cut.register_buffer("sm", sm)
         cut.register_buffer("bias", None if layer.bias is None else layer.bias[ids].contiguous())
-        cut.many = cut._int8_copy() if layer.many is not None else None
+        cut._many_ok = layer._many_ok
         return cut
 
     def weight_float(self, rows: slice | None = None) -> Tensor:
