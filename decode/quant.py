@@ -15,6 +15,7 @@ squares; both float16: 0.625 bytes a weight, 0.625x an int8 draft's reads), run 
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -222,16 +223,11 @@ class Int4Linear(nn.Module):
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().contiguous())
         self._many_ok = many
 
-    @property
+    @functools.cached_property
     def many(self) -> nn.Module | None:
         """fbgemm's int8 copy of the weights (None with `many=False`), built the first time it is asked for; kept
-        outside the module's children, so it is never saved or moved with them."""
-        if not self.__dict__.get("_many_ok"):
-            return None
-        copy = self.__dict__.get("_many")
-        if copy is None:
-            copy = self.__dict__["_many"] = self._int8_copy()
-        return copy
+        outside the module's children (in its `__dict__`), so it is never saved or moved with them."""
+        return self._int8_copy() if self._many_ok else None
 
     def _int8_copy(self) -> nn.Module:
         """The dequantised weights as fbgemm's dynamic int8 Linear (one scale a row), for many rows."""

@@ -121,12 +121,12 @@ def test_many_rows_run_the_kernel(int8_copy: bool) -> None:
     torch.manual_seed(0)
     layer = Int4Linear(nn.Linear(256, 40), many=int8_copy)
     x = torch.randn(20, 256)
-    assert "_many" not in layer.__dict__  # the copy is built when asked for, not at load
+    assert "many" not in layer.__dict__  # the copy is built when asked for, not at load
     x[3] *= 50  # a row of another scale: fbgemm's one scale for all rows would blur the others
     many = layer(x)
     few = torch.cat([layer(x[i : i + 4]) for i in range(0, 20, 4)])
     assert torch.equal(few, many)
-    assert "_many" not in layer.__dict__  # running the kernel never asks for it
+    assert "many" not in layer.__dict__  # running the kernel never asks for it
     assert (many.double() - reference(x, layer.weight_float(), layer.bias)).abs().max() <= 1e-5 * many.abs().max()
     if int8_copy:  # negative control: the copy's answer is another one
         assert not torch.equal(layer.many(x), many)
