@@ -177,6 +177,19 @@ def _forward(model: Any, seqs: list[list[int]], first: int) -> Tensor:
     return out.logits
 
 
+def _runner_forward(runner: Any, seqs: list[list[int]], first: int) -> Tensor:
+    """`_forward` through a decoder runner (a draft with its int8 or int4 weights, as it decodes): each sequence
+    fed whole from position 0, one at a time; logits (B, T - first, V), the rows past a sequence's end zero."""
+    T = max(len(s) for s in seqs)
+    out = None
+    for b, s in enumerate(seqs):
+        logits = runner.forward(torch.tensor(s, dtype=torch.long), 0)[first:]
+        if out is None:
+            out = logits.new_zeros(len(seqs), T - first, logits.shape[-1])
+        out[b, : logits.shape[0]] = logits
+    return out
+
+
 def _continuation_rows(rows: list[dict], logits: Tensor, first: int) -> Tensor:
     """The logit rows that predict continuation tokens, row after row: (sum of continuation lengths, V)."""
     b_idx, cols = [], []
@@ -286,13 +299,17 @@ def measure_acceptance(
     batch_size: int = 4,
     progress: bool = True,
     kept: list[Tensor | Proposes | None] | None = None,
+    runners: list[Any | None] | None = None,
 ) -> list[Acceptance]:
     """alpha (overall, per domain, per continuation index) and E[tau] for K = 1..16, for each draft in order.
 
     `refs` has the columns of `pairing.reference.reference_continuations`. Drafts whose tokenizer differs
     from the target's are measured through text at temperature 0 (see the module docstring). `kept[i]`: the
     target ids a vocabulary-pruned draft i proposes (`decode.pruned`; a `Proposes` with context: and the ids
-    each row has read); its q is 0 outside them, as it decodes.
+    each row has read); its q is 0 outside them, as it decodes. `runners[i]`: the runner draft i decodes with (its
+    int8 or int4 weights, `decode.runner.make_runner(..., quantize=...)`, not pruned: `kept` prunes): its q comes
+    from that runner fed each row whole, so alpha is the quantised draft's, not its float model's; None (the
+    default) reads the model as loaded, batched.
     """
     if batch_size < 1:
         raise DraftsmithError(f"batch_size must be >= 1, got {batch_size}")
@@ -311,6 +328,9 @@ def measure_acceptance(
     kept = list(kept) if kept is not None else [None] * len(drafts)
     if len(kept) != len(drafts) or any(k is not None and text for k, text in zip(kept, through_text)):
         raise DraftsmithError("kept ids: one entry per draft, and only for drafts with the target's tokenizer")
+    runners = list(runners) if runners is not None else [None] * len(drafts)
+    if len(runners) != len(drafts) or any(r is not None and text for r, text in zip(runners, through_text)):
+        raise DraftsmithError("runners: one entry per draft, and only for drafts with the target's tokenizer")
     chat = _chat_setting(refs)
     t_eos = set(eos_ids(target))
     d_eos = [set(eos_ids(d)) for d in drafts]
@@ -326,7 +346,9 @@ def measure_acceptance(
             p = to_probs(_continuation_rows(batch, _forward(target.model, seqs, first), first), params)
         for k, draft in enumerate(drafts):
             if not through_text[k]:
-                q_logits = _continuation_rows(batch, _forward(draft.model, seqs, first), first)
+                q_all = (_forward(draft.model, seqs, first) if runners[k] is None
+                         else _runner_forward(runners[k], seqs, first))
+                q_logits = _continuation_rows(batch, q_all, first)
                 if kept[k] is not None:
                     q_logits = _restrict(q_logits, kept[k], batch, lengths)
                 betas = _beta_given_p(p, q_logits, params).split(lengths)

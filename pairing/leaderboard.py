@@ -9,7 +9,8 @@ A candidate is a model spec (zoo name, HF folder, .gguf, derive:MODEL:keep=N), a
 the kept ids, its cost with the cut head) or a draft head (head:FOLDER).
 
 Steps: compatibility check per candidate -> the target's reference continuations (generated once, cached)
--> teacher-forced acceptance of every candidate in one pass over the target (a head: by depth, fed by itself)
+-> teacher-forced acceptance of every candidate in one pass over the target (a draft with the weights it decodes
+with: int8 or int4; a head: by depth, fed by itself)
 -> measured cost c and v(K) and a short calibration decode that times rounds in the decoder -> predicted speedup
 (the rows walked round by round as the decoder walks them, over the round cost; docs/design.md) and best K
 (overall and per domain) -> optionally, the built-in decoder on the top N candidates at their best K (and at
@@ -31,6 +32,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 
+from decode.allocator import release_freed_memory
 from decode.bench import hf_side_by_side, validate_drafts
 from decode.errors import DraftsmithError
 from decode.head import Eagle3Head, HeadDraft, head_quant, load_head
@@ -38,6 +40,7 @@ from decode.io import atomic_write_bytes, atomic_write_json, atomic_write_text, 
 from decode.loading import Loaded, eos_ids, load
 from decode.machine import machine_info, versions
 from decode.prompts import Prompt, load_prompts
+from decode.quant import draft_quant
 from decode.runner import make_runner
 from decode.sampling import SamplingParams
 from decode.speculative import KPolicy
@@ -47,7 +50,7 @@ from pairing.cost import (CostModel, DecoderCost, calibrate_decoder, measure_cos
                           speedup_curve)
 from pairing.derive import parse_derive_spec
 from pairing.policy import PolicyChoice, choose_policy
-from pairing.prune import KeptVocab, draft_runner, load_model_draft
+from pairing.prune import KeptVocab, draft_runner, load_model_draft, spec_quant
 from pairing.reference import reference_continuations
 
 MAX_K = 16
@@ -254,7 +257,8 @@ def run_pair(target_spec: str, out: Path, cfg: PairConfig, *, prompts: str = "co
 
 
 DEFINITIONS = {
-    "alpha": "mean over positions of beta_t = sum_x min(p_t(x), q_t(x)), teacher-forced on the target's continuations",
+    "alpha": "mean over positions of beta_t = sum_x min(p_t(x), q_t(x)), teacher-forced on the target's continuations"
+             " (q from the draft as it decodes: its int8 or int4 weights)",
     "tau": "tokens emitted per target forward, including the bonus/corrected token",
     "cost_ratio": "one-token draft forward / one-token target forward (cached), measured here",
     "verify_cost": "target forward over K+1 tokens / over 1 token, measured here",
@@ -308,12 +312,36 @@ def _measure_acceptance(target: Loaded, cands: list[Candidate], refs, cfg: PairC
     by depth, fed by itself."""
     params = SamplingParams(cfg.temperature)
     models = [c for c in cands if c.head is None]
+    runners = _acceptance_runners(target, models, refs, cfg)
     by_model = dict(zip((c.spec for c in models), measure_acceptance(
         target, [c.loaded for c in models], refs, params=params, batch_size=cfg.batch_size, progress=progress,
-        kept=[c.kept.proposes if c.kept is not None else None for c in models])))
+        kept=[c.kept.proposes if c.kept is not None else None for c in models], runners=runners)))
+    del runners
+    release_freed_memory()
     for c in cands:
         c.acc = by_model[c.spec] if c.head is None else measure_head_acceptance(
             target, c.head, refs, c.spec, params=params, depth=MAX_K, progress=progress)
+
+
+def _acceptance_runners(target: Loaded, models: list[Candidate], refs, cfg: PairConfig) -> list:
+    """For each standalone candidate, the runner its acceptance is read through: the draft with the weights it
+    decodes with (int8 or int4, `draft_runner`'s rule; whole, its pruning applied as `kept`), or None where it
+    decodes as loaded (no quantisation) or through text (another tokenizer). Candidates on one model with one
+    quantisation share a runner."""
+    max_len = max(len(p) + len(c) for p, c in zip(refs["prompt_ids"], refs["continuation_ids"])) + 1
+    t_vocab = target.tokenizer.get_vocab()
+    shared: dict[tuple[int, str], object] = {}
+    runners = []
+    for c in models:
+        q = draft_quant(c.loaded.model, spec_quant(c.spec) or cfg.draft_quant)
+        if q is None or c.loaded.tokenizer.get_vocab() != t_vocab:
+            runners.append(None)
+            continue
+        key = (id(c.loaded.model), q)
+        if key not in shared:
+            shared[key] = make_runner(c.loaded.model, max_len, quantize=q)
+        runners.append(shared[key])
+    return runners
 
 
 # --- cost and the predicted speedup ------------------------------------------------------------

@@ -289,3 +289,45 @@ def test_head_matrices_predict_the_decoders_rounds_exactly_at_temperature_zero()
     # the same rows read as a standalone draft's (depth j judged as depth 1 at s+j-1) would not predict it
     standalone = Acceptance(**{**a.__dict__, "matrices": None})
     assert any(abs(standalone.tokens_per_round(K) - a.tokens_per_round(K)) > 0.02 for K in range(2, 7))
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_a_quantised_drafts_rows_read_through_its_runner_predict_its_rounds(quant: str) -> None:
+    """A draft decodes with its int8 or int4 weights: read through that runner (`runners=`), its teacher-forced
+    rows walk to exactly the decoder's rounds with it at every K. Int4 weights disagree with the float model's
+    argmax somewhere on these rows, so its float rows (the negative control) do not predict its rounds; int8's
+    per-row weights rarely flip one on a model this small (the leaderboard test's self-draft catches them)."""
+    from decode.quant import int4_ok
+    from decode.runner import make_runner
+    from decode.speculative import KPolicy, generate
+
+    if quant == "int4" and not int4_ok():
+        pytest.skip("no int4 kernel on this CPU (AVX-512BW or AVX2)")
+    target, draft = tiny(0, layers=2, dtype=torch.float32), tiny(0, layers=1, dtype=torch.float32)
+    draft.load_state_dict(target.state_dict(), strict=False)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, EOS, (n,), generator=g).tolist() for n in (3, 6, 4, 8, 5, 7)]
+    budget = 14
+    refs = greedy_refs(target, prompts, budget)
+    t, d = loaded(target, "t"), loaded(draft, "d")
+    d_run = make_runner(draft, 64, quantize=quant)
+    [a] = measure_acceptance(t, [d], refs, progress=False, runners=[make_runner(draft, 64, quantize=quant)])
+    [as_float] = measure_acceptance(t, [d], refs, progress=False)
+    t_run = make_runner(target, 64)
+    float_off = False
+    for K in (1, 2, 3, 5):
+        forwards = tokens = 0
+        for ids, ref in zip(prompts, refs):
+            res = generate(t_run, ids, draft=d_run, max_new_tokens=budget, eos_ids=[EOS], policy=KPolicy(k=K))
+            assert res.tokens == ref["continuation_ids"]
+            forwards, tokens = forwards + res.stats.target_forwards, tokens + res.stats.new_tokens
+        assert a.tokens_per_round(K) == pytest.approx(tokens / forwards, abs=1e-12), K
+        float_off |= abs(as_float.tokens_per_round(K) - tokens / forwards) > 1e-9
+    if quant == "int4":
+        assert float_off
+
+
+def test_runners_are_one_per_draft() -> None:
+    refs = make_refs([(3, 4)])
+    with pytest.raises(Exception, match="runners: one entry per draft"):
+        measure_acceptance(loaded(tiny(0), "t"), [loaded(tiny(1), "d")], refs, progress=False, runners=[])

@@ -258,3 +258,27 @@ def test_an_int4_spec_loads_its_model_and_runs_int4_where_it_can(tmp_path: Path,
         assert any(isinstance(m, Int4Linear) for m in inner.modules()) == (quant == "int4")
     plain, _ = load_model_draft(str(tmp_path / "wide"), target)
     assert draft_runner(plain.model, None, 32, "int8", str(tmp_path / "wide"))[1] == "int8"  # negative control
+
+
+def test_an_int4_candidate_ranks_with_the_alpha_of_its_int4_weights(setup, tmp_path: Path) -> None:
+    """The target drafting for itself: whole and float it agrees everywhere (alpha 1); as `int4:` its ranking reads
+    the int4 weights it decodes with, which disagree somewhere (alpha < 1; the decoder agrees: its validated
+    rounds emit fewer than K + 1 tokens). Its head unscaled, so that its argmax has near ties to flip."""
+    from decode.quant import int4_chunk
+    from pairing.leaderboard import PairConfig, run_pair
+    from tests.pairing.test_leaderboard import tiny_tokenizer
+
+    if not int4_chunk():
+        pytest.skip("no int4 kernel on this CPU (AVX-512BW or AVX2)")
+    _, _, prompts = setup
+    target = helpers.save_tiny(tmp_path / "flat", tiny_tokenizer(), 0, vocab_size=len(WORDS) + 3, eos_id=2,
+                               bos_id=1, layers=2, max_positions=512, head_scale=1.0)
+    spec = f"int4:{target}"
+    cfg = PairConfig(candidates=[str(target), spec], prompts_per_domain=2, max_new_tokens=12, validate=2,
+                     validate_prompts=2, draft_quant=None)
+    board = run_pair(str(target), tmp_path / "board", cfg, prompts=str(prompts), progress=False)
+    rows = {c["draft"]: c for c in board["candidates"]}
+    assert rows[str(target)]["alpha"] == pytest.approx(1.0)
+    assert 0.3 < rows[spec]["alpha"] < 1.0
+    val = rows[spec]["validation"]
+    assert val["greedy_equal"] and val["mean_tau"] < val["k"] + 1
