@@ -221,6 +221,18 @@ def greedy_refs(target, prompts: list[list[int]], budget: int) -> datasets.Datas
     return datasets.Dataset.from_list(rows, info=info)
 
 
+def decoded_tokens_per_round(t_run, d_run, prompts: list[list[int]], refs, budget: int, K: int) -> float:
+    """Tokens per target forward of the decoder over `prompts` at plain K, each output checked against `refs`."""
+    from decode.speculative import KPolicy, generate
+
+    forwards = tokens = 0
+    for ids, ref in zip(prompts, refs):
+        res = generate(t_run, ids, draft=d_run, max_new_tokens=budget, eos_ids=[EOS], policy=KPolicy(k=K))
+        assert res.tokens == ref["continuation_ids"]
+        forwards, tokens = forwards + res.stats.target_forwards, tokens + res.stats.new_tokens
+    return tokens / forwards
+
+
 def test_rows_predict_the_decoders_rounds_exactly_at_temperature_zero() -> None:
     from decode.runner import make_runner
     from decode.speculative import KPolicy, generate
@@ -237,13 +249,9 @@ def test_rows_predict_the_decoders_rounds_exactly_at_temperature_zero() -> None:
     t_run, d_run = make_runner(target, 64), make_runner(draft, 64)
     checked_iid = False
     for K in (1, 2, 3, 5):
-        forwards = tokens = 0
-        for ids, ref in zip(prompts, refs):
-            res = generate(t_run, ids, draft=d_run, max_new_tokens=budget, eos_ids=[EOS], policy=KPolicy(k=K))
-            assert res.tokens == ref["continuation_ids"]
-            forwards, tokens = forwards + res.stats.target_forwards, tokens + res.stats.new_tokens
-        assert a.tokens_per_round(K) == pytest.approx(tokens / forwards, abs=1e-12)
-        checked_iid |= abs(a.expected_tau[K] - tokens / forwards) > 0.05  # the formula from alpha is not it
+        measured = decoded_tokens_per_round(t_run, d_run, prompts, refs, budget, K)
+        assert a.tokens_per_round(K) == pytest.approx(measured, abs=1e-12)
+        checked_iid |= abs(a.expected_tau[K] - measured) > 0.05  # the formula from alpha is not it
     assert checked_iid
     chat = [i for i, r in enumerate(refs) if r["domain"] == "chat"]
     assert a.tokens_per_round(2, "chat") == pytest.approx(
@@ -299,7 +307,6 @@ def test_a_quantised_drafts_rows_read_through_its_runner_predict_its_rounds(quan
     per-row weights rarely flip one on a model this small (the leaderboard test's self-draft catches them)."""
     from decode.quant import int4_ok
     from decode.runner import make_runner
-    from decode.speculative import KPolicy, generate
 
     if quant == "int4" and not int4_ok():
         pytest.skip("no int4 kernel on this CPU (AVX-512BW or AVX2)")
@@ -316,13 +323,9 @@ def test_a_quantised_drafts_rows_read_through_its_runner_predict_its_rounds(quan
     t_run = make_runner(target, 64)
     float_off = False
     for K in (1, 2, 3, 5):
-        forwards = tokens = 0
-        for ids, ref in zip(prompts, refs):
-            res = generate(t_run, ids, draft=d_run, max_new_tokens=budget, eos_ids=[EOS], policy=KPolicy(k=K))
-            assert res.tokens == ref["continuation_ids"]
-            forwards, tokens = forwards + res.stats.target_forwards, tokens + res.stats.new_tokens
-        assert a.tokens_per_round(K) == pytest.approx(tokens / forwards, abs=1e-12), K
-        float_off |= abs(as_float.tokens_per_round(K) - tokens / forwards) > 1e-9
+        measured = decoded_tokens_per_round(t_run, d_run, prompts, refs, budget, K)
+        assert a.tokens_per_round(K) == pytest.approx(measured, abs=1e-12), K
+        float_off |= abs(as_float.tokens_per_round(K) - measured) > 1e-9
     if quant == "int4":
         assert float_off
 
