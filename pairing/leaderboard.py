@@ -40,7 +40,6 @@ from decode.io import atomic_write_bytes, atomic_write_json, atomic_write_text, 
 from decode.loading import Loaded, eos_ids, load
 from decode.machine import machine_info, versions
 from decode.prompts import Prompt, load_prompts
-from decode.quant import draft_quant
 from decode.runner import make_runner
 from decode.sampling import SamplingParams
 from decode.speculative import KPolicy
@@ -50,7 +49,7 @@ from pairing.cost import (CostModel, DecoderCost, calibrate_decoder, measure_cos
                           speedup_curve)
 from pairing.derive import parse_derive_spec
 from pairing.policy import PolicyChoice, choose_policy
-from pairing.prune import KeptVocab, draft_runner, load_model_draft, spec_quant
+from pairing.prune import KeptVocab, draft_runner, load_model_draft, runner_quant
 from pairing.reference import reference_continuations
 
 MAX_K = 16
@@ -325,15 +324,15 @@ def _measure_acceptance(target: Loaded, cands: list[Candidate], refs, cfg: PairC
 
 def _acceptance_runners(target: Loaded, models: list[Candidate], refs, cfg: PairConfig) -> list:
     """For each standalone candidate, the runner its acceptance is read through: the draft with the weights it
-    decodes with (int8 or int4, `draft_runner`'s rule; whole, its pruning applied as `kept`), or None where it
-    decodes as loaded (no quantisation) or through text (another tokenizer). Candidates on one model with one
-    quantisation share a runner."""
+    decodes with (int8 or int4: `runner_quant`, as in `draft_runner`; whole, its pruning applied as `kept`), or None
+    where it decodes as loaded (no quantisation) or through text (another tokenizer). Candidates on one model with
+    one quantisation share a runner."""
     max_len = max(len(p) + len(c) for p, c in zip(refs["prompt_ids"], refs["continuation_ids"])) + 1
     t_vocab = target.tokenizer.get_vocab()
     shared: dict[tuple[int, str], object] = {}
     runners = []
     for c in models:
-        q = draft_quant(c.loaded.model, spec_quant(c.spec) or cfg.draft_quant)
+        q = runner_quant(c.loaded.model, cfg.draft_quant, c.spec)
         if q is None or c.loaded.tokenizer.get_vocab() != t_vocab:
             runners.append(None)
             continue

@@ -183,15 +183,21 @@ def is_model_draft_spec(spec: str | None) -> bool:
     return spec is not None and (spec.startswith(INT4_PREFIX) or parse_prune_spec(spec) is not None)
 
 
+def runner_quant(model, quant: str | None, spec: str = "") -> str | None:
+    """The quantisation a standalone draft decodes with: what its spec asks for (`int4:MODEL`), else `quant`, where
+    the model can take it (`decode.quant.draft_quant`), else None."""
+    return draft_quant(model, spec_quant(spec) or quant)
+
+
 def draft_runner(model, kept: KeptVocab | None, max_seq_len: int, quant: str | None,
                  spec: str = "") -> tuple[Runner, str | None]:
     """A standalone draft as the decoder runs it: int8 Linear weights where `quant` asks and the model can take
     them (`decode.quant.draft_quant`), int4 where its `spec` asks (`int4:MODEL`; int8 where this CPU has no int4
     kernel), its head cut to the kept ids when pruned. -> (runner, the quantisation)."""
-    q = draft_quant(model, spec_quant(spec) or quant)
+    q = runner_quant(model, quant, spec)
     runner = make_runner(model, max_seq_len, quantize=q)
     return (PrunedRunner(runner, kept.ids, context=kept.context) if kept is not None else runner), q
 
 
 __all__ = ["FORMAT", "KeptVocab", "PRUNE_PREFIX", "build_vocab", "draft_runner", "is_model_draft_spec",
-           "load_model_draft", "parse_prune_spec", "read_vocab", "spec_quant", "target_rows"]
+           "load_model_draft", "parse_prune_spec", "read_vocab", "runner_quant", "spec_quant", "target_rows"]
