@@ -67,6 +67,8 @@ class Kernels:
             raise OSError(f"{SOURCE.name} takes {lib.dsk_max_rows()} rows, native.py expects {MAX_ROWS}")
         self._f32, self._q8, self._q4 = lib.dsk_f32_linear, lib.dsk_q8_linear, lib.dsk_q4_linear
         self.q4_chunk = lib.dsk_q4_chunk()  # an int4 row's length must be a multiple of this (0: no int4 kernel)
+        self._q4_ahead = lib.dsk_q4_ahead
+        self._q4_ahead.restype, self._q4_ahead.argtypes = ctypes.c_int, [ctypes.c_int]
         for fn in (self._f32, self._q8, self._q4):
             fn.restype = ctypes.c_int if fn is self._q4 else None
             fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 3
@@ -105,6 +107,11 @@ class Kernels:
            0 if bias is None else bias.data_ptr(), y.data_ptr(), T, N, K)
         return y
 
+
+    def q4_ahead(self, nbytes: int = -1) -> int:
+        """The int4 kernel's prefetch distance (bytes ahead of a block's weight stream): sets it to `nbytes` where
+        given (0..1 MiB), returns the one in force. `tune_q4_ahead` chooses it per machine."""
+        return self._q4_ahead(int(nbytes))
 
     def q4_linear(self, x: Tensor, packed: Tensor, sm: Tensor, bias: Tensor | None = None, *,
                   n: int | None = None) -> Tensor:
@@ -160,6 +167,68 @@ def kernels() -> Kernels | None:
         _WHY.append("this CPU has neither AVX-512 nor AVX2 + FMA")
         return None
     return found
+
+
+Q4_AHEAD_CHOICES = (1024, 2048, 4096, 8192)  # prefetch distances `tune_q4_ahead` times (1024: the built-in one)
+Q4_AHEAD_MARGIN = 0.03  # another distance replaces the built-in one only where its median pass is this much faster
+# the timed passes: one row through int4 weights shaped like a Qwen 0.5B draft's (8 layers of fused q/k/v, o,
+# fused gate/up, down, then a 32,768-row head), about 62 MB: out of the L2 caches, as a draft step's 0.3 GB is
+_Q4_TUNE_SHAPES = [(1152, 896), (896, 896), (9728, 896), (896, 4864)] * 8 + [(32768, 896)]
+
+
+@functools.cache
+def tune_q4_ahead() -> int:
+    """The int4 kernel's prefetch distance for this machine, set on `kernels()` and returned: DRAFTSMITH_Q4_AHEAD
+    where given, else the choice saved beside the library, else timed once (`Q4_AHEAD_CHOICES`, 7 interleaved
+    passes each over `_Q4_TUNE_SHAPES`, the median pass; the built-in 1024 kept unless another is
+    `Q4_AHEAD_MARGIN` faster) and saved (`<cache>/native/q4-ahead-KEY.json`). 0 where there is no int4 kernel."""
+    import json
+    import time
+
+    from decode.errors import DraftsmithError
+    from decode.io import atomic_write_json, read_json
+    from decode.zoo import cache_dir
+
+    k = kernels()
+    if k is None or not k.q4_chunk:
+        return 0
+    fixed = os.environ.get("DRAFTSMITH_Q4_AHEAD")
+    if fixed:
+        if not fixed.isdigit() or k.q4_ahead(int(fixed)) != int(fixed):
+            raise ValueError(f"DRAFTSMITH_Q4_AHEAD must be a byte count 0..{1 << 20}, got {fixed!r}")
+        return int(fixed)
+    key = hashlib.sha256(SOURCE.read_bytes() + _cpu_flags().encode() + json.dumps(_Q4_TUNE_SHAPES).encode()
+                         + json.dumps(Q4_AHEAD_CHOICES).encode()).hexdigest()[:16]
+    path = cache_dir() / "native" / f"q4-ahead-{key}.json"
+    try:
+        saved = read_json(path, missing_ok=True, what="int4 prefetch choice")
+    except DraftsmithError:  # a damaged file: timed again and replaced
+        saved = None
+    if isinstance(saved, dict) and saved.get("ahead") in Q4_AHEAD_CHOICES:
+        return k.q4_ahead(saved["ahead"])
+    g = torch.Generator().manual_seed(0)
+    weights = [(torch.randint(0, 256, (n, kk // 2), dtype=torch.uint8, generator=g),
+                torch.full((n, kk // GROUP, 2), 0.01, dtype=torch.float16), torch.randn(1, kk, generator=g))
+               for n, kk in _Q4_TUNE_SHAPES]
+    times: dict[int, list[float]] = {b: [] for b in Q4_AHEAD_CHOICES}
+    for rep in range(8):  # the first pass warms up and is dropped
+        order = Q4_AHEAD_CHOICES[rep % len(Q4_AHEAD_CHOICES):] + Q4_AHEAD_CHOICES[:rep % len(Q4_AHEAD_CHOICES)]
+        for b in order:
+            k.q4_ahead(b)
+            start = time.perf_counter()
+            for packed, sm, x in weights:
+                k.q4_linear(x, packed, sm)
+            if rep:
+                times[b].append(time.perf_counter() - start)
+    median = {b: sorted(t)[len(t) // 2] for b, t in times.items()}
+    best = min(median, key=median.get)
+    ahead = best if median[best] < (1 - Q4_AHEAD_MARGIN) * median[Q4_AHEAD_CHOICES[0]] else Q4_AHEAD_CHOICES[0]
+    try:
+        atomic_write_json(path, {"ahead": ahead, "median_seconds": {str(b): m for b, m in median.items()},
+                                 "cpu_flags_key": key})
+    except OSError:  # a read-only cache: the choice holds for this process
+        pass
+    return k.q4_ahead(ahead)
 
 
 def why_not() -> str:

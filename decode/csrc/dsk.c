@@ -161,8 +161,9 @@ static inline vf vicvt(vi v) { return _mm256_cvtepi32_ps(v); }
 #define RB 16 /* output rows a block: the weights of 16 rows interleaved, one int32 lane each (LANES == 16) */
 #define HALVES (RB / LANES) /* AVX2 runs a block as two halves of 8 rows */
 #ifndef AHEAD4
-#define AHEAD4 1024 /* bytes ahead of the block's stream to prefetch */
+#define AHEAD4 1024 /* bytes ahead of the block's stream to prefetch, until dsk_set_q4_ahead sets another */
 #endif
+static int ahead4 = AHEAD4; /* decode/native.py times a few distances once per machine and sets the fastest */
 /* The integer dot product of 4 unsigned nibbles by 4 signed int8 inputs a lane, added to acc. */
 #if LANES == 16
 static inline vi q4dot(vi acc, vi w, vi x) {
@@ -211,7 +212,7 @@ static inline vf vload_n(const float *p, int n) {
         _Pragma("GCC unroll 16") for (int t = 0; t < T; t++) a[t] = vzero();                               \
         for (int g = 0; g < G; g++) {                                                                      \
             const uint8_t *p = wb + (size_t)g * 4 * 64;                                                    \
-            const char *pf = (const char *)p + AHEAD4;                                                     \
+            const char *pf = (const char *)p + ahead4;                                                     \
             _Pragma("GCC unroll 4") for (int o = 0; o < 4 * 64; o += 64)                                  \
                 if (pf + o < end) __builtin_prefetch(pf + o, 0, PF_HINT);                                  \
             vi lo[T], hi[T];                                                                               \
@@ -355,6 +356,11 @@ int dsk_q4_linear(const float *x, const uint8_t *w, const uint16_t *sm, const fl
 }
 
 int dsk_q4_chunk(void) { return GROUP; } /* a row's length must be a multiple of this */
+/* The int4 kernel's prefetch distance in bytes (0..1 << 20; anything else leaves it): returns the one in force. */
+int dsk_q4_ahead(int bytes) {
+    if (bytes >= 0 && bytes <= (1 << 20)) ahead4 = bytes;
+    return ahead4;
+}
 #endif
 #endif
 
@@ -363,4 +369,5 @@ int dsk_q4_linear(const float *x, const uint8_t *w, const uint16_t *sm, const fl
     return -1;
 }
 int dsk_q4_chunk(void) { return 0; }
+int dsk_q4_ahead(int bytes) { return 0; }
 #endif

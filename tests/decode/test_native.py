@@ -3,6 +3,8 @@ brute force, the int8 draft's route onto them, and the fall-back when they canno
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -151,3 +153,43 @@ def test_bad_calls_are_refused() -> None:
         KERNELS.linear(torch.randn(1, 60), torch.randn(8, 60))
     with pytest.raises(ValueError, match="scale must be"):
         KERNELS.linear(torch.randn(1, 64), torch.zeros(8, 64, dtype=torch.int8), torch.ones(7))
+
+
+@pytest.mark.skipif(KERNELS is None or not KERNELS.q4_chunk, reason="no int4 kernel here")
+def test_the_int4_prefetch_distance_is_timed_once_saved_and_never_changes_a_bit(monkeypatch, tmp_path) -> None:
+    """`tune_q4_ahead`: a choice among `Q4_AHEAD_CHOICES` saved beside the library and read back (a damaged file is
+    timed again), DRAFTSMITH_Q4_AHEAD fixes it (a bad value is refused); the kernel's output is the same bits at
+    every distance (prefetching moves no result)."""
+    from decode.quant import pack_int4
+
+    k, before = KERNELS, KERNELS.q4_ahead()
+    try:
+        assert k.q4_ahead(2048) == 2048 and k.q4_ahead() == 2048 and k.q4_ahead(1 << 21) == 2048  # out of range: kept
+        torch.manual_seed(0)
+        packed, sm = pack_int4(torch.randn(200, 256))
+        x = torch.randn(3, 256)
+        outs = []
+        for b in (0, 64, 1024, 8192):
+            k.q4_ahead(b)
+            outs.append(k.q4_linear(x, packed, sm, n=200))
+        assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+        monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path))
+        monkeypatch.delenv("DRAFTSMITH_Q4_AHEAD", raising=False)
+        tune = native.tune_q4_ahead.__wrapped__
+        chosen = tune()
+        [saved] = (tmp_path / "native").glob("q4-ahead-*.json")
+        record = json.loads(saved.read_text())
+        assert chosen == record["ahead"] == k.q4_ahead() and chosen in native.Q4_AHEAD_CHOICES
+        assert set(record["median_seconds"]) == {str(b) for b in native.Q4_AHEAD_CHOICES}
+        saved.write_text(json.dumps({**record, "ahead": 4096}))
+        assert tune() == 4096 == k.q4_ahead()  # read back, not timed again
+        saved.write_text("{")
+        assert tune() in native.Q4_AHEAD_CHOICES and json.loads(saved.read_text())["ahead"] in native.Q4_AHEAD_CHOICES
+        monkeypatch.setenv("DRAFTSMITH_Q4_AHEAD", "512")
+        assert tune() == 512 == k.q4_ahead()
+        monkeypatch.setenv("DRAFTSMITH_Q4_AHEAD", "lots")
+        with pytest.raises(ValueError, match="DRAFTSMITH_Q4_AHEAD"):
+            tune()
+    finally:
+        k.q4_ahead(before)
