@@ -28,7 +28,7 @@ from torch import Tensor
 from decode.allocator import release_freed_memory
 from decode.floor import plan_rows
 from decode.lean import LeanLM, lean_supported
-from decode.quant import quantize_int4, quantize_int8
+from decode.quant import Calibration, quantize_int4, quantize_int8
 
 
 class Runner(Protocol):
@@ -75,8 +75,10 @@ class HFRunner:
         return logits if logits.dtype == torch.float64 else logits.float()
 
 
-def make_runner(hf_model, max_seq_len: int, *, lean: bool | None = None, quantize: str | None = None) -> Runner:
-    """The fastest exact runner for `hf_model` (lean when the architecture allows, else HF's own)."""
+def make_runner(hf_model, max_seq_len: int, *, lean: bool | None = None, quantize: str | None = None,
+                calib: Calibration | None = None) -> Runner:
+    """The fastest exact runner for `hf_model` (lean when the architecture allows, else HF's own); `calib` (int4
+    only) rounds the int4 weights by GPTQ on those sequences (`decode.quant.quantize_int4`)."""
     supported, why = lean_supported(hf_model.config)
     if lean is None:
         lean = supported
@@ -90,7 +92,7 @@ def make_runner(hf_model, max_seq_len: int, *, lean: bool | None = None, quantiz
     elif quantize == "int4":
         if not lean:
             raise ValueError("int4 quantisation needs the lean runner")
-        runner = quantize_int4(runner)
+        runner = quantize_int4(runner, calib)
     elif quantize not in (None, "none"):
         raise ValueError(f"unknown quantisation {quantize!r} (choose int8, int4 or none)")
     if quantize not in (None, "none"):

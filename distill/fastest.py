@@ -10,7 +10,9 @@ where this CPU has no int4 kernel, the pruned variants prune the whole model as 
 1. The kept ids: the target's greedy continuations of dev prompts that the ranking does not use (each domain's
    prompts after the pair's own `prompts_per_domain`), generated with the base draft to go faster (exact: the
    target's own greedy text), counted (`distill.vocab.count_tokens`), one kept-ids file per size
-   (`pairing.prune.build_vocab`; ties to the lower id, which in a BPE vocabulary is the earlier merge).
+   (`pairing.prune.build_vocab`; ties to the lower id, which in a BPE vocabulary is the earlier merge). With
+   `calib` the same prompts with their answers are the int4 copy's calibration (out/calib.json):
+   `int4:BASE:calib=FILE`, its weights rounded by GPTQ on the text the draft reads (`decode.quant.gptq_groups`).
 2. The ranking: `pairing.leaderboard.run_pair` over the base and its pruned variants, with the recipe's pair
    settings (alpha teacher-forced, cost timed with one target clock for all, predicted speedups).
 3. The race (`race` > 0): the top `race` of the ranking, each at the round policy the validate stage would walk
@@ -40,10 +42,11 @@ from decode.errors import DraftsmithError
 from decode.io import atomic_write_json, atomic_write_text, read_json
 from decode.loading import Loaded, load
 from decode.prompts import Prompt, first_per_domain, load_prompts
-from decode.quant import INT4_PREFIX, int4_ok
-from distill.vocab import continuation_texts, count_tokens
+from decode.quant import CALIB_KEY, INT4_PREFIX, int4_ok, write_calib
+from distill.vocab import count_tokens
 from pairing.leaderboard import PairConfig, run_pair
 from pairing.prune import build_vocab, target_rows
+from pairing.reference import reference_continuations
 from pairing.validate import ValidateConfig, race
 
 
@@ -60,6 +63,9 @@ class FastestConfig:
     max_new_tokens: int = 96  # tokens of each counted continuation
     context_ids: bool = True  # the pruned drafts also propose the ids they have read (`decode.pruned`)
     int4: bool = True  # rank `int4:BASE` too, and prune that (where this CPU has draftsmith's int4 kernel)
+    calib: bool = False  # the int4 weights rounded by GPTQ on the counted text (`int4:BASE:calib=RUN/distill/
+    # calib.json`: each prompt with the target's answer, as the draft reads them), not to the nearest level (on the
+    # Qwen 0.5B: +0.012 agreement on chat, none on code; docs/results/pruned.md)
     race: int = 4  # the top N of the ranking decoded side by side, each at its own walked policy (0: the pair's own
     # measured speedups choose, else its predictions)
     race_prompts: int = 2  # dev prompts a domain the race times (its policies are walked on the validate stage's)
@@ -88,11 +94,19 @@ def counting_prompts(prompts: str, skip: int, n: int, limit_per_domain: int | No
 
 
 def build_vocabs(target: str, d: Loaded, prompts: list[Prompt], cfg: FastestConfig, out: Path, *,
-                 device: str = "cpu") -> dict[int, Path]:
+                 device: str = "cpu", calib: bool = False) -> tuple[dict[int, Path], Path | None]:
     """One kept-ids file per size in `out` (vocab-N.json), counted on the target's greedy continuations of
-    `prompts` (generated with `d`, the loaded base, as the draft: the same text, faster)."""
+    `prompts` (generated with `d`, the loaded base, as the draft: the same text, faster); with `calib`, those
+    prompts with their continuations as a calibration file too (out/calib.json, `decode.quant.write_calib`).
+    -> (the files by size, the calibration file or None)."""
     t = load(target, device=device)
-    counts = count_tokens(continuation_texts(t, prompts, cfg.max_new_tokens, draft=d), target_rows(t))
+    refs = reference_continuations(t, prompts, max_new_tokens=cfg.max_new_tokens, draft=d)
+    counts = count_tokens([list(c) for c in refs["continuation_ids"]], target_rows(t))
+    calib_path = None
+    if calib:
+        calib_path = write_calib(out / "calib.json", [list(p) + list(c) for p, c in
+                                                      zip(refs["prompt_ids"], refs["continuation_ids"])],
+                                 note=f"{target}'s greedy answers to {len(prompts)} dev prompts, with the prompts")
     source = {"target": target, "prompts": [p.id for p in prompts], "max_new_tokens": cfg.max_new_tokens,
               "temperature": 0.0, "tokens": int(counts.sum())}
     files = {}
@@ -100,7 +114,7 @@ def build_vocabs(target: str, d: Loaded, prompts: list[Prompt], cfg: FastestConf
         files[n] = out / f"vocab-{n}.json"
         build_vocab(counts, files[n], coverage=None, size=min(n, len(counts)), source=source,
                     context_ids=cfg.context_ids)
-    return files
+    return files, calib_path
 
 
 TIE = 0.02  # measured speedups this close to the best are a tie on a few dev prompts: alpha decides
@@ -148,8 +162,9 @@ def make_fastest(target: str, base: str, cfg: FastestConfig, pair: PairConfig, *
                               "the ranking's own; 0 would rank on all of them)")
     count_on = counting_prompts(prompts, pair.prompts_per_domain, cfg.prompts_per_domain, limit_per_domain)
     base_model = load(base, device=device)
-    files = build_vocabs(target, base_model, count_on, cfg, out, device=device)
-    pruned = f"{INT4_PREFIX}{base}" if cfg.int4 and int4_ok(base_model.model) else base
+    int4 = cfg.int4 and int4_ok(base_model.model)
+    files, calib = build_vocabs(target, base_model, count_on, cfg, out, device=device, calib=int4 and cfg.calib)
+    pruned = f"{INT4_PREFIX}{base}{f'{CALIB_KEY}{calib}' if calib else ''}" if int4 else base
     del base_model
     candidates = [base] + ([pruned] if pruned != base else []) + [f"prune:{pruned}:vocab={p}" for p in files.values()]
     board = run_pair(target, out / "ranking", dataclasses.replace(pair, candidates=candidates), prompts=prompts,

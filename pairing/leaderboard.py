@@ -49,7 +49,7 @@ from pairing.cost import (CostModel, DecoderCost, calibrate_decoder, measure_cos
                           speedup_curve)
 from pairing.derive import parse_derive_spec
 from pairing.policy import PolicyChoice, choose_policy
-from pairing.prune import KeptVocab, draft_runner, load_model_draft, runner_quant
+from pairing.prune import KeptVocab, draft_runner, load_model_draft, runner_quant, spec_calib
 from pairing.reference import reference_continuations
 
 MAX_K = 16
@@ -329,16 +329,17 @@ def _acceptance_runners(target: Loaded, models: list[Candidate], refs, cfg: Pair
     one quantisation share a runner."""
     max_len = max(len(p) + len(c) for p, c in zip(refs["prompt_ids"], refs["continuation_ids"])) + 1
     t_vocab = target.tokenizer.get_vocab()
-    shared: dict[tuple[int, str], object] = {}
+    shared: dict[tuple, object] = {}
     runners = []
     for c in models:
         q = runner_quant(c.loaded.model, cfg.draft_quant, c.spec)
         if q is None or c.loaded.tokenizer.get_vocab() != t_vocab:
             runners.append(None)
             continue
-        key = (id(c.loaded.model), q)
+        calib = spec_calib(c.spec) if q == "int4" else None
+        key = (id(c.loaded.model), q, None if calib is None else calib.key)
         if key not in shared:
-            shared[key] = make_runner(c.loaded.model, max_len, quantize=q)
+            shared[key] = make_runner(c.loaded.model, max_len, quantize=q, calib=calib)
         runners.append(shared[key])
     return runners
 

@@ -34,7 +34,7 @@ from decode.io import atomic_write_json, read_json
 from decode.loading import Loaded, load
 from decode.pair import check_vocab
 from decode.pruned import Proposes, PrunedRunner, coverage_size, vocab_ids
-from decode.quant import INT4_PREFIX, draft_quant, split_quant
+from decode.quant import INT4_PREFIX, Calibration, draft_quant, read_calib, split_calib, split_quant
 from decode.runner import Runner, make_runner
 from pairing.derive import resolve_candidate
 
@@ -151,7 +151,8 @@ def load_model_draft(spec: str, target: Loaded, device: str = "cpu",
     its pruned variants holds one copy of MODEL's weights, not one a variant (the decoder never changes them)."""
 
     def model(name: str) -> Loaded:
-        key = (resolve_candidate(split_quant(name)[0]), device)  # int4:MODEL loads MODEL (`draft_runner` packs it)
+        key = (resolve_candidate(split_quant(split_calib(name)[0])[0]), device)  # int4:MODEL loads MODEL
+        # (`draft_runner` packs it)
         if shared is None:
             return replace(load(key[0], device=device), name=spec)
         if key not in shared:
@@ -159,6 +160,7 @@ def load_model_draft(spec: str, target: Loaded, device: str = "cpu",
         return replace(shared[key], name=spec)
 
     parsed = parse_prune_spec(spec)
+    spec_calib(spec)  # a bad calibration file fails before a model is loaded
     if parsed is None:
         return model(spec), None
     model_spec, vocab_path = parsed
@@ -178,6 +180,13 @@ def spec_quant(spec: str) -> str | None:
     return split_quant(parsed[0] if parsed else spec)[1]
 
 
+def spec_calib(spec: str) -> Calibration | None:
+    """The calibration a draft spec names (`int4:MODEL:calib=FILE`, pruned or not; `read_calib`), else None."""
+    parsed = parse_prune_spec(spec)
+    path = split_calib(parsed[0] if parsed else spec)[1]
+    return None if path is None else read_calib(path)
+
+
 def is_model_draft_spec(spec: str | None) -> bool:
     """Whether `spec` names a standalone draft that `load_model_draft` must open (pruned or int4), not a plain model."""
     return spec is not None and (spec.startswith(INT4_PREFIX) or parse_prune_spec(spec) is not None)
@@ -192,12 +201,12 @@ def runner_quant(model, quant: str | None, spec: str = "") -> str | None:
 def draft_runner(model, kept: KeptVocab | None, max_seq_len: int, quant: str | None,
                  spec: str = "") -> tuple[Runner, str | None]:
     """A standalone draft as the decoder runs it: int8 Linear weights where `quant` asks and the model can take
-    them (`decode.quant.draft_quant`), int4 where its `spec` asks (`int4:MODEL`; int8 where this CPU has no int4
-    kernel), its head cut to the kept ids when pruned. -> (runner, the quantisation)."""
+    them (`decode.quant.draft_quant`), int4 where its `spec` asks (`int4:MODEL`, GPTQ-rounded on FILE's text with
+    `int4:MODEL:calib=FILE`; int8 where this CPU has no int4 kernel), its head cut to the kept ids when pruned. -> (runner, the quantisation)."""
     q = runner_quant(model, quant, spec)
-    runner = make_runner(model, max_seq_len, quantize=q)
+    runner = make_runner(model, max_seq_len, quantize=q, calib=spec_calib(spec) if q == "int4" else None)
     return (PrunedRunner(runner, kept.ids, context=kept.context) if kept is not None else runner), q
 
 
 __all__ = ["FORMAT", "KeptVocab", "PRUNE_PREFIX", "build_vocab", "draft_runner", "is_model_draft_spec",
-           "load_model_draft", "parse_prune_spec", "read_vocab", "runner_quant", "spec_quant", "target_rows"]
+           "load_model_draft", "parse_prune_spec", "read_vocab", "runner_quant", "spec_calib", "spec_quant", "target_rows"]

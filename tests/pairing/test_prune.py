@@ -282,3 +282,17 @@ def test_an_int4_candidate_ranks_with_the_alpha_of_its_int4_weights(setup, tmp_p
     assert 0.3 < rows[spec]["alpha"] < 1.0
     val = rows[spec]["validation"]
     assert val["greedy_equal"] and val["mean_tau"] < val["k"] + 1
+
+
+def test_a_calibrated_int4_spec_names_its_file_pruned_or_not(tmp_path) -> None:
+    from decode.quant import write_calib
+    from pairing.prune import spec_calib, spec_quant
+
+    path = write_calib(tmp_path / "calib.json", [[1, 2, 3]])
+    for spec in (f"int4:m:calib={path}", f"prune:int4:m:calib={path}:vocab=kept.json"):
+        assert spec_calib(spec).sequences == ((1, 2, 3),) and spec_quant(spec) == "int4"
+    assert spec_calib("int4:m") is None and spec_calib("prune:int4:m:vocab=kept.json") is None
+    with pytest.raises(DraftsmithError, match="no such calibration file"):
+        spec_calib(f"int4:m:calib={tmp_path / 'none.json'}")
+    with pytest.raises(DraftsmithError, match="int4:MODEL:calib=FILE"):
+        spec_calib(f"prune:m:calib={path}:vocab=kept.json")

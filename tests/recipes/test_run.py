@@ -391,7 +391,7 @@ def test_a_fastest_recipe_ranks_pruned_variants_and_writes_the_winner(world: dic
         "pair": {"candidates": [str(base)], "prompts_per_domain": 2, "max_new_tokens": 8, "draft_quant": None,
                  "calibrate_prompts": 0, "validate": 2, "validate_prompts": 1},
         "distill": {"draft": "fastest", "eval_per_domain": 2},
-        "fastest": {"sizes": [6, 20], "prompts_per_domain": 2, "max_new_tokens": 8},
+        "fastest": {"sizes": [6, 20], "prompts_per_domain": 2, "max_new_tokens": 8, "calib": True},
         "validate": {"prompts_per_domain": 1, "max_new_tokens": 8, "max_k": 3, "draft_quant": None},
     }
     path = root / "tiny-fastest.yaml"
@@ -403,6 +403,10 @@ def test_a_fastest_recipe_ranks_pruned_variants_and_writes_the_winner(world: dic
     int4 = bool(int4_chunk())  # the tiny models' rows (32 wide) take draftsmith's int4 kernel where it is built
     assert made["base"] == str(base) and len(made["ranking"]) == 3 + int4  # whole, [int4,] two pruned variants
     assert any(r["draft"].startswith("int4:") for r in made["ranking"]) == int4
+    # the int4 copy (and the pruned variants of it) GPTQ-rounded on the counted prompts and answers
+    calib = out / "distill" / "calib.json"
+    assert calib.is_file() == int4 and all(f"int4:{base}:calib={calib}" in r["draft"]
+                                           for r in made["ranking"] if "int4:" in r["draft"])
     assert len(made["counted_prompts"]) == 4  # prompts 3-4 of each domain: the ranking reads 1-2
     # all of them raced side by side, each at its own walked policy, on dev prompts, beside the whole model at its
     # ranking's K (the reference validate times); the one whose worst domain ran fastest over it won
