@@ -19,8 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "scripts"
 PACKAGES = ("decode", "pairing", "distill", "recipes")
 WORDS = "the a of to and in is it that for on with as was be by this are or at from code data list sort print".split()
-TESTED = {"allocator_bench.py", "distill_table.py", "draft_agreement.py", "head_data_bench.py", "head_train_bench.py",
-          "linear_bench.py", "native_bench.py"}
+TESTED = {"allocator_bench.py", "distill_table.py", "draft_agreement.py", "gptq_agreement.py", "head_data_bench.py",
+          "head_train_bench.py", "linear_bench.py", "native_bench.py", "q4_prefetch.py"}
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +84,31 @@ def test_draft_agreement(world: dict, tmp_path: Path) -> None:
     result = read_result(tmp_path / "agreement.json")
     assert list(result["variants"]) == variants
     assert result["variants"]["float"]["by_domain"]["code"]["rate"] == 1.0  # the target against itself
+
+
+def test_gptq_agreement(world: dict, tmp_path: Path) -> None:
+    from decode.quant import int4_ok
+
+    if not int4_ok():
+        pytest.skip("no int4 kernel here")
+    run_script(world, "gptq_agreement.py", "--target", world["target"], "--draft", world["target"], "--prompts",
+               world["prompts"], "--calib-skip", "1", "--calib-per-domain", "1", "--calib-tokens", "4", "--skip", "2",
+               "--max-new-tokens", "4", "--out", str(tmp_path))
+    result = read_result(tmp_path / "gptq-agreement.json")
+    assert list(result["drafts"]) == ["int4", "int4 GPTQ", "int8"] and len(result["measured_on"]) == 2
+    assert not set(result["calibrated_on"]) & set(result["measured_on"])
+
+
+def test_q4_prefetch(world: dict, tmp_path: Path) -> None:
+    from decode.quant import int4_ok
+
+    if not int4_ok():
+        pytest.skip("no int4 kernel here")
+    run_script(world, "q4_prefetch.py", "--draft", world["target"], "--context", "8", "--steps", "2", "--passes", "1",
+               "--out", str(tmp_path))
+    result = read_result(tmp_path / "q4-prefetch.json")
+    assert result["chosen"] in (1024, 2048, 4096, 8192) and set(result["step_ms_median"]) == {"1024", "2048", "4096",
+                                                                                               "8192"}
 
 
 def test_head_data_bench(world: dict, tmp_path: Path) -> None:
