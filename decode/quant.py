@@ -377,14 +377,18 @@ def quantize_int4(runner: Runner, calib: Calibration | None = None) -> Runner:
         raise ValueError(f"int4 drafts need draftsmith's kernel: {native.why_not()}")
     native.tune_q4_ahead()  # the kernel's prefetch distance for this machine (timed once, saved)
     runner = _fused_copy(runner, "int4")
-    linears = {name: m for name, m in runner.named_modules() if type(m) is nn.Linear}
-    packed = calibrated_int4(runner, linears, calib) if calib is not None else {}
-    for module_name, module in list(runner.named_modules()):
-        for child_name, child in list(module.named_children()):
-            if type(child) is nn.Linear:
-                name = f"{module_name}.{child_name}" if module_name else child_name
-                setattr(module, child_name, Int4Linear(child, packed=packed.get(name)))
+    places = _linear_places(runner)
+    packed = calibrated_int4(runner, places, calib) if calib is not None else {}
+    for parent, child_name, name in places:
+        setattr(parent, child_name, Int4Linear(getattr(parent, child_name), packed=packed.get(name)))
     return runner
+
+
+def _linear_places(module: nn.Module) -> list[tuple[nn.Module, str, str]]:
+    """Every plain nn.Linear under `module` as (its parent, its attribute there, its full name)."""
+    return [(parent, child_name, f"{parent_name}.{child_name}" if parent_name else child_name)
+            for parent_name, parent in module.named_modules() for child_name, child in parent.named_children()
+            if type(child) is nn.Linear]
 
 
 # --- calibration: GPTQ on token sequences ----------------------------------------------------------------
@@ -456,9 +460,10 @@ class _Recording(nn.Module):
         return torch.nn.functional.linear(x, self.linear.weight, self.linear.bias)
 
 
-def _hessians(runner: nn.Module, linears: dict[str, nn.Linear], calib: Calibration) -> dict[str, Tensor]:
+def _hessians(runner: nn.Module, places: list[tuple[nn.Module, str, str]], calib: Calibration) -> dict[str, Tensor]:
     """Each Linear's inputs over the calibration sequences (each from position 0, cut to the runner's length and to
     CALIB_MAX_TOKENS in all): their Hessian sum x x^T (K, K) float64, or for K > _KEEP_INPUTS the inputs (n, K)."""
+    linears = {name: getattr(parent, child_name) for parent, child_name, name in places}
     vocab = runner.vocab_size
     if max(max(s) for s in calib.sequences) >= vocab:
         raise DraftsmithError(f"{calib.source or 'calibration'}: token ids beyond the draft's vocabulary ({vocab})")
@@ -474,9 +479,6 @@ def _hessians(runner: nn.Module, linears: dict[str, nn.Linear], calib: Calibrati
                 kept[name].append(x.float().clone())
         return f
 
-    places = [(parent, child_name, f"{parent_name}.{child_name}" if parent_name else child_name)
-              for parent_name, parent in runner.named_modules() for child_name, child in parent.named_children()
-              if type(child) is nn.Linear]
     try:
         for parent, child_name, name in places:
             setattr(parent, child_name, _Recording(getattr(parent, child_name), record(name)))
@@ -497,14 +499,17 @@ def _hessians(runner: nn.Module, linears: dict[str, nn.Linear], calib: Calibrati
     return {**small, **{n: torch.cat(xs) if xs else torch.zeros(0, linears[n].in_features) for n, xs in kept.items()}}
 
 
-def calibrated_int4(runner: nn.Module, linears: dict[str, nn.Linear], calib: Calibration) -> dict[str, tuple]:
-    """{Linear name: its GPTQ (packed, sm)} for a lean runner's fused float copy, from the cache when there
+def calibrated_int4(runner: nn.Module, places: list[tuple[nn.Module, str, str]],
+                    calib: Calibration) -> dict[str, tuple]:
+    """{Linear name: its GPTQ (packed, sm)} for a lean runner's fused float copy (its Linears at `places`,
+    `_linear_places`), from the cache when there
     (`<cache>/derived/int4-gptq/KEY.safetensors`, KEY over the weights and the calibration), else computed (a Qwen
     0.5B on ~2,000 tokens: about a minute on 2 cores) and saved for the next runner."""
     from safetensors.torch import load_file, save_file
 
     from decode.zoo import cache_dir
 
+    linears = {name: getattr(parent, child_name) for parent, child_name, name in places}
     key = hashlib.sha256(f"{GPTQ_VERSION}:{GPTQ_DAMP}:{CALIB_MAX_TOKENS}:{_fingerprint(linears)}:{calib.key}"
                          .encode()).hexdigest()[:32]
     path = cache_dir() / "derived" / "int4-gptq" / f"{key}.safetensors"
@@ -517,7 +522,7 @@ def calibrated_int4(runner: nn.Module, linears: dict[str, nn.Linear], calib: Cal
                 return out
         except Exception:  # a damaged or foreign file: computed again and replaced
             pass
-    stats = _hessians(runner, linears, calib)
+    stats = _hessians(runner, places, calib)
     out = {}
     for name, m in linears.items():
         s = stats.pop(name)

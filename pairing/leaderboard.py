@@ -49,7 +49,7 @@ from pairing.cost import (CostModel, DecoderCost, calibrate_decoder, measure_cos
                           speedup_curve)
 from pairing.derive import parse_derive_spec
 from pairing.policy import PolicyChoice, choose_policy
-from pairing.prune import KeptVocab, draft_runner, load_model_draft, runner_quant, spec_calib
+from pairing.prune import KeptVocab, draft_runner, load_model_draft, runner_calib, runner_quant
 from pairing.reference import reference_continuations
 
 MAX_K = 16
@@ -336,7 +336,7 @@ def _acceptance_runners(target: Loaded, models: list[Candidate], refs, cfg: Pair
         if q is None or c.loaded.tokenizer.get_vocab() != t_vocab:
             runners.append(None)
             continue
-        calib = spec_calib(c.spec) if q == "int4" else None
+        calib = runner_calib(q, c.spec)
         key = (id(c.loaded.model), q, None if calib is None else calib.key)
         if key not in shared:
             shared[key] = make_runner(c.loaded.model, max_len, quantize=q, calib=calib)

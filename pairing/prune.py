@@ -198,15 +198,23 @@ def runner_quant(model, quant: str | None, spec: str = "") -> str | None:
     return draft_quant(model, spec_quant(spec) or quant)
 
 
+def runner_calib(quant: str | None, spec: str) -> Calibration | None:
+    """The calibration a standalone draft's runner is built with: its spec's (`spec_calib`) where it decodes int4
+    (`runner_quant`'s answer `quant`), else None (an int8 fallback rounds as ever)."""
+    return spec_calib(spec) if quant == "int4" else None
+
+
 def draft_runner(model, kept: KeptVocab | None, max_seq_len: int, quant: str | None,
                  spec: str = "") -> tuple[Runner, str | None]:
     """A standalone draft as the decoder runs it: int8 Linear weights where `quant` asks and the model can take
     them (`decode.quant.draft_quant`), int4 where its `spec` asks (`int4:MODEL`, GPTQ-rounded on FILE's text with
-    `int4:MODEL:calib=FILE`; int8 where this CPU has no int4 kernel), its head cut to the kept ids when pruned. -> (runner, the quantisation)."""
+    `int4:MODEL:calib=FILE`; int8 where this CPU has no int4 kernel), its head cut to the kept ids when pruned.
+    -> (runner, the quantisation)."""
     q = runner_quant(model, quant, spec)
-    runner = make_runner(model, max_seq_len, quantize=q, calib=spec_calib(spec) if q == "int4" else None)
+    runner = make_runner(model, max_seq_len, quantize=q, calib=runner_calib(q, spec))
     return (PrunedRunner(runner, kept.ids, context=kept.context) if kept is not None else runner), q
 
 
 __all__ = ["FORMAT", "KeptVocab", "PRUNE_PREFIX", "build_vocab", "draft_runner", "is_model_draft_spec",
-           "load_model_draft", "parse_prune_spec", "read_vocab", "runner_quant", "spec_calib", "spec_quant", "target_rows"]
+           "load_model_draft", "parse_prune_spec", "read_vocab", "runner_calib", "runner_quant", "spec_calib",
+           "spec_quant", "target_rows"]
