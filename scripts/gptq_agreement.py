@@ -46,11 +46,12 @@ def main() -> None:
     counted = counting_prompts(args.prompts, args.calib_skip, args.calib_per_domain)
     cal_refs = reference_continuations(target, counted, max_new_tokens=args.calib_tokens, draft=draft,
                                        progress=False)
-    calib_file = Path(tempfile.mkdtemp()) / "calib.json"
-    write_calib(calib_file, [list(p) + list(c) for p, c in zip(cal_refs["prompt_ids"], cal_refs["continuation_ids"])])
-    calib = read_calib(calib_file)
-    first = {p.id for p in first_per_domain(load_prompts(args.prompts), args.skip)}
-    prompts = [p for p in load_prompts(args.prompts) if p.id not in first]
+    with tempfile.TemporaryDirectory() as tmp:  # through the file format the int4:MODEL:calib=FILE spec reads
+        calib = read_calib(write_calib(Path(tmp) / "calib.json", [
+            list(p) + list(c) for p, c in zip(cal_refs["prompt_ids"], cal_refs["continuation_ids"])]))
+    suite = load_prompts(args.prompts)
+    first = {p.id for p in first_per_domain(suite, args.skip)}
+    prompts = [p for p in suite if p.id not in first]
     refs = reference_continuations(target, prompts, max_new_tokens=args.max_new_tokens, draft=draft, progress=False)
     max_len = max(len(p) + len(c) for p, c in zip(refs["prompt_ids"], refs["continuation_ids"])) + 16
     rows = {}
