@@ -69,8 +69,8 @@ class FastestConfig:
     race: int = 4  # the top N of the ranking decoded side by side, each at its own walked policy (0: the pair's own
     # measured speedups choose, else its predictions)
     race_prompts: int = 2  # dev prompts a domain the race times (its policies are walked on the validate stage's)
-    race_reference: bool = True  # the base at its ranking's K decodes in the race too, and the winner is the draft
-    # whose worst domain runs fastest over it (what validate measures), not the fastest over all prompts
+    race_reference: bool = True  # the base races too (at its own walked policy, as every raced draft), and the
+    # winner is the draft whose worst domain runs fastest over it (what validate measures), not the fastest overall
 
     def __post_init__(self) -> None:
         if not self.sizes or any(n < 1 for n in self.sizes):
@@ -142,8 +142,9 @@ def raced(board: dict, result: dict) -> dict:
     worst domain's speedup over it from `race`'s result, every other candidate's cleared: `winner` then chooses
     among the raced."""
     by = result["drafts"]
-    keys = ("measured_speedup", "policy", "worst_over_reference")
-    rows = [{**c, **{k: by[c["draft"]].get(k) if c["draft"] in by else None for k in keys}}
+    keys = ("measured_speedup", "policy", "worst_over_reference", "over_reference")
+    rows = [{**c, **{k: by[c["draft"]].get(k) if c["draft"] in by else None for k in keys},
+             "policy_predicted": by[c["draft"]].get("predicted_speedup") if c["draft"] in by else None}
             for c in board["candidates"]]
     return {**board, "candidates": rows}
 
@@ -173,10 +174,12 @@ def make_fastest(target: str, base: str, cfg: FastestConfig, pair: PairConfig, *
     if cfg.race and dev:
         release_freed_memory()  # the ranking's copies, before the race opens its own
         top = [c["draft"] for c in board["candidates"] if c["compatible"]][: cfg.race]
-        reference = (base, base_k) if cfg.race_reference else None
+        reference = base if cfg.race_reference else None
+        if reference and reference not in top:  # the stock draft always races: the baseline, at its walked policy
+            top = [reference] + top[: cfg.race - 1] if cfg.race > 1 else [reference]
         result = read_json(out / "race.json", missing_ok=True, what="race result")
-        had = (result or {}).get("reference")
-        same_reference = (had["draft"], had["k"]) == reference if had else reference is None
+        had = ((result or {}).get("reference") or {})
+        same_reference = had.get("draft") == reference and had.get("policy", "walked") == "walked"
         if result is None or sorted(result["drafts"]) != sorted(top) or not same_reference:
             result = race(target, top, dev, validate or ValidateConfig(), out=out / "race.json",
                           timed_per_domain=cfg.race_prompts, reference=reference, device=device)
@@ -188,9 +191,11 @@ def make_fastest(target: str, base: str, cfg: FastestConfig, pair: PairConfig, *
               "predicted_speedup": best["predicted_speedup"], "vocab_files": {str(n): str(p) for n, p in files.items()},
               "counted_prompts": [p.id for p in count_on],
               "ranking": [{k: c.get(k) for k in ("draft", "alpha", "best_k", "predicted_speedup", "measured_speedup",
-                                                 "policy", "worst_over_reference")}
+                                                 "policy", "policy_predicted", "worst_over_reference",
+                                                 "over_reference")}
                           for c in board["candidates"]],
-              "chosen_by": ("race, worst domain over the base" if best.get("worst_over_reference") is not None else
+              "chosen_by": ("race, worst domain over the base at its walked policy"
+                            if best.get("worst_over_reference") is not None else
                             "race" if any(c.get("policy") for c in board["candidates"]) else "ranking")}
     atomic_write_json(out / "fastest.json", result)
     return result

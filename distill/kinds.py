@@ -247,7 +247,7 @@ class Head:
 class Fastest:
     """The fastest standalone draft: a whole model (`fastest.base`, or the pair stage's top whole model) beside its
     vocabulary-pruned variants, ranked on dev prompts (`distill.fastest`); nothing is trained. Validation times
-    the winner beside the whole model, each at its own K."""
+    the ladder from the stock draft at plain K to the winner, each rung at the policy the race walked for it."""
 
     name = FASTEST
 
@@ -273,23 +273,44 @@ class Fastest:
         return {"draft": result["draft"], "alpha": result["alpha"], "measured_speedup": result["measured_speedup"]}
 
     def validation(self, ctx: RunContext) -> list[DraftUnderTest]:
+        """The ladder (`pairing.ladder`): the stock draft as loaded at its ranking's plain K, then at its walked
+        policy, then its int4 copy, then the best raced pruned variant, each at the policy the race walked for it on
+        the dev prompts (the same search for all). The pick is `draft_after`, the stock at its walked policy
+        `draft_before`: the fair baseline (the same policy search; what differs is int4 weights and pruning)."""
         made = read_json(ctx.folders["distill"] / "fastest.json", missing_ok=True, what="fastest result")
         if made is None:
             raise DraftsmithError("validate: no ranked drafts here; run the distill stage first")
         ranked = {row["draft"]: row for row in made["ranking"]}
-        base = made["base"]
-        stock = DraftUnderTest("draft_before", base, label=f"whole model ({base}), K = {made['base_k']}",
-                               k=made["base_k"])
-        raced = ranked[made["draft"]].get("policy")  # the policy the race walked for it: served as raced
-        policy = policy_from_dict(raced) if raced else None
-        if made["draft"] == base:  # the whole model won: beside itself at its ranking's K, its rounds walked
-            return [stock, DraftUnderTest("draft_after", base, label="whole model, rounds chosen on dev prompts",
-                                          alpha=ranked[base]["alpha"], chooses=True, walk=True, policy=policy)]
-        size = next((n for n, path in made["vocab_files"].items() if made["draft"].endswith(f"vocab={path}")), None)
-        int4 = "int4 " if spec_quant(made["draft"]) == "int4" else ""
-        label = f"{int4}{base} pruned to {size} ids" if size else f"{int4}{base}" if int4 else "pruned"
-        return [stock, DraftUnderTest("draft_after", made["draft"], label=label, alpha=made["alpha"], chooses=True,
-                                      walk=True, policy=policy)]
+        base, pick, k = made["base"], made["draft"], made["base_k"]
+        if not ranked[base].get("policy"):
+            raise DraftsmithError("validate: the stock draft has no raced policy in distill/fastest.json (an older "
+                                  "run?); rerun with --restart distill")
+
+        def rung(spec: str, name: str, step: str, label: str) -> DraftUnderTest:
+            row = ranked[spec]
+            return DraftUnderTest(name, spec, label=label, alpha=row["alpha"], chooses=spec == pick, walk=True,
+                                  policy=policy_from_dict(row["policy"]), step=step,
+                                  predicted=row.get("policy_predicted"))
+
+        stock = base.rsplit("/", 1)[-1]
+        q = ctx.validate.draft_quant if ctx.validate else "int8"
+        rungs = [DraftUnderTest("stock_plain", base, label=f"stock {stock} ({q or 'float32'}), plain K = {k}", k=k,
+                                alpha=ranked[base]["alpha"], step=f"stock {stock} as loaded, plain K = {k}",
+                                predicted=ranked[base].get("predicted_speedup")),
+                 rung(base, "draft_before", "its walked policy", f"stock {stock} at its walked policy")]
+        size = {spec: n for spec in ranked for n, path in made["vocab_files"].items() if spec.endswith(f"vocab={path}")}
+        int4 = [s for s in ranked if s not in size and s != base and spec_quant(s) == "int4" and ranked[s].get("policy")]
+        for s in int4[:1]:
+            rungs.append(rung(s, "draft_after" if s == pick else "int4", "int4 weights", f"int4 {stock}"))
+        pruned = sorted((s for s in size if ranked[s].get("policy")), key=lambda s: (s != pick, -(
+            ranked[s].get("worst_over_reference") or ranked[s].get("measured_speedup") or 0)))
+        for s in pruned[:1]:
+            four = "int4 " if spec_quant(s) == "int4" else ""
+            rungs.append(rung(s, "draft_after" if s == pick else "pruned", f"vocabulary pruned to {size[s]} ids",
+                              f"{four}{stock} pruned to {size[s]} ids"))
+        if pick != base and not any(d.name == "draft_after" for d in rungs):
+            raise DraftsmithError(f"validate: the pick {pick} is neither the int4 copy nor a pruned variant")
+        return rungs
 
     def export(self, ctx: RunContext) -> dict:
         raise DraftsmithError("export: an int4 or vocabulary-pruned draft runs in draftsmith's decoder only (no "

@@ -18,6 +18,8 @@ target's greedy output is refused after its numbers are written (the decoder's c
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +38,7 @@ from decode.machine import machine_info, versions
 from decode.textgen import prompt_ids
 from pairing.cost import COST_CONTEXT, calibrate_decoder, measure_cost
 from pairing.head_rounds import depth_records, standalone_records
+from pairing.ladder import Rung, ladder
 from pairing.leaderboard import HEAD_PREFIX, load_head_candidate
 from pairing.prune import draft_runner, load_model_draft
 from pairing.reference import reference_continuations
@@ -75,9 +78,6 @@ class ValidateConfig:
             raise ValueError(f"draft_quant must be int8 or null, got {self.draft_quant!r}")
 
 
-REFERENCE = "reference"  # the race's fixed-K reference decoder's name in its validation
-
-
 @dataclass
 class DraftUnderTest:
     """One draft to time. Evidence for choosing its policy, any of: `alpha` (teacher-forced, i.i.d. rounds),
@@ -95,8 +95,10 @@ class DraftUnderTest:
     walk: bool = False  # a standalone chooser: walk its rounds on the target's greedy answers to the dev prompts
     # (`standalone_records`) for K, a stop threshold and sibling rounds (with `ValidateConfig.gate`)
     refs: list[tuple[list[int], list[int]]] | None = None  # those answers (prompt ids, continuation), set by validate
-    policy: KPolicy | None = None  # a chooser's policy already chosen on the dev prompts (the `fastest` kind's race,
-    # walked as validate walks it): served as is, nothing timed to choose it
+    policy: KPolicy | None = None  # a policy already chosen on the dev prompts (the `fastest` kind's race, walked as
+    # validate walks it): a chooser serves it as is, nothing timed to choose it; any other draft runs it
+    step: str | None = None  # a rung of the ladder (`pairing.ladder`): what it changes over the draft listed before it
+    predicted: float | None = None  # its predicted speedup over the target alone (dev-prompt evidence), for the ladder
 
 
 @dataclass
@@ -164,11 +166,19 @@ class ValidationResult:
             "prompt_roles": self.roles, "in_sample": self.roles.get("timed_split", "").startswith("dev"),
             "machine": machine_info(), "versions": versions(),
         }
+        rungs = [Rung(d.name, d.step, d.predicted) for d in self.drafts if d.step is not None]
+        if rungs:
+            out["ladder"] = ladder(self.validation, rungs)
         tps = self.validation.tok_per_s
         if "draft_before" in tps and "draft_after" in tps:
             out["speedup_after_vs_before"] = tps["draft_after"] / tps["draft_before"]
             out["after_vs_before"] = after_vs_before(self.validation)
         return out
+
+
+def prompts_hash(prompts: list[Prompt]) -> str:
+    """sha256 of the prompts' ids and texts, in order: which prompts a number was timed on, checkable later."""
+    return hashlib.sha256(json.dumps([[p.id, p.prompt] for p in prompts]).encode()).hexdigest()
 
 
 def after_vs_before(val: Validation) -> dict:
@@ -269,12 +279,14 @@ def validate(target_spec: str, drafts: list[DraftUnderTest], dev: list[Prompt], 
             refs = reference_continuations(target, dev, max_new_tokens=cfg.max_new_tokens)
             chooser.refs = [(list(r["prompt_ids"]), list(r["continuation_ids"])) for r in refs]
         choice, cost = _choose(chooser, opened[chooser.name], t_run, dev_ids, cfg, eos, device)
-    policies = {d.name: (KPolicy(k=d.k, k_max=max(16, d.k)) if d.k else choice.policy) for d in drafts}
+    policies = {d.name: (KPolicy(k=d.k, k_max=max(16, d.k)) if d.k else d.policy if d.policy and not d.chooses
+                         else choice.policy) for d in drafts}
     val = validate_drafts(t_run, {n: o.runner for n, o in opened.items()}, ids, k=choice.k, policies=policies,
                           max_new_tokens=cfg.max_new_tokens, eos_ids=eos, names=[p.id for p in timed],
                           device=device, repeats=cfg.repeats, groups=[p.domain for p in timed])
     roles = {"chosen_on": [p.id for p in dev], "timed_on": [p.id for p in timed],
-             "timed_split": test_source if test else "dev (no test prompts for this source: in-sample)"}
+             "timed_split": test_source if test else "dev (no test prompts for this source: in-sample)",
+             "timed_sha256": prompts_hash(timed)}
     result = ValidationResult(target_spec, drafts, val, policies, choice, {n: o.quant for n, o in opened.items()},
                               cost, kind, roles)
     atomic_write_json(out, result.to_dict())
@@ -286,27 +298,29 @@ def validate(target_spec: str, drafts: list[DraftUnderTest], dev: list[Prompt], 
 
 @torch.no_grad()
 def race(target_spec: str, specs: list[str], dev: list[Prompt], cfg: ValidateConfig, *, out: Path,
-         timed_per_domain: int = 2, reference: tuple[str, int] | None = None, device: str = "cpu") -> dict:
+         timed_per_domain: int = 2, reference: str | None = None, device: str = "cpu") -> dict:
     """Standalone drafts each at its own round policy, decoded side by side: how the `fastest` kind chooses.
 
     Each draft's policy is walked on its own rounds over the target's greedy answers to the first
     `cfg.prompts_per_domain` `dev` prompts of each domain, as the validate stage walks the one it serves (K, a
     stop threshold, sibling rounds, lookup tokens; the round cost timed in the decoder, the target's v(K) shape
     timed once for all); then the target alone and every draft at its policy decode the first `timed_per_domain`
-    of them, `cfg.repeats` interleaved passes. Dev prompts only: this chooses. `reference` (spec, K): that draft
-    at fixed K decodes beside them (what validate times the winner against), and each draft's tokens/s over it is
-    recorded per domain (median of the passes) with the worst domain's: `over_reference`, `worst_over_reference`.
-    Writes `out` (race.json) and returns {"drafts": {spec: {policy, measured_speedup (median of the passes),
-    measured_speedup_repeats, greedy_equal[, over_reference, worst_over_reference]}}, ...}; refuses a run that is
-    not greedy-equal, after writing it."""
+    of them, `cfg.repeats` interleaved passes. Dev prompts only: this chooses. `reference` (one of `specs`, e.g.
+    the stock draft): every draft's tokens/s over it, both at their walked policies (the same search: a fair
+    baseline), is recorded per domain (median of the passes) with the worst domain's: `over_reference`,
+    `worst_over_reference`. Writes `out` (race.json) and returns {"drafts": {spec: {policy, predicted_speedup,
+    measured_speedup (median of the passes), measured_speedup_repeats, greedy_equal[, over_reference,
+    worst_over_reference]}}, ...}; refuses a run that is not greedy-equal, after writing it."""
     if not specs:
         raise DraftsmithError("race: no drafts to race")
+    if reference is not None and reference not in specs:
+        raise DraftsmithError(f"race: the reference {reference!r} is not among the raced drafts")
     target = load(target_spec, device=device)
     dev = first_per_domain(dev, cfg.prompts_per_domain)
     timed = first_per_domain(dev, timed_per_domain)
     dev_ids = [prompt_ids(target.tokenizer, p.prompt) for p in dev]
     ids = [prompt_ids(target.tokenizer, p.prompt) for p in timed]
-    max_len = _max_len(dev_ids, [DraftUnderTest(REFERENCE, reference[0], k=reference[1])] if reference else [], cfg)
+    max_len = _max_len(dev_ids, [], cfg)
     t_run = make_runner(target.model, max_len)
     eos = eos_ids(target)
     refs = [(list(r["prompt_ids"]), list(r["continuation_ids"]))
@@ -320,9 +334,6 @@ def race(target_spec: str, specs: list[str], dev: list[Prompt], cfg: ValidateCon
             iso = _target_shape(t_run, cfg, *_shape(cfg, True, d, t_run)[2:], device)
         choices[spec], _ = _choose(d, opened[name], t_run, dev_ids, cfg, eos, device, iso=iso)
     policies = {names[s]: c.policy for s, c in choices.items()}
-    if reference is not None:
-        opened[REFERENCE] = open_draft(reference[0], target, max_len, cfg.draft_quant, device)
-        policies[REFERENCE] = KPolicy(k=reference[1], k_max=max(16, reference[1]))
     val = validate_drafts(t_run, {n: o.runner for n, o in opened.items()}, ids, k=max(p.k for p in policies.values()),
                           policies=policies, max_new_tokens=cfg.max_new_tokens, eos_ids=eos,
                           names=[p.id for p in timed], desc=f"race {len(specs)} drafts", device=device,
@@ -335,22 +346,22 @@ def race(target_spec: str, specs: list[str], dev: list[Prompt], cfg: ValidateCon
                           "predicted_speedup_gated": choices[spec].options,
                           "measured_speedup": val.speedup(n), "measured_speedup_repeats": val.repeat_speedups(n),
                           "quant": opened[n].quant, "greedy_equal": val.greedy_equal[n] is not False,
-                          **(_over(val, n) if reference is not None else {})}
+                          **(_over(val, n, names[reference]) if reference is not None else {})}
                    for spec, n in names.items()},
-        **({"reference": {"draft": reference[0], "k": reference[1], "name": REFERENCE,
-                          "greedy_equal": val.greedy_equal[REFERENCE] is not False}} if reference is not None else {}),
+        **({"reference": {"draft": reference, "policy": "walked", "name": names[reference]}}
+           if reference is not None else {}),
         "validation": val.to_dict(), "machine": machine_info(), "versions": versions(),
     }
     atomic_write_json(out, result)
-    if not all(val.greedy_equal[n] is not False for n in opened):  # the raced drafts and the reference
+    if not all(val.greedy_equal[n] is not False for n in opened):
         raise DraftsmithError(f"race: speculative output differs from the target's greedy output; see {out}")
     return result
 
 
-def _over(val: Validation, name: str) -> dict:
-    """Draft `name`'s tokens/s over the race's reference: over all prompts and per domain (`spread`: median of the
-    passes, range, each pass), and the worst domain's median."""
-    over = val.ratio_by_group(name, REFERENCE)
+def _over(val: Validation, name: str, reference: str) -> dict:
+    """Draft `name`'s tokens/s over the race's `reference` decoder: over all prompts and per domain (`spread`:
+    median of the passes, range, each pass), and the worst domain's median."""
+    over = val.ratio_by_group(name, reference)
     domains = [s["median"] for g, s in over.items() if g != "all"]
     worst = min(domains) if domains else over["all"]["median"] if "all" in over else None
     return {"over_reference": over, "worst_over_reference": worst}

@@ -19,6 +19,7 @@ from typing import Any
 from decode.bench import Validation
 from decode.io import atomic_write_bytes, atomic_write_text, png_bytes, read_json
 from distill.export.model_card import PREDICTION_HEADERS, llama_cpp_result, prediction_lines, prediction_rows
+from pairing.ladder import waterfall
 from pairing.leaderboard import table_rows
 
 _STYLE = ("<style>body{font-family:sans-serif;margin:2em;max-width:70em}table{border-collapse:collapse}"
@@ -246,7 +247,7 @@ def _fastest(doc: Doc, made: dict) -> None:
           "`draftsmith pair --candidates \"$(cat draft.txt)\"` ranks it again).")
     worst = any(r.get("worst_over_reference") is not None for r in made["ranking"])
     doc.table(["draft", "alpha", "best K", "predicted speedup", "measured speedup (dev)"]
-              + (["worst domain over the base (dev)"] if worst else []),
+              + (["worst domain over the base at its walked policy (dev)"] if worst else []),
               [[r["draft"], r["alpha"], r["best_k"], r["predicted_speedup"], r["measured_speedup"]]
                + ([r.get("worst_over_reference")] if worst else []) for r in made["ranking"]])
     doc.p(f"Chosen by: {made.get('chosen_by', 'ranking')}.")
@@ -343,6 +344,14 @@ def verdict(run: Path) -> tuple[str, bool] | None:
                 " — don't serve one.", False)
     text = (f"serve the {labels.get(best, best)} with draftsmith's decoder at {_policy_words(b, best)}: "
             f"{speed[best]:.2f}x the target alone ({where}).")
+    fair = (b.get("after_vs_before") or {}) if b.get("kind") == "fastest" else {}
+    if fair.get("all"):
+        steps = [r["step"] for r in (b.get("ladder") or {}).get("rungs", [])]
+        what = steps[steps.index("its walked policy") + 1:] if "its walked policy" in steps else []
+        text += (f" Over the {labels['draft_before']} (the same policy search on the same dev prompts"
+                 + (f"; what differs: {', '.join(what)}" if what else "") + "): "
+                 + "; ".join(f"{g} {v['median']:.2f}x ({v['range'][0]:.2f}-{v['range'][1]:.2f})"
+                             for g, v in fair.items()) + ".")
     e = read_json(run / "export" / "export.json", missing_ok=True, what="export result") or {}
     engines = [lc for lc in (((e.get("llama_cpp") or {}).get("runs") or {}).values() if _head_export(e)
                else (e.get("llama_cpp") or {}).values()) if lc and lc.get("speedup_vs_target_only")]
@@ -418,6 +427,43 @@ def _validation(doc: Doc, run: Path) -> None:
     ax.barh(names, [r[2] for r in rows])
     ax.set_xlabel("tokens/s"), ax.set_title(f"decoders, K={val.k}" + ("" if not val.ks else " (some at their own K)"))
     doc.image("speed.png", png_bytes(fig))
+    if b.get("ladder"):
+        _ladder(doc, b["ladder"], labels)
+
+
+def _spread(s: dict | None) -> str:
+    return "-" if not s else f"{s['median']:.2f}x ({s['range'][0]:.2f}-{s['range'][1]:.2f})"
+
+
+def _ladder(doc: Doc, table: dict, labels: dict) -> None:
+    """Where the speedup comes from: each rung over the one below and over the target alone, per domain, with the
+    predicted speedup beside; a waterfall per domain."""
+    doc.h("Where the speedup comes from: the ladder")
+    doc.p("Each rung changes one thing over the rung above it in this table; all rungs and the target alone were "
+          "timed side by side in the run above (median of the repeats' ratios, with their range). Predicted: the "
+          "rung's speedup over the target alone predicted from its dev-prompt evidence.")
+    groups = table["groups"]
+    doc.table(["rung", "what it changes", "predicted", *(f"{g}: over the rung above" for g in groups),
+               *(f"{g}: over the target alone" for g in groups)],
+              [[labels.get(r["name"], r["name"]), r["step"], fmt(r.get("predicted"), 2),
+                *(_spread((r["over_below"] or {}).get(g)) for g in groups),
+                *(_spread(r["over_target"].get(g)) for g in groups)] for r in table["rungs"]])
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(groups), figsize=(3.4 * len(groups) + 1, 3.4), sharey=True, squeeze=False)
+    for ax, g in zip(axes[0], groups):
+        bars = waterfall(table, g)
+        x = range(len(bars))
+        ax.bar(x, [hi - lo for _, lo, hi in bars], bottom=[lo for _, lo, _ in bars],
+               color=["#2a7" if hi >= lo else "#c33" for _, lo, hi in bars])
+        for i, (_, lo, hi) in enumerate(bars):
+            ax.annotate(f"{hi:.2f}x", (i, max(lo, hi)), ha="center", va="bottom", fontsize=7)
+        ax.axhline(1.0, color="#888", lw=0.8)
+        ax.set_xticks(list(x), [s if len(s) < 22 else s[:20] + "…" for s, _, _ in bars], rotation=30, ha="right",
+                      fontsize=7)
+        ax.set_title(g, fontsize=9)
+    axes[0][0].set_ylabel("speedup over the target alone")
+    fig.suptitle("ladder: each rung's gain over the one before", fontsize=9)
+    doc.image("ladder.png", png_bytes(fig))
 
 
 def _export(doc: Doc, run: Path) -> None:

@@ -80,7 +80,8 @@ def load_prompts(source: str | Path, *, limit_per_domain: int | None = None) -> 
 def load_test_prompts(source: str | Path) -> list[Prompt]:
     """The test split of `source`: prompts kept for reporting speedups, never trained on and never used to choose
     anything (a checkpoint, K, a threshold, a recipe setting). Built-in suites each have one
-    (``decode/prompts/test/<suite>.jsonl``, 8 prompts a domain, none of them in the suite itself); for any
+    (``decode/prompts/test/<suite>.jsonl``: 16 prompts for code and chat, 8 for json and summarize, none of them
+    in the suite itself; the first split, timed in many runs, closes each suite's dev prompts); for any
     other source it is a file of its own (``test_prompts:`` in a recipe), so this returns [] there."""
     if isinstance(source, Path):
         return []

@@ -408,13 +408,14 @@ def test_a_fastest_recipe_ranks_pruned_variants_and_writes_the_winner(world: dic
     assert calib.is_file() == int4 and all(f"int4:{base}:calib={calib}" in r["draft"]
                                            for r in made["ranking"] if "int4:" in r["draft"])
     assert len(made["counted_prompts"]) == 4  # prompts 3-4 of each domain: the ranking reads 1-2
-    # all of them raced side by side, each at its own walked policy, on dev prompts, beside the whole model at its
-    # ranking's K (the reference validate times); the one whose worst domain ran fastest over it won
+    # all of them raced side by side, each at its own walked policy, on dev prompts, the whole model among them at
+    # its own walked policy (the fair reference: the same search); the one whose worst domain ran fastest over it won
     race = json.loads((out / "distill" / "race.json").read_text())
-    assert made["chosen_by"] == "race, worst domain over the base"
+    assert made["chosen_by"] == "race, worst domain over the base at its walked policy"
     assert sorted(race["drafts"]) == sorted(r["draft"] for r in made["ranking"])
-    assert race["reference"]["draft"] == str(base) and race["reference"]["k"] == made["base_k"]
-    assert race["reference"]["greedy_equal"] and "reference" in race["validation"]["greedy_equal"]
+    assert race["reference"] == {"draft": str(base), "policy": "walked", "name": race["reference"]["name"]}
+    assert race["drafts"][str(base)]["worst_over_reference"] == 1.0  # the reference over itself
+    assert len(race["validation"]["greedy_equal"]) == len(race["drafts"])  # no fixed-K decoder beside them
     for r in race["drafts"].values():
         assert r["greedy_equal"] and len(r["measured_speedup_repeats"]) == 3
         assert set(r["over_reference"]) == {"all", "code", "chat"}
@@ -430,10 +431,24 @@ def test_a_fastest_recipe_ranks_pruned_variants_and_writes_the_winner(world: dic
     assert line == made["draft"] and "\n" not in line
     bench = json.loads((out / "validate" / "bench.json").read_text())
     assert all(bench["greedy_equal"].values()) and bench["prompts"] == ["t0", "t1"] and not bench["in_sample"]
-    # the stock model at its ranking's K beside the winner, served at the policy the race walked for it
-    assert set(bench["greedy_equal"]) == {"draft_before", "draft_after"}
-    assert bench["policies"]["draft_before"]["k"] == made["base_k"] and "raced" in bench["k_reason"]
-    assert bench["policies"]["draft_after"] == race["drafts"][made["draft"]]["policy"]
+    # the ladder: the stock model at its ranking's plain K, then at its walked policy (draft_before, the fair
+    # baseline), then its int4 copy, then the best pruned variant; each raced rung at the policy the race walked
+    rungs = [r["name"] for r in bench["ladder"]["rungs"]]
+    assert rungs[:2] == ["stock_plain", "draft_before"] and len(rungs) == 3 + int4 and set(rungs) == set(
+        bench["greedy_equal"])
+    assert bench["policies"]["stock_plain"] == {"k": made["base_k"], "confidence": None, "siblings": 0,
+                                                "sibling_depth": 1, "lookup": 0}
+    assert bench["policies"]["draft_before"] == race["drafts"][str(base)]["policy"] and "raced" in bench["k_reason"]
+    spec = {"draft_before": str(base), **{n: made["draft"] for n in ["draft_after"] if n in rungs}}
+    for name, s in spec.items():
+        assert bench["policies"][name] == race["drafts"][s]["policy"]
+    assert ("draft_after" in rungs) == (made["draft"] != str(base))
+    for r in bench["ladder"]["rungs"]:
+        assert set(r["over_target"]) == {"all", "code", "chat"} and len(r["over_target"]["all"]["repeats"]) == 3
+        assert (r["over_below"] is None) == (r["name"] == "stock_plain")
+    assert len(bench["prompt_roles"]["timed_sha256"]) == 64
+    report = (out / "report.md").read_text()
+    assert "the ladder" in report and (out / "report" / "ladder.png").is_file()
     again = draftsmith(world, "pair", "--target", str(target), "--candidates", line, "--prompts",
                        str(root / "prompts.jsonl"), "--prompts-per-domain", "1", "--max-new-tokens", "4",
                        "--draft-quant", "null", "--calibrate-prompts", "0", "--out", str(root / "runs" / "again"))
