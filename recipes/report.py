@@ -414,9 +414,10 @@ def _validation(doc: Doc, run: Path) -> None:
                                             f"{v['speedup_range'][n][1]:.2f})" for n in val.drafts)]
                    for g, v in groups.items()])
     if "draft_after" in val.stats and "draft_before" in val.stats:
-        what = {"head": "Head vs standalone draft",  # the pick may be the whole model at its own policy:
-                "fastest": f"{labels['draft_after']} vs {labels['draft_before']}"}.get(
-            b.get("kind"), "Distilled vs un-distilled draft")
+        what = {"head": "Head vs standalone draft (not the same policy search: the head's rounds walked on dev "
+                        "prompts, the standalone draft at its ranking's plain K)",
+                "fastest": f"{labels['draft_after']} vs {labels['draft_before']} (the same policy search)"}.get(
+            b.get("kind"), "Distilled vs un-distilled draft (both at the distilled draft's policy)")
         per = "".join(f"; {g} {v['median']:.2f}x ({v['range'][0]:.2f}-{v['range'][1]:.2f})"
                       for g, v in (b.get("after_vs_before") or {}).items())
         doc.p(f"{what}: {tps['draft_after'] / tps['draft_before']:.2f}x tokens/s"

@@ -75,7 +75,7 @@ def test_validation_section_reads_the_typed_result(tmp_path: Path) -> None:
     assert "| target alone | - | 8.000 | 1.00x | 1.000 | - | - |" in md  # 32 tokens in 4 s
     assert "| un-distilled draft | 5 | 6.400 | 0.80x | 1.700 | 0.233 | yes |" in md  # 5 s; tau 34/20; 14/60
     assert "| distilled draft | 3 | 16.000 | 2.00x | 2.769 | 0.487 | yes |" in md
-    assert "Distilled vs un-distilled draft: 2.50x tokens/s." in md
+    assert "Distilled vs un-distilled draft (both at the distilled draft's policy): 2.50x tokens/s." in md
     assert (run / "report" / "speed.png").read_bytes().startswith(PNG)
 
 
@@ -105,7 +105,7 @@ def test_validation_section_splits_speedups_by_domain(tmp_path: Path) -> None:
     md = write_report(run).read_text()
     assert "| code | 1 | 2.00x (2.00-2.00) | 4.00x (4.00-4.00) |" in md
     assert "| chat | 1 | 2.00x (2.00-2.00) | 2.00x (2.00-2.00) |" in md
-    assert ("Distilled vs un-distilled draft: 1.33x tokens/s (each repeat's ratio, median and range: all 1.33x "
+    assert ("Distilled vs un-distilled draft (both at the distilled draft's policy): 1.33x tokens/s (each repeat's ratio, median and range: all 1.33x "
             "(1.33-1.33); code 2.00x (2.00-2.00); chat 1.00x (1.00-1.00)).") in md
 
 
@@ -126,7 +126,8 @@ def test_fastest_validation_names_its_two_drafts(tmp_path: Path) -> None:
              "draft_quant": "int8", "machine": {"cpu": "test cpu", "cpu_count": 2}}
     run = write_run_folder(tmp_path / "fastest", candidates={"d1": 0.4}, distilled=("d1", 0.4, 0.5), bench=bench)
     md = write_report(run).read_text()
-    assert "whole model, rounds chosen on dev prompts vs whole model (m0), K = 4: 1.25x tokens/s" in md
+    assert ("whole model, rounds chosen on dev prompts vs whole model (m0), K = 4 (the same policy search): "
+            "1.25x tokens/s") in md
     assert "Pruned vs whole" not in md
     assert "draft weights int8." in md  # one quantisation: said once
 
@@ -237,3 +238,37 @@ def test_report_shows_llama_cpp_predicted_beside_measured(tmp_path: Path) -> Non
     assert "| 1 | 0.90x | 0.85x | +6% | 0.800 | 0.820 | 0.800 |" in md
     assert "| 2 | 0.92x | 0.80x | +15% | 0.200 (flagged) | 0.700 | 0.700 |" in md
     assert "a draft step 50.0 ms, the rest of a round 30.0 ms" in md
+
+
+def test_a_ladder_renders_as_a_table_and_a_waterfall_and_the_verdict_names_what_differs(tmp_path: Path) -> None:
+    """The fastest kind's bench.json carries a ladder: the report shows each rung over the one above and over the
+    target alone with its prediction, draws ladder.png, and the verdict compares the pick with the stock at its
+    walked policy, naming the steps between them."""
+    from decode.bench import Validation
+    from decode.speculative import Stats
+    from pairing.ladder import Rung, ladder
+    from pairing.validate import after_vs_before
+
+    def st(seconds: float) -> Stats:
+        return Stats({1: 32}, 0, 0, 32, 0.0, seconds)
+
+    reps = [{"target_only": st(4.0), "stock_plain": st(2.5 + d), "draft_before": st(2.0 + d),
+             "int4": st(1.8 + d), "draft_after": st(1.6 + d)} for d in (0.0, 0.1, -0.1)]
+    merged = {n: Stats({1: 96}, 0, 0, 96, 0.0, sum(r[n].seconds for r in reps)) for n in reps[0]}
+    val = Validation(4, ["code-0"], 32, "cpu", merged, {n: True for n in merged if n != "target_only"},
+                     repeats=reps)
+    rungs = [Rung("stock_plain", "stock m0 as loaded, plain K = 4", 1.5), Rung("draft_before", "its walked policy",
+                                                                             1.9),
+             Rung("int4", "int4 weights", 2.1), Rung("draft_after", "vocabulary pruned to 64 ids", 2.4)]
+    labels = {"stock_plain": "stock m0 (int8), plain K = 4", "draft_before": "stock m0 at its walked policy",
+              "int4": "int4 m0", "draft_after": "int4 m0 pruned to 64 ids"}
+    bench = {**val.to_dict(), "kind": "fastest", "labels": labels, "k_reason": "raced on the dev prompts",
+             "draft_quant": "int8", "machine": {"cpu": "test cpu", "cpu_count": 2}, "ladder": ladder(val, rungs),
+             "after_vs_before": after_vs_before(val)}
+    run = write_run_folder(tmp_path / "ladder", candidates={"d1": 0.4}, distilled=("d1", 0.4, 0.5), bench=bench)
+    md = write_report(run).read_text()
+    assert "Where the speedup comes from: the ladder" in md and (run / "report" / "ladder.png").is_file()
+    assert "| int4 m0 | int4 weights | 2.10 | 1.11x (1.11-1.12) | 2.22x (2.11-2.35) |" in md
+    assert "| stock m0 (int8), plain K = 4 | stock m0 as loaded, plain K = 4 | 1.50 | - |" in md
+    assert ("Over the stock m0 at its walked policy (the same policy search on the same dev prompts; what differs: "
+            "int4 weights, vocabulary pruned to 64 ids): all 1.25x") in md
