@@ -1,0 +1,45 @@
+"""The docs stay small and linked (issue 53): docs/check_links.py passes (no broken link, docs/ under 1 MB without
+design.md), every tracked run record is a summary of at most 20 KB, and plots stay small. Plain Python: no torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+RECORD_CAP = 20_000  # bytes: a run record is a summary (pick, policy, medians and ranges, machine, command)
+PNG_CAP = 150_000  # bytes: a plot a page embeds (palette PNGs of 7-32 KB today; a plain matplotlib one ~80 KB)
+
+
+def tracked(folder: str) -> list[str]:
+    out = subprocess.run(["git", "ls-files", folder], cwd=ROOT, capture_output=True, text=True, check=True)
+    return out.stdout.split()
+
+
+def test_check_links_passes():
+    run = subprocess.run([sys.executable, "docs/check_links.py"], cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_records_are_small():
+    """Every tracked file under docs/results/ but the pages (.md), and every JSON record anywhere under docs/, is at
+    most 20 KB; a plot (.png) at most 150 KB."""
+    too_big = []
+    for name in tracked("docs"):
+        suffix = Path(name).suffix
+        if suffix == ".md" or not (name.startswith("docs/results/") or suffix in (".json", ".jsonl")):
+            continue
+        cap = PNG_CAP if suffix == ".png" else RECORD_CAP
+        size = (ROOT / name).stat().st_size
+        if size > cap:
+            too_big.append(f"{name}: {size} bytes > {cap}")
+    assert not too_big, "\n".join(too_big)
+
+
+def test_records_are_summaries():
+    """Each tracked JSON / JSON Lines record under docs/ is what docs/summarize_record.py makes of it."""
+    records = [n for n in tracked("docs") if n.endswith((".json", ".jsonl"))]
+    run = subprocess.run([sys.executable, "docs/summarize_record.py", "--check", *records], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
