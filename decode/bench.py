@@ -92,7 +92,7 @@ def side_by_side(
     prompt to prompt (prompt i starts at the (i + `rotate`)-th), so none always runs on a cache another has just
     warmed. Each draft runs `policies[name]` where given (K, stop threshold, siblings: one `KPolicy`), else fixed
     rounds of `k`. Returns name -> `Run` (merged stats, tokens, per-prompt stats)."""
-    policies = {name: (policies or {}).get(name) or KPolicy(k=k, k_max=max(16, k)) for name in drafts}
+    policies = {name: (policies or {}).get(name) or KPolicy.fixed(k) for name in drafts}
     names = list(drafts)
     if warmup:
         for name, d in drafts.items():
@@ -333,7 +333,7 @@ class BenchConfig:
 def spec_policies(ks: list[int], labels: list[str]) -> dict[str, KPolicy]:
     """Our decoder's bench modes -> their round policies: a plain chain at each K ("speculative_k4"), then each
     labelled policy ("speculative K=8 stop<0.6 siblings=2"); a policy already there runs once."""
-    modes = {f"speculative_k{k}": KPolicy(k=k, k_max=max(16, k)) for k in ks}
+    modes = {f"speculative_k{k}": KPolicy.fixed(k) for k in ks}
     for label in labels:
         p = parse_policy_label(label)
         if p not in modes.values():

@@ -130,6 +130,8 @@ def read_json(path: str | Path, *, missing_ok: bool = False, what: str = "file")
         raise DraftsmithError(f"{path}: no such {what}") from None
     except OSError as e:
         raise DraftsmithError(f"{path}: cannot read the {what} ({e.strerror or e})") from None
+    except UnicodeDecodeError:
+        raise DraftsmithError(f"{path}: the {what} is not text (not UTF-8: a binary file?); expected JSON") from None
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:

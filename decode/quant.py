@@ -93,29 +93,7 @@ def draft_quant(model, requested: str | None = "int8") -> str | None:
     return "int4" if requested == "int4" and int4_ok(model) else "int8"
 
 
-INT4_PREFIX = "int4:"
 GROUP = native.GROUP
-
-
-def split_quant(spec: str) -> tuple[str, str | None]:
-    """A draft spec `int4:MODEL` -> (MODEL, "int4"); any other spec -> (spec, None)."""
-    if spec.startswith(INT4_PREFIX):
-        return spec[len(INT4_PREFIX):], "int4"
-    return spec, None
-
-
-CALIB_KEY = ":calib="
-
-
-def split_calib(spec: str) -> tuple[str, Path | None]:
-    """`int4:MODEL:calib=FILE` -> (`int4:MODEL`, FILE); any spec without `:calib=` -> (spec, None). Only an int4
-    draft takes a calibration (a one-line DraftsmithError otherwise)."""
-    model, key, file = spec.rpartition(CALIB_KEY)
-    if not key:
-        return spec, None
-    if not model.startswith(INT4_PREFIX) or not file or len(model) <= len(INT4_PREFIX):
-        raise DraftsmithError(f"{spec!r}: a calibration applies to an int4 draft: int4:MODEL:calib=FILE")
-    return model, Path(file).expanduser()
 
 
 def int4_chunk() -> int:

@@ -122,9 +122,9 @@ def verify(
     """
     K = draft_tokens.shape[0]
     if K:
-        idx = torch.arange(K)
+        idx = torch.arange(K, device=p.device)
         ratio = accept_probability(p[idx, draft_tokens], q[idx, draft_tokens])
-        u = torch.rand(K, generator=generator, dtype=ratio.dtype)
+        u = torch.rand(K, generator=generator, dtype=ratio.dtype, device=ratio.device)
         rejected = (u >= ratio).nonzero()
         if rejected.numel():
             n = int(rejected[0, 0])
@@ -159,7 +159,7 @@ def candidate_acceptance(p: Tensor, candidates: Tensor) -> tuple[Tensor, Tensor]
     if candidates.dim() != 1 or torch.unique(candidates).numel() != candidates.numel():
         raise ValueError("candidates must be distinct token ids (m,)")
     r = p.to(torch.float64 if p.dtype == torch.float64 else torch.float32).clone()
-    accept = torch.zeros(candidates.numel(), dtype=r.dtype)
+    accept = torch.zeros(candidates.numel(), dtype=r.dtype, device=r.device)
     for i, c in enumerate(candidates.tolist()):
         mass = r.sum()
         accept[i] = r[c] / mass if mass > 0 else 0.0
@@ -172,7 +172,7 @@ def verify_candidates(p: Tensor, candidates: Tensor, generator: torch.Generator 
     """Temperature > 0: check the candidates (m,) in order against p (V,) (`candidate_acceptance`). Returns (i, c_i)
     for the accepted one, or (-1, x) with x drawn from what is left of p after all were rejected."""
     accept, rest = candidate_acceptance(p, candidates)
-    u = torch.rand(candidates.numel(), generator=generator, dtype=accept.dtype)
+    u = torch.rand(candidates.numel(), generator=generator, dtype=accept.dtype, device=accept.device)
     hit = (u < accept).nonzero()
     if hit.numel():
         i = int(hit[0, 0])

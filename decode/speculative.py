@@ -67,6 +67,10 @@ def check_sibling_depth(depth: int, siblings: int) -> None:
         raise DraftsmithError(f"sibling_depth must be 1, or 2 with siblings >= 2, got {depth}")
 
 
+DEFAULT_K = 3  # draft tokens per round where nothing measured chooses K: the one default, everywhere
+K_MAX = 16  # the decoder's ceiling for a dynamic K, and at least every fixed K
+
+
 @dataclass(frozen=True)
 class KPolicy:
     """How many tokens the draft proposes per round.
@@ -83,7 +87,7 @@ class KPolicy:
     tokens (`decode.lookup.continuation`), verified in the same forward at no draft cost.
     """
 
-    k: int = 4
+    k: int = DEFAULT_K
     dynamic: bool = False
     k_min: int = 1
     k_max: int = 16
@@ -103,6 +107,23 @@ class KPolicy:
         check_sibling_depth(self.sibling_depth, self.siblings)
         if self.lookup < 0:
             raise DraftsmithError(f"lookup must be >= 0 (tokens appended to a round), got {self.lookup}")
+
+    @classmethod
+    def fixed(cls, k: int, **kw) -> "KPolicy":
+        """Rounds of `k` draft tokens, the decoder's ceiling room above (with any other setting of `kw`: confidence,
+        siblings, sibling_depth, lookup; `dynamic=True` grows from `k`)."""
+        return cls(k=k, k_max=max(K_MAX, k), **kw)
+
+    def to_dict(self) -> dict:
+        """The policy as result files record it: K, stop threshold, siblings and their depth, lookup tokens."""
+        return {"k": self.k, "confidence": self.confidence, "siblings": self.siblings,
+                "sibling_depth": self.sibling_depth, "lookup": self.lookup}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "KPolicy":
+        """`to_dict`'s form back to the policy (fixed K)."""
+        return cls.fixed(d["k"], confidence=d.get("confidence"), siblings=d.get("siblings", 0),
+                         sibling_depth=d.get("sibling_depth", 1), lookup=d.get("lookup", 0))
 
     def next_k(self, k: int, n_accepted: int, proposed: int) -> int:
         if not self.dynamic:
@@ -227,7 +248,7 @@ def parse_policy_label(label: str) -> KPolicy:
                 raise ValueError(part)
         if "k" not in fields:
             raise ValueError("no K")
-        return KPolicy(k_max=max(16, fields["k"]), **fields)
+        return KPolicy.fixed(fields.pop("k"), **fields)
     except (ValueError, DraftsmithError) as e:
         raise DraftsmithError(f"policy {label!r}: expected 'K=N [stop<P] [siblings=M] [children] [lookup=L]' "
                               f"({e})") from None
@@ -375,7 +396,7 @@ def lookup_q(tokens: list[int], V: int, like: Tensor) -> list[Tensor]:
     """The law each lookup token was proposed from: all its probability on that token (so the target accepts it
     with probability p(token) and, rejecting it, samples p without it)."""
     q = like.new_zeros((len(tokens), V))
-    q[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)] = 1.0
+    q[torch.arange(len(tokens), device=q.device), torch.tensor(tokens, dtype=torch.long, device=q.device)] = 1.0
     return list(q)
 
 

@@ -15,20 +15,17 @@ where this CPU has no int4 kernel, the pruned variants prune the whole model as 
    `int4:BASE:calib=FILE`, its weights rounded by GPTQ on the text the draft reads (`decode.quant.gptq_groups`).
 2. The ranking: `pairing.leaderboard.run_pair` over the base and its pruned variants, with the recipe's pair
    settings (alpha teacher-forced, cost timed with one target clock for all, predicted speedups).
-3. The race (`race` > 0): the top `race` of the ranking, each at the round policy the validate stage would walk
-   for it on the dev prompts (K, a stop threshold, sibling rounds, lookup tokens), decoded side by side with the
-   target alone and (`race_reference`) the base at its ranking's K on `race_prompts` dev prompts a domain in the
-   validate stage's interleaved repeats (`pairing.validate.race`). What the recipe serves is the winner at its walked
-   policy (validate serves that policy as raced), so that is what ranks:
-   at plain K the ranking measured the int4 0.5B at K = 7 1.71x the target alone on dev, below the stock 0.5B at
-   K = 6 (1.86x), where the int4 draft at its walked policy ran 1.20x the stock on the test prompts.
-4. The winner: among those raced, the best worst domain over the base at its K (the goal is per domain: a draft far
-   ahead on chat can trail on code), or without the reference the highest measured speedup (else decoded by the
-   pair, else the highest predicted); among those within `TIE` (2%) of the best, the highest alpha (a few dev
-   prompts do not part two drafts that close, and the higher-alpha one loses less where rounds run long: on the
-   AMD EPYC the 16,384-id draft measured 2.18x against the 32,768-id draft's 2.16x on dev, alpha 0.779 against
-   0.818, and lost on the code test prompts); its candidate spec goes to `RUN/draft.txt`, one line that
-   `draftsmith pair --candidates` takes.
+3. The race (`race` > 0): the top `race` of the ranking (the base always among them), each at the round policy
+   the validate stage would walk for it on the dev prompts (K, a stop threshold, sibling rounds, lookup tokens: the
+   same search for every draft), decoded side by side with the target alone on `race_prompts` dev prompts a domain
+   in the validate stage's interleaved repeats (`pairing.validate.race`). What the recipe serves is the winner at
+   its walked policy (validate serves that policy as raced), so that is what ranks.
+4. The winner: among those raced, the best worst domain over the base at its own walked policy (`race_reference`:
+   the fair baseline, both drafts searched the same way; the goal is per domain: a draft far ahead on chat can
+   trail on code), or without the reference the highest measured speedup (else decoded by the pair, else the
+   highest predicted); among those within `TIE` (2%) of the best, the highest alpha (a few dev prompts do not part
+   two drafts that close, and the higher-alpha one loses less where rounds run long); its candidate spec goes to
+   `RUN/draft.txt`, one line that `draftsmith pair --candidates` takes.
 """
 
 from __future__ import annotations
@@ -42,7 +39,8 @@ from decode.errors import DraftsmithError
 from decode.io import atomic_write_json, atomic_write_text, read_json
 from decode.loading import Loaded, load
 from decode.prompts import Prompt, first_per_domain, load_prompts
-from decode.quant import CALIB_KEY, INT4_PREFIX, int4_ok, write_calib
+from decode.quant import int4_ok, write_calib
+from decode.spec import DraftSpec
 from distill.vocab import count_tokens
 from pairing.leaderboard import PairConfig, run_pair
 from pairing.prune import build_vocab, target_rows
@@ -165,9 +163,10 @@ def make_fastest(target: str, base: str, cfg: FastestConfig, pair: PairConfig, *
     base_model = load(base, device=device)
     int4 = cfg.int4 and int4_ok(base_model.model)
     files, calib = build_vocabs(target, base_model, count_on, cfg, out, device=device, calib=int4 and cfg.calib)
-    pruned = f"{INT4_PREFIX}{base}{f'{CALIB_KEY}{calib}' if calib else ''}" if int4 else base
+    pruned = DraftSpec.int4(base, calib).text if int4 else base
     del base_model
-    candidates = [base] + ([pruned] if pruned != base else []) + [f"prune:{pruned}:vocab={p}" for p in files.values()]
+    candidates = ([base] + ([pruned] if pruned != base else [])
+                  + [DraftSpec.pruned(pruned, p).text for p in files.values()])
     board = run_pair(target, out / "ranking", dataclasses.replace(pair, candidates=candidates), prompts=prompts,
                      limit_per_domain=limit_per_domain, device=device)
     base_k = next(c["best_k"] for c in board["candidates"] if c["draft"] == base)

@@ -29,12 +29,13 @@ from typing import Any, Protocol
 from decode.errors import DraftsmithError
 from decode.io import read_json
 from decode.prompts import Prompt, load_prompts, load_test_prompts
+from decode.spec import DraftSpec
 from distill.fastest import FASTEST, FastestConfig, make_fastest
 from distill.heads.pipeline import HEAD, HeadRunConfig, head_result, held_rows, run_head
 from distill.pipeline import DistillConfig, run_distill, split_prompts
-from pairing.leaderboard import HEAD_PREFIX, PairConfig
-from pairing.prune import parse_prune_spec, spec_quant
-from pairing.policy import DEFAULT_K, policy_from_dict
+from pairing.leaderboard import PairConfig
+from pairing.policy import known_k
+from decode.speculative import KPolicy
 from pairing.validate import DraftUnderTest, ValidateConfig
 
 
@@ -90,16 +91,12 @@ class DraftKind(Protocol):
 
 def serving_k(ctx: RunContext, draft: str | None = None) -> tuple[int, str]:
     """The K of the serving lines: the export's own (`export.best_k` > 0), else the K validation chose, else the
-    pair stage's best K for `draft`, else 3; with where it came from."""
-    if ctx.export_cfg.best_k:
-        return ctx.export_cfg.best_k, "given (export.best_k)"
-    bench = ctx.bench()
-    if bench.get("k"):
-        return int(bench["k"]), "chosen by validate (validate/bench.json)"
-    for row in (ctx.leaderboard() or {}).get("candidates", []):
-        if row["draft"] == draft and row.get("best_k"):
-            return int(row["best_k"]), "chosen by pair (pairing/leaderboard.json)"
-    return DEFAULT_K, "default"
+    pair stage's best K for `draft`, else the default (`pairing.policy.known_k`); with where it came from."""
+    pair_k = next((row.get("best_k") for row in (ctx.leaderboard() or {}).get("candidates", [])
+                   if row["draft"] == draft), None)
+    return known_k((ctx.export_cfg.best_k, "given (export.best_k)"),
+                   (ctx.bench().get("k"), "chosen by validate (validate/bench.json)"),
+                   (pair_k, "chosen by pair (pairing/leaderboard.json)"))
 
 
 def top_standalone(ctx: RunContext) -> tuple[str | None, int | None]:
@@ -107,7 +104,7 @@ def top_standalone(ctx: RunContext) -> tuple[str | None, int | None]:
     run)."""
     board = ctx.leaderboard() or {}
     best = next((c for c in board.get("candidates", [])
-                 if c["compatible"] and not c["draft"].startswith(HEAD_PREFIX)), None)
+                 if c["compatible"] and not DraftSpec.parse(c["draft"]).is_head), None)
     return (best["draft"], best.get("best_k")) if best else (None, None)
 
 
@@ -134,7 +131,7 @@ class Standalone:
             raise DraftsmithError("distill.draft is 'best' but the pair stage has not run here: add pair to --stages, "
                                   "or name the draft (distill.draft=MODEL)")
         for row in board["candidates"]:  # sorted by predicted speedup; distillation trains a whole model
-            if row["compatible"] and parse_prune_spec(row["draft"]) is None:
+            if row["compatible"] and not DraftSpec.parse(row["draft"]).decoder_only:
                 return row["draft"]
         raise DraftsmithError("no candidate on the leaderboard shares the target's tokenizer; distillation needs one "
                               "(set distill.draft=MODEL)")
@@ -226,7 +223,7 @@ class Head:
         standalone, standalone_k = top_standalone(ctx)
         drafts = [DraftUnderTest("draft_before", standalone, label=f"standalone draft ({standalone})",
                                  k=standalone_k)] if standalone else []
-        drafts.append(DraftUnderTest("draft_after", HEAD_PREFIX + head["head"], label="head",
+        drafts.append(DraftUnderTest("draft_after", DraftSpec.head(head["head"]).text, label="head",
                                      rates=head["agreement_after"], held=held_rows(ctx.folders["distill"]),
                                      chooses=True))
         return drafts
@@ -289,7 +286,7 @@ class Fastest:
         def rung(spec: str, name: str, step: str, label: str) -> DraftUnderTest:
             row = ranked[spec]
             return DraftUnderTest(name, spec, label=label, alpha=row["alpha"], chooses=spec == pick, walk=True,
-                                  policy=policy_from_dict(row["policy"]), step=step,
+                                  policy=KPolicy.from_dict(row["policy"]), step=step,
                                   predicted=row.get("policy_predicted"))
 
         stock = base.rsplit("/", 1)[-1]
@@ -298,14 +295,15 @@ class Fastest:
                                 alpha=ranked[base]["alpha"], step=f"stock {stock} as loaded, plain K = {k}",
                                 predicted=ranked[base].get("predicted_speedup")),
                  rung(base, "draft_before", "its walked policy", f"stock {stock} at its walked policy")]
-        size = {spec: n for spec in ranked for n, path in made["vocab_files"].items() if spec.endswith(f"vocab={path}")}
-        int4 = [s for s in ranked if s not in size and s != base and spec_quant(s) == "int4" and ranked[s].get("policy")]
+        specs = {s: DraftSpec.parse(s) for s in ranked}
+        size = {s: n for s in ranked for n, path in made["vocab_files"].items() if specs[s].vocab == Path(path)}
+        int4 = [s for s in ranked if specs[s].kind == "int4" and ranked[s].get("policy")]
         for s in int4[:1]:
             rungs.append(rung(s, "draft_after" if s == pick else "int4", "int4 weights", f"int4 {stock}"))
         pruned = sorted((s for s in size if ranked[s].get("policy")), key=lambda s: (s != pick, -(
             ranked[s].get("worst_over_reference") or ranked[s].get("measured_speedup") or 0)))
         for s in pruned[:1]:
-            four = "int4 " if spec_quant(s) == "int4" else ""
+            four = "int4 " if specs[s].quant == "int4" else ""
             rungs.append(rung(s, "draft_after" if s == pick else "pruned", f"vocabulary pruned to {size[s]} ids",
                               f"{four}{stock} pruned to {size[s]} ids"))
         if pick != base and not any(d.name == "draft_after" for d in rungs):

@@ -17,7 +17,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,10 +24,9 @@ from typing import Any
 from decode import zoo
 from decode.errors import DraftsmithError
 from decode.io import atomic_dir
-from decode.quant import INT4_PREFIX
+from decode.spec import DraftSpec
 
-_SPEC = re.compile(r"derive:(?P<source>.+?)((?::(?:keep|layers)=[^:]*)+)")
-_LAYERS_PREFIX = "model.layers."
+_LAYER_KEYS = "model.layers."
 _NOT_PER_LAYER = {"architectures"}  # config lists that could happen to be num_hidden_layers long
 MARKER = "draftsmith_derived.json"
 
@@ -37,41 +35,13 @@ MARKER = "draftsmith_derived.json"
 # Specs
 
 
-def _parse_layers(text: str) -> list[int]:
-    """'0,1,2,3', '0-3' or '0-3,7' -> [0, 1, 2, 3(, 7)]."""
-    layers: list[int] = []
-    for part in text.split(","):
-        part = part.strip()
-        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
-        if not m:
-            raise DraftsmithError(f"layers={text!r}: expected indices like 0,1,2,3 or ranges like 0-3")
-        lo, hi = int(m[1]), int(m[2] if m[2] is not None else m[1])
-        if hi < lo:
-            raise DraftsmithError(f"layers={text!r}: range {part} runs backwards")
-        layers.extend(range(lo, hi + 1))
-    return layers
-
-
 def parse_derive_spec(spec: str) -> tuple[str, list[int] | None, int | None] | None:
     """'derive:MODEL:keep=8' -> (MODEL, None, 8); 'derive:MODEL:layers=0-3,7' -> (MODEL, [0, 1, 2, 3, 7], None).
-
-    None when `spec` is not a derive spec; a malformed one is a DraftsmithError.
-    """
-    if not spec.startswith("derive:"):
+    None when `spec` is not a derive spec; a malformed one is a DraftsmithError (`decode.spec.DraftSpec`)."""
+    d = DraftSpec.parse(spec, sniff=False)
+    if d.kind != "derive":
         return None
-    m = _SPEC.fullmatch(spec)
-    if not m:
-        raise DraftsmithError(f"{spec!r}: expected derive:MODEL:keep=N or derive:MODEL:layers=0,1,2 (or 0-3)")
-    source, options = m["source"], m[2].split(":")[1:]
-    keys = [o.split("=", 1)[0] for o in options]
-    if len(options) != 1:
-        raise DraftsmithError(f"{spec!r}: give one of keep=N or layers=..., not {' and '.join(keys)}")
-    key, value = options[0].split("=", 1)
-    if key == "layers":
-        return source, _parse_layers(value), None
-    if not value.isdigit():
-        raise DraftsmithError(f"{spec!r}: keep= needs a number of layers")
-    return source, None, int(value)
+    return d.inner.text, None if d.layers is None else list(d.layers), d.keep
 
 
 def _layers_key(layers: list[int]) -> str:
@@ -118,10 +88,11 @@ def _wanted_layers(layers: list[int] | None, keep: int | None) -> list[int]:
 def resolve_candidate(spec: str) -> str:
     """A derive spec -> the path of its derived HF folder (made once, cached); any other spec unchanged. A
     vocabulary-pruned spec is refused: it is no model folder (`pairing.prune.load_model_draft` opens it)."""
-    if spec.startswith("prune:"):  # pairing.prune.PRUNE_PREFIX (pairing.prune imports this module)
+    kind = DraftSpec.parse(spec, sniff=False).kind
+    if kind == "prune":
         raise DraftsmithError(f"{spec}: a vocabulary-pruned draft runs in draftsmith's decoder only (pair, validate, "
                               "grid, decode --draft); here name a whole model (its MODEL part)")
-    if spec.startswith(INT4_PREFIX):
+    if kind == "int4":
         raise DraftsmithError(f"{spec}: an int4 draft runs in draftsmith's decoder only (pair, validate, grid, "
                               "decode --draft); here name the whole model (drop int4:)")
     parsed = parse_derive_spec(spec)
@@ -153,10 +124,10 @@ def _sliced_state_dict(state: dict[str, Any], layers: list[int]) -> dict[str, An
     new_index = {src: dst for dst, src in enumerate(layers)}
     out = {}
     for key, tensor in state.items():
-        if key.startswith(_LAYERS_PREFIX):
-            index, rest = key[len(_LAYERS_PREFIX) :].split(".", 1)
+        if key.startswith(_LAYER_KEYS):
+            index, rest = key[len(_LAYER_KEYS) :].split(".", 1)
             if int(index) in new_index:
-                out[f"{_LAYERS_PREFIX}{new_index[int(index)]}.{rest}"] = tensor
+                out[f"{_LAYER_KEYS}{new_index[int(index)]}.{rest}"] = tensor
         else:
             out[key] = tensor
     return out

@@ -34,7 +34,6 @@ from decode.prompts import first_per_domain, load_prompts
 from decode.speculative import KPolicy, parse_policy_label, policy_label
 from decode.machine import machine_info, versions
 from decode.textgen import prompt_ids
-from pairing.policy import policy_dict
 from pairing.validate import open_draft
 
 QUANTS = ("int8", "none")
@@ -83,7 +82,7 @@ def policy_grid(cfg: GridConfig) -> list[KPolicy]:
     for K, c, m, d in itertools.product(cfg.k, cfg.confidence, cfg.siblings, cfg.sibling_depth):
         if (m and not c) or (d == 2 and (not m or K < 2)) or (c and not m and K == 1):
             continue
-        p = KPolicy(k=K, k_max=max(16, K), confidence=c or None, siblings=m if c else 0, sibling_depth=d)
+        p = KPolicy.fixed(K, confidence=c or None, siblings=m if c else 0, sibling_depth=d)
         out.setdefault(policy_label(p), p)
     for label in cfg.policy:
         p = parse_policy_label(label)
@@ -122,7 +121,7 @@ def run_grid(target_spec: str, draft_spec: str, cfg: GridConfig, *, out: Path | 
                           eos_ids=eos_ids(target), names=[p.id for p in prompts], desc="grid", device=device,
                           repeats=cfg.repeats, groups=[p.domain for p in prompts])
     result = {"target": target_spec, "draft": draft_spec, **val.to_dict(),
-              "policies": {n: policy_dict(p) for n, p in named.items()},
+              "policies": {n: p.to_dict() for n, p in named.items()},
               "drafted_per_round": {n: val.stats[n].drafted / max(1, val.stats[n].target_forwards) for n in drafts},
               "machine": machine_info(), "versions": versions()}
     if out is not None:

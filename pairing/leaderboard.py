@@ -42,12 +42,12 @@ from decode.machine import machine_info, versions
 from decode.prompts import Prompt, load_prompts
 from decode.runner import make_runner
 from decode.sampling import SamplingParams
+from decode.spec import DraftSpec, split_specs
 from decode.speculative import KPolicy
 from pairing.acceptance import measure_acceptance, measure_head_acceptance
 from pairing.compat import Compat, check_pair
 from pairing.cost import (CostModel, DecoderCost, calibrate_decoder, measure_cost, shared_target_clock,
                           speedup_curve)
-from pairing.derive import parse_derive_spec
 from pairing.policy import PolicyChoice, choose_policy
 from pairing.prune import KeptVocab, draft_runner, load_model_draft, runner_calib, runner_quant
 from pairing.reference import reference_continuations
@@ -107,16 +107,12 @@ class Candidate:
     dcost: DecoderCost | None = None  # its rounds timed in the decoder (target side shared: _share_target_clock)
 
 
-HEAD_PREFIX = "head:"
-
-
 def load_head_candidate(spec: str, target: Loaded) -> Eagle3Head:
     """`head:PATH` -> the head in PATH (config.json + model.safetensors) on the target's embedding, checked
     against the target (vocabulary, hidden size, aux layers); a one-line error otherwise."""
-    path = Path(spec[len(HEAD_PREFIX):]).expanduser()
-    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
-        raise DraftsmithError(f"{spec}: no head at {path} (a folder with config.json and model.safetensors, "
-                              "e.g. RUN/head/best)")
+    d = DraftSpec.parse(spec)
+    d.check()  # the folder holds a head's two files
+    path = d.folder
     try:
         head = load_head(path, target.model.get_input_embeddings())
     except DraftsmithError:  # an unreadable config.json says so itself (a ValueError too, not a misfit)
@@ -150,7 +146,7 @@ def _validate(target: Loaded, t_run, cands: list[Candidate], prompts: list[Promp
     by_id = {r["id"]: r for r in refs}
     names = {c.spec: f"draft{i}" for i, c in enumerate(cands)}
     drafts = {names[c.spec]: _draft(c, t_run.max_seq_len, cfg) for c in cands}
-    policies = {names[c.spec]: KPolicy(k=ks[c.spec], k_max=max(16, ks[c.spec])) for c in cands}
+    policies = {names[c.spec]: KPolicy.fixed(ks[c.spec]) for c in cands}
     what = cands[0].spec if len(cands) == 1 else f"{len(cands)} drafts"
     val = validate_drafts(t_run, drafts, [by_id[p.id]["prompt_ids"] for p in prompts], k=max(ks.values()),
                           max_new_tokens=cfg.max_new_tokens, eos_ids=eos_ids(target), names=[p.id for p in prompts],
@@ -276,7 +272,7 @@ def _load_candidates(cfg: PairConfig, target: Loaded, device: str) -> list[Candi
     cands: list[Candidate] = []
     shared: dict = {}  # MODEL and its pruned variants share MODEL's weights
     for spec in cfg.candidates:
-        if spec.startswith(HEAD_PREFIX):
+        if DraftSpec.parse(spec).is_head:
             if not cfg.calibrate_prompts:
                 raise DraftsmithError(f"{spec}: a head's cost is timed in the decoder; set calibrate_prompts >= 1")
             head = load_head_candidate(spec, target)
@@ -303,7 +299,7 @@ def _reference_helper(cands: list[Candidate]) -> Loaded | None:
     """A same-tokenizer candidate speeds up the references (exactly); derived drafts start near alpha 0 and would
     slow them down, so they never help; nor do pruned ones (the helper runs whole: MODEL is a candidate of its own)."""
     return next((c.loaded for c in cands if c.loaded is not None and c.compat.compatible and c.kept is None
-                 and parse_derive_spec(c.spec) is None), None)
+                 and DraftSpec.parse(c.spec).kind != "derive"), None)
 
 
 def _measure_acceptance(target: Loaded, cands: list[Candidate], refs, cfg: PairConfig, progress: bool) -> None:
@@ -729,14 +725,4 @@ def write_leaderboard(board: dict, out: Path) -> None:
 
 def split_candidates(text: str) -> list[str]:
     """Split 'a,b,derive:m:layers=0,1,2,c' on commas, keeping the layer list of a derive spec together."""
-    out: list[str] = []
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        if out and out[-1].startswith("derive:") and "layers=" in out[-1] and part.replace("-", "").isdigit():
-            out[-1] += "," + part
-        else:
-            out.append(part)
-    return out
-
+    return split_specs(text)

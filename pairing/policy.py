@@ -22,24 +22,21 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from decode.speculative import KPolicy
+from decode.speculative import DEFAULT_K, KPolicy
 from pairing.cost import CostModel, DecoderCost, expected_tau, speedup_from_tau
 from pairing.depth import expected_tau_from_depth_rates, round_walk
 
 GATES = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # stop thresholds predicted for (0: never stop)
-DEFAULT_K = 3  # when nothing was measured to choose from
 
 
-def policy_dict(p: KPolicy) -> dict:
-    """A policy as result files record it: K, stop threshold, siblings and their depth, lookup tokens."""
-    return {"k": p.k, "confidence": p.confidence, "siblings": p.siblings, "sibling_depth": p.sibling_depth,
-            "lookup": p.lookup}
-
-
-def policy_from_dict(d: dict) -> KPolicy:
-    """`policy_dict`'s form back to the policy (fixed K, k_max as the decoder's default)."""
-    return KPolicy(k=d["k"], k_max=max(16, d["k"]), confidence=d.get("confidence"), siblings=d.get("siblings", 0),
-                   sibling_depth=d.get("sibling_depth", 1), lookup=d.get("lookup", 0))
+def known_k(*sources: tuple[int | None, str]) -> tuple[int, str]:
+    """The first K a source knows (None or 0: it does not), with where it came from; else `DEFAULT_K`, labelled.
+    Where nothing is timed to choose (an export's serving lines) K comes from here; where rounds are timed or
+    walked, from `choose_policy`."""
+    for k, where in sources:
+        if k:
+            return int(k), where
+    return DEFAULT_K, f"not measured (default {DEFAULT_K})"
 
 
 @dataclass(frozen=True)
@@ -58,7 +55,7 @@ class PolicyChoice:
         return self.policy.k
 
     def to_dict(self) -> dict:
-        return {**policy_dict(self.policy), "predicted_speedup": self.predicted, "k_reason": self.reason,
+        return {**self.policy.to_dict(), "predicted_speedup": self.predicted, "k_reason": self.reason,
                 "predicted_speedup_by_k": {str(K): x for K, x in self.curve.items()},
                 "predicted_speedup_gated": self.options}
 
@@ -135,7 +132,7 @@ def _from_walk(records, cost: DecoderCost, *, max_k: int, tokens: int, gate: boo
     curve = {K: opts[(K, 0.0, 0, 1, 0)] for K in range(1, max_k + 1)}
     best = max(opts, key=lambda o: (opts[o], -o[0], -o[1], -o[2], -o[3], -o[4]))
     K, thr, m, d, L = best
-    policy = KPolicy(k=K, k_max=max(16, K), confidence=thr or None, siblings=m, sibling_depth=d, lookup=L)
+    policy = KPolicy.fixed(K, confidence=thr or None, siblings=m, sibling_depth=d, lookup=L)
     how = (f"proposing the draft's {m} most probable first tokens side by side"
            + (" with the draft's next token after each" if d == 2 else "") if m else "stopping")
     reason = (f"best predicted from the decoder's rounds walked on the held-out references and the round cost timed "
@@ -162,7 +159,7 @@ def choose_policy(cost: CostModel | DecoderCost | None, *, taus: Mapping[int, fl
         curve = {}
         if taus and cost is not None:
             curve = {K: predict(cost, t, K, tokens) for K, t in taus.items() if K == fixed_k and _covers(cost, K)}
-        return PolicyChoice(KPolicy(k=fixed_k, k_max=max(16, fixed_k)), curve.get(fixed_k), "set by the recipe",
+        return PolicyChoice(KPolicy.fixed(fixed_k), curve.get(fixed_k), "set by the recipe",
                             curve)
     if records is not None:
         if not isinstance(cost, DecoderCost):
@@ -170,7 +167,7 @@ def choose_policy(cost: CostModel | DecoderCost | None, *, taus: Mapping[int, fl
         return _from_walk(records, cost, max_k=max_k, tokens=tokens, gate=gate, siblings=siblings,
                           sibling_depth=sibling_depth, lookups=lookups, copies=copies)
     if taus is None or cost is None:
-        return PolicyChoice(KPolicy(k=DEFAULT_K), None,
+        return PolicyChoice(KPolicy.fixed(DEFAULT_K), None,
                             "default (no acceptance measured: neither the pair nor the distill stage has run)")
     curve = {K: predict(cost, t, K, tokens) for K, t in sorted(taus.items()) if K <= max_k and _covers(cost, K)}
     if not curve:
@@ -179,7 +176,7 @@ def choose_policy(cost: CostModel | DecoderCost | None, *, taus: Mapping[int, fl
     K = _best(curve)
     reason = (f"best predicted from {evidence} and the measured cost "
               f"({', '.join(f'K={k}: {x:.2f}x' for k, x in curve.items())})")
-    return PolicyChoice(KPolicy(k=K, k_max=max(16, K)), curve[K], reason, curve)
+    return PolicyChoice(KPolicy.fixed(K), curve[K], reason, curve)
 
 
 def _covers(cost: CostModel | DecoderCost, K: int) -> bool:

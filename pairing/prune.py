@@ -34,27 +34,20 @@ from decode.io import atomic_write_json, read_json
 from decode.loading import Loaded, load
 from decode.pair import check_vocab
 from decode.pruned import Proposes, PrunedRunner, coverage_size, vocab_ids
-from decode.quant import INT4_PREFIX, Calibration, draft_quant, read_calib, split_calib, split_quant
+from decode.quant import Calibration, draft_quant, read_calib
 from decode.runner import Runner, make_runner
+from decode.spec import DraftSpec
 from pairing.derive import resolve_candidate
 
-PRUNE_PREFIX = "prune:"
-_VOCAB_KEY = ":vocab="
 FORMAT = "draftsmith-kept-vocab"
 VERSION = 1
 
 
 def parse_prune_spec(spec: str) -> tuple[str, Path] | None:
     """'prune:MODEL:vocab=FILE' -> (MODEL, FILE); None when `spec` is not a prune spec; a malformed one is a
-    DraftsmithError."""
-    if not spec.startswith(PRUNE_PREFIX):
-        return None
-    model, key, file = spec[len(PRUNE_PREFIX):].rpartition(_VOCAB_KEY)
-    if not key or not model or not file:
-        raise DraftsmithError(f"{spec!r}: expected prune:MODEL:vocab=FILE (FILE from `draftsmith vocab`)")
-    if model.startswith((PRUNE_PREFIX, "head:")):
-        raise DraftsmithError(f"{spec!r}: MODEL must be a standalone model (zoo name, HF folder, .gguf, derive:...)")
-    return model, Path(file).expanduser()
+    DraftsmithError (`decode.spec.DraftSpec`)."""
+    d = DraftSpec.parse(spec, sniff=False)
+    return (d.inner.text, d.vocab) if d.kind == "prune" else None
 
 
 @dataclass(frozen=True)
@@ -149,24 +142,21 @@ def load_model_draft(spec: str, target: Loaded, device: str = "cpu",
     A pruned draft proposes target ids, so it must share the target's tokenizer; its file is checked first.
     `shared` (a dict the caller keeps) loads each model once for the specs that name it: a ranking of MODEL beside
     its pruned variants holds one copy of MODEL's weights, not one a variant (the decoder never changes them)."""
+    d = DraftSpec.parse(spec, sniff=False)
 
-    def model(name: str) -> Loaded:
-        key = (resolve_candidate(split_quant(split_calib(name)[0])[0]), device)  # int4:MODEL loads MODEL
-        # (`draft_runner` packs it)
+    def model() -> Loaded:
+        key = (resolve_candidate(d.weights), device)  # int4:MODEL loads MODEL (`draft_runner` packs it)
         if shared is None:
             return replace(load(key[0], device=device), name=spec)
         if key not in shared:
             shared[key] = load(key[0], device=device)
         return replace(shared[key], name=spec)
 
-    parsed = parse_prune_spec(spec)
     spec_calib(spec)  # a bad calibration file fails before a model is loaded
-    if parsed is None:
-        return model(spec), None
-    model_spec, vocab_path = parsed
-    kept = read_vocab(vocab_path, target_rows(target))  # a bad file fails before a model is loaded
-    loaded = model(model_spec)
-    loaded.name = spec
+    if d.kind != "prune":
+        return model(), None
+    kept = read_vocab(d.vocab, target_rows(target))  # a bad file fails before a model is loaded
+    loaded = model()
     check_vocab(target, loaded)
     rows = loaded.model.get_output_embeddings().weight.shape[0]
     if int(kept.ids.max()) >= rows:
@@ -175,21 +165,20 @@ def load_model_draft(spec: str, target: Loaded, device: str = "cpu",
 
 
 def spec_quant(spec: str) -> str | None:
-    """The quantisation a draft spec asks for itself: "int4" for `int4:MODEL` and `prune:int4:MODEL:vocab=FILE`."""
-    parsed = parse_prune_spec(spec)
-    return split_quant(parsed[0] if parsed else spec)[1]
+    """The quantisation a draft spec asks for itself: "int4" for `int4:MODEL` and `prune:int4:MODEL:vocab=FILE`;
+    None for any other, or for no spec ("")."""
+    return DraftSpec.parse(spec, sniff=False).quant if spec else None
 
 
 def spec_calib(spec: str) -> Calibration | None:
     """The calibration a draft spec names (`int4:MODEL:calib=FILE`, pruned or not; `read_calib`), else None."""
-    parsed = parse_prune_spec(spec)
-    path = split_calib(parsed[0] if parsed else spec)[1]
+    path = DraftSpec.parse(spec, sniff=False).calibration if spec else None
     return None if path is None else read_calib(path)
 
 
 def is_model_draft_spec(spec: str | None) -> bool:
     """Whether `spec` names a standalone draft that `load_model_draft` must open (pruned or int4), not a plain model."""
-    return spec is not None and (spec.startswith(INT4_PREFIX) or parse_prune_spec(spec) is not None)
+    return spec is not None and DraftSpec.parse(spec, sniff=False).decoder_only
 
 
 def runner_quant(model, quant: str | None, spec: str = "") -> str | None:
@@ -215,6 +204,6 @@ def draft_runner(model, kept: KeptVocab | None, max_seq_len: int, quant: str | N
     return (PrunedRunner(runner, kept.ids, context=kept.context) if kept is not None else runner), q
 
 
-__all__ = ["FORMAT", "KeptVocab", "PRUNE_PREFIX", "build_vocab", "draft_runner", "is_model_draft_spec",
+__all__ = ["FORMAT", "KeptVocab", "build_vocab", "draft_runner", "is_model_draft_spec",
            "load_model_draft", "parse_prune_spec", "read_vocab", "runner_calib", "runner_quant", "spec_calib",
            "spec_quant", "target_rows"]

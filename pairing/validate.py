@@ -33,16 +33,17 @@ from decode.loading import Loaded, eos_ids, load
 from decode.lookup import copy_table
 from decode.runner import make_runner
 from decode.prompts import Prompt, first_per_domain
+from decode.spec import DraftSpec
 from decode.speculative import KPolicy, check_siblings
 from decode.machine import machine_info, versions
 from decode.textgen import prompt_ids
 from pairing.cost import COST_CONTEXT, calibrate_decoder, measure_cost
 from pairing.head_rounds import depth_records, standalone_records
 from pairing.ladder import Rung, ladder
-from pairing.leaderboard import HEAD_PREFIX, load_head_candidate
+from pairing.leaderboard import load_head_candidate
 from pairing.prune import draft_runner, load_model_draft
 from pairing.reference import reference_continuations
-from pairing.policy import PolicyChoice, choose_policy, policy_dict, taus_from_alpha, taus_from_rates
+from pairing.policy import PolicyChoice, choose_policy, taus_from_alpha, taus_from_rates
 
 
 @dataclass
@@ -114,7 +115,7 @@ def open_draft(spec: str, target: Loaded, max_len: int, quant: str | None, devic
     """Any draft spec as the decoder runs it: `head:FOLDER` a HeadDraft on the target's embeddings, anything else
     a model runner (int8 Linear weights on CPU when `quant` asks and the model can take it; `prune:MODEL:vocab=FILE`
     with its LM head cut to the kept ids: `pairing.prune`)."""
-    if spec.startswith(HEAD_PREFIX):
+    if DraftSpec.parse(spec).is_head:
         head = load_head_candidate(spec, target)
         q = head_quant(head, quant)
         return Opened(HeadDraft(head, max_len, quantize=q), q, head)
@@ -152,13 +153,13 @@ class ValidationResult:
         p = self.choice.policy
         out = {
             "target": self.target, "kind": self.kind, "draft": before.spec if before else None,
-            "distilled": after.spec.removeprefix(HEAD_PREFIX) if after else None,
+            "distilled": _folder_or_spec(after.spec) if after else None,
             "labels": {d.name: d.label for d in self.drafts if d.label},
             **self.validation.to_dict(), **self.choice.to_dict(),
-            "confidence": p.confidence, "siblings": p.siblings, "sibling_depth": p.sibling_depth,
-            "policies": {n: policy_dict(pol) for n, pol in self.policies.items()},
-            "draft_quant": next((q for n, q in self.quant.items() if not by[n].spec.startswith(HEAD_PREFIX)), None),
-            "head_quant": next((q for n, q in self.quant.items() if by[n].spec.startswith(HEAD_PREFIX)), None),
+            **{key: v for key, v in p.to_dict().items() if key != "k"},
+            "policies": {n: pol.to_dict() for n, pol in self.policies.items()},
+            "draft_quant": next((q for n, q in self.quant.items() if not DraftSpec.parse(by[n].spec).is_head), None),
+            "head_quant": next((q for n, q in self.quant.items() if DraftSpec.parse(by[n].spec).is_head), None),
             "quant_by_draft": dict(self.quant),  # each decoder's own (an int4 draft beside an int8 one)
             "alpha": chooser.alpha if chooser.alpha is not None else (chooser.rates or [None])[0],
             "cost_ratio": self.cost.get("cost_ratio"), "verify_cost": self.cost.get("verify_cost", {}),
@@ -174,6 +175,12 @@ class ValidationResult:
             out["speedup_after_vs_before"] = tps["draft_after"] / tps["draft_before"]
             out["after_vs_before"] = after_vs_before(self.validation)
         return out
+
+
+def _folder_or_spec(spec: str) -> str:
+    """A head's folder, any other draft's spec: how bench.json names the distilled draft."""
+    d = DraftSpec.parse(spec)
+    return str(d.folder) if d.is_head else spec
 
 
 def prompts_hash(prompts: list[Prompt]) -> str:
@@ -279,7 +286,7 @@ def validate(target_spec: str, drafts: list[DraftUnderTest], dev: list[Prompt], 
             refs = reference_continuations(target, dev, max_new_tokens=cfg.max_new_tokens)
             chooser.refs = [(list(r["prompt_ids"]), list(r["continuation_ids"])) for r in refs]
         choice, cost = _choose(chooser, opened[chooser.name], t_run, dev_ids, cfg, eos, device)
-    policies = {d.name: (KPolicy(k=d.k, k_max=max(16, d.k)) if d.k else d.policy if d.policy and not d.chooses
+    policies = {d.name: (KPolicy.fixed(d.k) if d.k else d.policy if d.policy and not d.chooses
                          else choice.policy) for d in drafts}
     val = validate_drafts(t_run, {n: o.runner for n, o in opened.items()}, ids, k=choice.k, policies=policies,
                           max_new_tokens=cfg.max_new_tokens, eos_ids=eos, names=[p.id for p in timed],
@@ -340,7 +347,7 @@ def race(target_spec: str, specs: list[str], dev: list[Prompt], cfg: ValidateCon
                           repeats=cfg.repeats, groups=[p.domain for p in timed])
     result = {
         "target": target_spec, "chosen_on": [p.id for p in dev], "timed_on": [p.id for p in timed],
-        "drafts": {spec: {"policy": policy_dict(policies[n]), "predicted_speedup": choices[spec].predicted,
+        "drafts": {spec: {"policy": policies[n].to_dict(), "predicted_speedup": choices[spec].predicted,
                           "k_reason": choices[spec].reason,
                           "predicted_speedup_by_k": {str(K): x for K, x in choices[spec].curve.items()},
                           "predicted_speedup_gated": choices[spec].options,

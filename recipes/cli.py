@@ -81,11 +81,12 @@ def _sampling(args: argparse.Namespace):
 
 
 def _policy(args: argparse.Namespace):
-    from decode.speculative import KPolicy
+    from decode.speculative import DEFAULT_K, KPolicy
 
+    k = DEFAULT_K if args.k is None else args.k
     try:
-        return KPolicy(k=args.k, dynamic=args.dynamic_k, k_max=max(16, args.k), confidence=args.confidence,
-                       siblings=args.siblings, sibling_depth=args.sibling_depth, lookup=args.lookup)
+        return KPolicy.fixed(k, dynamic=args.dynamic_k, confidence=args.confidence, siblings=args.siblings,
+                             sibling_depth=args.sibling_depth, lookup=args.lookup)
     except ValueError as e:
         raise DraftsmithError(str(e)) from None
 
@@ -150,16 +151,12 @@ def _with_pruned_draft(pair, spec: str, max_seq_len: int, quant: str | None):
 def _head_spec(draft: str | None) -> str | None:
     """`head:PATH` for a draft head: given so, or a folder `decode.head.save_head` wrote (its config.json names
     Eagle3Head); None for a standalone draft."""
-    from pairing.leaderboard import HEAD_PREFIX
+    from decode.spec import DraftSpec
 
-    if draft is None or draft.startswith(HEAD_PREFIX):
-        return draft
-    config = Path(draft).expanduser() / "config.json"
-    try:
-        architectures = json.loads(config.read_text()).get("architectures") if config.is_file() else None
-    except (OSError, ValueError, AttributeError):
-        return None  # not a head's; loading it as a model says what is wrong
-    return f"{HEAD_PREFIX}{draft}" if architectures == ["Eagle3Head"] else None
+    if draft is None:
+        return None
+    d = DraftSpec.parse(draft)
+    return DraftSpec.head(d.folder).text if d.is_head else None
 
 
 def _head_draft(spec: str, target, max_seq_len: int, quant: str | None):
@@ -293,12 +290,9 @@ def cmd_pair(args: argparse.Namespace) -> int:
 def cmd_derive(args: argparse.Namespace) -> int:
     from pairing.derive import derive
 
-    layers = None
-    if args.layers:
-        from pairing.derive import parse_derive_spec
+    from decode.spec import parse_layers
 
-        parsed = parse_derive_spec(f"derive:{args.source}:layers={args.layers}")
-        layers = parsed[1] if parsed else None
+    layers = parse_layers(args.layers) if args.layers else None
     print(derive(args.source, args.out, layers=layers, keep=args.keep))
     return 0
 
@@ -454,11 +448,13 @@ def _print_prediction(pred: dict | None) -> None:
 
 
 def cmd_export_head(args: argparse.Namespace) -> int:
+    from decode.speculative import DEFAULT_K
     from distill.export.heads import export_head
 
     ks = [int(x) for x in args.llama_cpp_ks.split(",") if x.strip()] if args.llama_cpp_ks else None
-    result = export_head(args.head, args.target, args.out, k=args.k, gguf=args.gguf,
-                         check_llama_cpp=args.check_llama_cpp, target_gguf=args.target_gguf, ks=ks)
+    k = DEFAULT_K if args.k is None else args.k
+    result = export_head(args.head, args.target, args.out, k=k, gguf=args.gguf, check_llama_cpp=args.check_llama_cpp,
+                         target_gguf=args.target_gguf, ks=ks)
     for name, line in result["serving"].items():
         print(f"{name}: {line}")
     print(f"wrote {args.out}/vllm (speculators format) and {args.out}/sglang, both checked against their contract")
@@ -537,7 +533,7 @@ def _decode_parser(sub) -> None:
     _add_pair_args(p)
     p.add_argument("--no-draft", action="store_true", help="target only (the baseline)")
     p.add_argument("--prompt", required=True)
-    p.add_argument("--k", type=int, default=4, help="draft tokens per step")
+    p.add_argument("--k", type=int, default=None, help="draft tokens per step (default 3: decode.speculative.DEFAULT_K)")
     p.add_argument("--dynamic-k", action="store_true", help="grow K on full acceptance, shrink on rejection")
     p.add_argument("--confidence", type=float, default=None, help="stop drafting below this draft probability")
     p.add_argument("--siblings", type=int, default=0,
@@ -706,7 +702,7 @@ def _export_head_parser(sub) -> None:
     p = sub.add_parser("export-head", help="export a trained EAGLE-3 head: vLLM speculators and SGLang folders, checked")
     p.add_argument("--head", required=True, help="a head folder (config.json + model.safetensors), e.g. RUN/head/best")
     p.add_argument("--target", required=True, help="the target the head reads (zoo name, HF folder or .gguf)")
-    p.add_argument("--k", type=int, default=3, help="draft tokens per step in the serving lines")
+    p.add_argument("--k", type=int, default=None, help="draft tokens per step in the serving lines (default 3)")
     p.add_argument("--gguf", action="store_true", help="also a GGUF for llama.cpp (EAGLE-3), by llama.cpp's converter")
     p.add_argument("--check-llama-cpp", action="store_true",
                    help="serve the target's GGUF with the head in llama-server (--spec-type draft-eagle3); implies --gguf")

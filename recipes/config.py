@@ -23,13 +23,12 @@ import yaml
 
 from decode import zoo
 from decode.errors import DraftsmithError
+from decode.spec import DraftSpec
 from distill.export import ExportConfig
 from distill.fastest import FastestConfig
 from distill.heads.pipeline import HeadRunConfig
 from distill.kinds import is_model_spec
 from distill.pipeline import DataConfig, DistillConfig
-from pairing.derive import parse_derive_spec
-from pairing.prune import parse_prune_spec
 from pairing.leaderboard import PairConfig
 from pairing.validate import ValidateConfig
 
@@ -171,41 +170,28 @@ def build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
 # --- models named in a recipe ---------------------------------------------------------------------
 
 
-def check_model_spec(spec: str, key: str) -> None:
-    """A zoo name, an existing HF folder / .gguf file, or a derive spec over one of those; or a prune spec over any
-    of them with an existing kept-ids file."""
+def check_model_spec(spec: str, key: str, *, target: bool = False) -> None:
+    """A draft spec the CLI takes (`decode.spec.DraftSpec`: a zoo name, an HF folder / .gguf file, derive:, int4:,
+    prune: or head:), each file and model it names existing; a target is a whole model (zoo name, folder, .gguf)."""
     try:
-        parsed, pruned = parse_derive_spec(spec), parse_prune_spec(spec)
+        d = DraftSpec.parse(spec)
+        d.check(set(zoo.known_models()))
     except DraftsmithError as e:
         raise RecipeError(f"{key}: {e}") from None
-    if pruned is not None:
-        if not pruned[1].is_file():
-            raise RecipeError(f"{key}: {spec!r}: no kept-vocabulary file {pruned[1]} (draftsmith vocab writes one)")
-        check_model_spec(pruned[0], key)
-        return
-    if parsed is not None:
-        check_model_spec(parsed[0], key)
-        return
-    if spec in zoo.known_models():
-        return
-    path = Path(spec).expanduser()
-    if path.is_dir() and (path / "config.json").is_file():
-        return
-    if path.is_file() and path.suffix == ".gguf":
-        return
-    raise RecipeError(f"{key}: unknown model {spec!r}: expected a zoo name ({', '.join(zoo.known_models())}), "
-                      "an HF folder with config.json, a .gguf file, derive:MODEL:keep=N or prune:MODEL:vocab=FILE")
+    if target and d.kind != "model":
+        raise RecipeError(f"{key}: {spec!r}: the target is a whole model: a zoo name ({', '.join(zoo.known_models())}), "
+                          "an HF folder with config.json or a .gguf file")
 
 
 def _check_models(recipe: Recipe) -> None:
-    check_model_spec(recipe.target, "target")
+    check_model_spec(recipe.target, "target", target=True)
     for i, spec in enumerate(recipe.pair.candidates):
         check_model_spec(spec, f"pair.candidates[{i}]")
     if is_model_spec(recipe.distill.draft):
         check_model_spec(recipe.distill.draft, "distill.draft")
-        if parse_prune_spec(recipe.distill.draft) is not None:
-            raise RecipeError("distill.draft: distillation trains a whole model, not a vocabulary-pruned one: name its "
-                              "MODEL (and prune the result: prune:RUN/distill/best:vocab=FILE)")
+        if DraftSpec.parse(recipe.distill.draft).decoder_only:
+            raise RecipeError("distill.draft: distillation trains a whole model, not an int4 or vocabulary-pruned one: "
+                              "name its MODEL (and prune the result: prune:RUN/distill/best:vocab=FILE)")
     if recipe.distill.draft == "fastest" and recipe.fastest.base != "best":
         check_model_spec(recipe.fastest.base, "fastest.base")
     check_prompts(recipe.prompts, "prompts")

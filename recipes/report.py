@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import html
 import json
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -346,9 +347,12 @@ def verdict(run: Path) -> tuple[str, bool] | None:
             f"{speed[best]:.2f}x the target alone ({where}).")
     fair = (b.get("after_vs_before") or {}) if b.get("kind") == "fastest" else {}
     if fair.get("all"):
+        rungs = [r["name"] for r in (b.get("ladder") or {}).get("rungs", [])]
         steps = [r["step"] for r in (b.get("ladder") or {}).get("rungs", [])]
-        what = steps[steps.index("its walked policy") + 1:] if "its walked policy" in steps else []
-        text += (f" Over the {labels['draft_before']} (the same policy search on the same dev prompts"
+        what = (steps[rungs.index("draft_before") + 1:rungs.index("draft_after") + 1]
+                if {"draft_before", "draft_after"} <= set(rungs) else [])  # the rungs between the two
+        text += (f" The race's pick ({labels['draft_after']}) over the {labels['draft_before']} (the same policy "
+                 "search on the same dev prompts"
                  + (f"; what differs: {', '.join(what)}" if what else "") + "): "
                  + "; ".join(f"{g} {v['median']:.2f}x ({v['range'][0]:.2f}-{v['range'][1]:.2f})"
                              for g, v in fair.items()) + ".")
@@ -450,20 +454,28 @@ def _ladder(doc: Doc, table: dict, labels: dict) -> None:
                 *(_spread((r["over_below"] or {}).get(g)) for g in groups),
                 *(_spread(r["over_target"].get(g)) for g in groups)] for r in table["rungs"]])
     plt = _plt()
-    fig, axes = plt.subplots(1, len(groups), figsize=(3.4 * len(groups) + 1, 3.4), sharey=True, squeeze=False)
+    fig, axes = plt.subplots(1, len(groups), figsize=(3.4 * len(groups) + 1, 3.8), sharey=True, squeeze=False)
+    top = max(max(lo, hi) for g in groups for _, lo, hi in waterfall(table, g))
     for ax, g in zip(axes[0], groups):
         bars = waterfall(table, g)
-        x = range(len(bars))
-        ax.bar(x, [hi - lo for _, lo, hi in bars], bottom=[lo for _, lo, _ in bars],
+        x = list(range(len(bars)))
+        # a step worth nothing still shows: at least a hairline
+        ax.bar(x, [(hi - lo) or 0.004 * top for _, lo, hi in bars], bottom=[lo for _, lo, _ in bars],
                color=["#2a7" if hi >= lo else "#c33" for _, lo, hi in bars])
         for i, (_, lo, hi) in enumerate(bars):
-            ax.annotate(f"{hi:.2f}x", (i, max(lo, hi)), ha="center", va="bottom", fontsize=7)
+            ax.annotate(f"{hi:.2f}x", (i, max(lo, hi)), xytext=(0, 2), textcoords="offset points", ha="center",
+                        va="bottom", fontsize=7)
+        if g == "all":  # the predictions are over all prompts
+            pred = [(i, r["predicted"]) for i, r in enumerate(table["rungs"]) if r.get("predicted")]
+            ax.scatter([i for i, _ in pred], [v for _, v in pred], marker="_", s=200, color="k", zorder=3,
+                       label="predicted")
+            ax.legend(fontsize=7, loc="lower right")
         ax.axhline(1.0, color="#888", lw=0.8)
-        ax.set_xticks(list(x), [s if len(s) < 22 else s[:20] + "…" for s, _, _ in bars], rotation=30, ha="right",
-                      fontsize=7)
+        ax.set_ylim(min(0.95, min(lo for _, lo, _ in bars)), top * 1.12)
+        ax.set_xticks(x, [textwrap.fill(s, 16) for s, _, _ in bars], rotation=0, fontsize=6)
         ax.set_title(g, fontsize=9)
     axes[0][0].set_ylabel("speedup over the target alone")
-    fig.suptitle("ladder: each rung's gain over the one before", fontsize=9)
+    fig.suptitle("the ladder: each rung's gain over the one before (median of the repeats)", fontsize=9)
     doc.image("ladder.png", png_bytes(fig))
 
 

@@ -23,8 +23,11 @@ alone was not slower (README, SmolLM2 head), and a stage's numbers should not de
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
+import fcntl
+import os
 import multiprocessing
 import shutil
 import time
@@ -212,14 +215,46 @@ def run_stage_fresh(func: Callable[[Recipe, RunFolder], dict], recipe: Recipe, r
         pool.shutdown(wait=True, cancel_futures=True)
 
 
+LOCK = ".lock"  # in a run folder: held by the one `draftsmith run` working in it
+
+
+@contextlib.contextmanager
+def run_lock(folder: Path):
+    """An exclusive lock on `folder` for one recipe run (flock on folder/.lock, released when the process ends,
+    however it ends): a second run on the same folder refuses in one line instead of interleaving its writes."""
+    path = folder / LOCK
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            held = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            raise DraftsmithError(f"{folder}: another draftsmith run is working in this folder"
+                                  + (f" (pid {held})" if held else "") + "; wait for it to end, or use another --out"
+                                  ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # closing drops the lock
+
+
 def run_recipe(recipe: Recipe, out: Path | None = None, *, stages: list[str] | None = None,
                restart: str | None = None, say: Callable[[str], None] = print) -> dict:
-    """Run (or resume) the recipe's stages in order; returns the final state. Writes the report after each stage."""
+    """Run (or resume) the recipe's stages in order; returns the final state. Writes the report after each stage.
+    One run at a time in a run folder (`run_lock`)."""
     if recipe.device == "cuda" and not torch.cuda.is_available():
         raise DraftsmithError("device: cuda, but torch sees no GPU here (this build: "
                               f"torch {torch.__version__}); set device=cpu")
-    run = RunFolder(Path(out) if out else Path("runs") / recipe.name)
-    run.out.mkdir(parents=True, exist_ok=True)
+    folder = Path(out) if out else Path("runs") / recipe.name
+    folder.mkdir(parents=True, exist_ok=True)
+    with run_lock(folder):
+        return _run_recipe(recipe, folder, stages=stages, restart=restart, say=say)
+
+
+def _run_recipe(recipe: Recipe, folder: Path, *, stages: list[str] | None, restart: str | None,
+                say: Callable[[str], None]) -> dict:
+    run = RunFolder(folder)
     wanted = [s for s in STAGES if s in (stages or recipe.stages)]
     if restart:
         run.restart(restart)

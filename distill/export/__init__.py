@@ -43,13 +43,14 @@ from decode.io import atomic_write_json, atomic_write_text, read_json
 from decode.loading import Loaded, load
 from decode.machine import versions
 from decode.prompts import load_suite
+from decode.spec import DraftSpec
 from decode.textgen import prompt_ids
 from distill.export.gguf import GGUF_TOL, GGUF_TYPES, export_gguf, prepare_vocab
 from distill.export.hf import export_hf
 from distill.export.model_card import model_card, serving_lines
 from distill.train import merged_model
 from pairing.derive import resolve_candidate
-from pairing.prune import parse_prune_spec
+from pairing.policy import known_k
 
 EXPORT_FORMATS = ("hf", "gguf")
 PRUNED_NOT_EXPORTED = (
@@ -61,7 +62,7 @@ PRUNED_NOT_EXPORTED = (
 def refuse_pruned(*specs: str | None) -> None:
     """A one-line DraftsmithError for a vocabulary-pruned draft spec (`PRUNED_NOT_EXPORTED`); nothing otherwise."""
     for spec in specs:
-        if spec is not None and parse_prune_spec(spec) is not None:
+        if spec is not None and DraftSpec.parse(spec).kind == "prune":
             raise DraftsmithError(f"{spec}: {PRUNED_NOT_EXPORTED}")
 
 
@@ -99,9 +100,6 @@ class ExportConfig:
     def fmt(self) -> str:
         """The `export(fmt=...)` form: 'hf', 'gguf' or 'all'."""
         return "all" if set(self.formats) == {"hf", "gguf"} else self.formats[0]
-
-
-DEFAULT_K = 3  # bench's default, the best K measured on the 2-core CPU; used, and labelled, when none is known
 
 
 def _say(message: str, progress: bool) -> None:
@@ -178,14 +176,10 @@ def provenance(draft_dir: Path, info: dict | None) -> dict:
 
 
 def choose_k(best_k: int | None, prov: dict) -> tuple[int, str]:
-    """(K, where it comes from): the argument, info/provenance's best_k, the K the distill run measured at, else 3."""
-    if best_k is not None:
-        return int(best_k), "given (--best-k)"
-    if prov.get("best_k") is not None:
-        return int(prov["best_k"]), "measured (pairing / info)"
-    if prov.get("k_measured") is not None:
-        return int(prov["k_measured"]), "the K the distill run measured its speedup at (not searched)"
-    return DEFAULT_K, "not measured (default 3)"
+    """(K, where it comes from): the argument, info/provenance's best_k, the K the distill run measured at, else the
+    default (`pairing.policy.known_k`)."""
+    return known_k((best_k, "given (--best-k)"), (prov.get("best_k"), "measured (pairing / info)"),
+                   (prov.get("k_measured"), "the K the distill run measured its speedup at (not searched)"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -334,6 +328,6 @@ def export(draft: str, target: str, out: Path, cfg: ExportConfig | None = None, 
     return summary
 
 
-__all__ = ["DEFAULT_K", "EXPORT_FORMATS", "PRUNED_NOT_EXPORTED", "ExportConfig", "GGUF_TOL", "GGUF_TYPES",
+__all__ = ["EXPORT_FORMATS", "PRUNED_NOT_EXPORTED", "ExportConfig", "GGUF_TOL", "GGUF_TYPES",
            "before_gguf", "choose_k", "export", "load_draft", "predict_llama_cpp", "provenance", "refuse_pruned",
            "target_gguf_for"]

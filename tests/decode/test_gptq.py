@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from decode.errors import DraftsmithError
-from decode.quant import (GROUP, Int4Linear, deinterleave_int4, gptq_groups, quantize_groups, read_calib,
-                          split_calib, write_calib)
+from decode.quant import GROUP, Int4Linear, deinterleave_int4, gptq_groups, quantize_groups, read_calib, write_calib
 from decode.runner import make_runner
+from decode.spec import DraftSpec
 from decode.speculative import KPolicy, generate
 from tests import helpers
 from tests.decode.test_int4 import needs_int4
@@ -95,11 +95,12 @@ def test_calibration_files_and_specs(tmp_path) -> None:
     assert cal.sequences == ((1, 2, 3), (4,)) and len(cal.key) == 32
     assert read_calib(write_calib(tmp_path / "d.json", [[1, 2, 3], [4]])).key == cal.key
     assert read_calib(write_calib(tmp_path / "e.json", [[1, 2, 4]])).key != cal.key
-    assert split_calib("int4:m:calib=c.json") == ("int4:m", tmp_path.__class__("c.json"))
-    assert split_calib("int4:m") == ("int4:m", None)
+    d = DraftSpec.parse("int4:m:calib=c.json")
+    assert (d.kind, d.weights, d.calibration) == ("int4", "m", tmp_path.__class__("c.json"))
+    assert DraftSpec.parse("int4:m").calibration is None
     for bad in ("m:calib=c.json", "int4::calib=c.json", "int4:m:calib="):
         with pytest.raises(DraftsmithError, match="int4:MODEL:calib=FILE"):
-            split_calib(bad)
+            DraftSpec.parse(bad)
     with pytest.raises(DraftsmithError, match="no such calibration file"):
         read_calib(tmp_path / "missing.json")
     for text in ("{", json.dumps({"format": "other", "sequences": [[1]]}),

@@ -10,8 +10,9 @@ from torch import nn
 
 from decode.pruned import PrunedRunner
 from decode.quant import (GROUP, Int4Linear, deinterleave_int4, draft_quant, int4_chunk, int4_ok, pack_int4,
-                          quantize_groups, split_quant, unpack_int4)
+                          quantize_groups, unpack_int4)
 from decode.runner import make_runner
+from decode.spec import DraftSpec
 from decode.speculative import KPolicy, generate
 from tests import helpers
 
@@ -138,8 +139,9 @@ def test_many_rows_run_the_kernel(int8_copy: bool) -> None:
 
 
 def test_spec_and_fallback() -> None:
-    assert split_quant("int4:qwen2.5-coder-0.5b-instruct") == ("qwen2.5-coder-0.5b-instruct", "int4")
-    assert split_quant("qwen2.5-coder-0.5b-instruct") == ("qwen2.5-coder-0.5b-instruct", None)
+    d = DraftSpec.parse("int4:qwen2.5-coder-0.5b-instruct")
+    assert (d.weights, d.quant) == ("qwen2.5-coder-0.5b-instruct", "int4")
+    assert DraftSpec.parse("qwen2.5-coder-0.5b-instruct").quant is None
     model = helpers.tiny_llama(1, 61, hidden=128)
     assert draft_quant(model, "int4") == ("int4" if CHUNK else "int8")
     assert draft_quant(helpers.tiny_llama(1, 61, hidden=48), "int4") == "int8"  # rows not a multiple of 32

@@ -14,7 +14,7 @@ from pairing.depth import (
     expected_tau_from_depth_rates, expected_tau_from_runs, gated_walk, predicted_speedup_from_depth, round_matrix,
     speedup_curve_from_depth, tokens_per_round,
 )
-from pairing.policy import choose_policy, policy_dict, policy_from_dict, taus_from_alpha, taus_from_rates
+from pairing.policy import choose_policy, taus_from_alpha, taus_from_rates
 
 KS = range(1, 17)
 
@@ -500,9 +500,9 @@ def test_round_walk_with_lookup_by_hand_and_its_errors() -> None:
 
 
 def test_a_recorded_policy_reads_back_as_the_same_policy() -> None:
-    """race.json records each draft's policy (`policy_dict`); validate serves it from there (`policy_from_dict`)."""
+    """race.json records each draft's policy (`KPolicy.to_dict`); validate serves it from there (`KPolicy.from_dict`)."""
     from decode.speculative import KPolicy
     for p in [KPolicy(k=8, confidence=0.7, siblings=2, lookup=4), KPolicy(k=3), KPolicy(k=20, k_max=20),
               KPolicy(k=6, confidence=0.6, siblings=3, sibling_depth=2)]:
-        back = policy_from_dict(policy_dict(p))
-        assert policy_dict(back) == policy_dict(p) and back.k_max >= back.k and not back.dynamic
+        back = KPolicy.from_dict(p.to_dict())
+        assert back.to_dict() == p.to_dict() and back.k_max >= back.k and not back.dynamic

@@ -12,6 +12,7 @@ import torch
 from decode.errors import DraftsmithError
 from decode.loading import load
 from decode.pruned import PrunedRunner
+from decode.spec import DraftSpec
 from pairing.derive import resolve_candidate
 from pairing.prune import build_vocab, draft_runner, load_model_draft, parse_prune_spec, read_vocab
 from tests import helpers
@@ -115,6 +116,10 @@ def test_read_vocab_errors_are_one_line(tmp_path: Path, fields: dict, message: s
 def test_a_missing_or_corrupt_file_is_one_line(tmp_path: Path) -> None:
     with pytest.raises(DraftsmithError, match="no such kept-vocabulary file"):
         read_vocab(tmp_path / "absent.json", 8)
+    (tmp_path / "binary.bin").write_bytes(bytes(range(256)))  # not UTF-8: one line, not a UnicodeDecodeError
+    with pytest.raises(DraftsmithError, match="not text") as e:
+        read_vocab(tmp_path / "binary.bin", 8)
+    assert "\n" not in str(e.value)
     (tmp_path / "bad.json").write_text('{"format": "draftsmith-kept-vocab", "ids": [1, 2')
     with pytest.raises(DraftsmithError, match="not valid JSON"):
         read_vocab(tmp_path / "bad.json", 8)
@@ -251,7 +256,7 @@ def test_an_int4_spec_loads_its_model_and_runs_int4_where_it_can(tmp_path: Path,
     assert spec_quant(str(tmp_path / "wide")) is None
     for spec in (f"int4:{tmp_path / 'wide'}", f"prune:int4:{tmp_path / 'wide'}:vocab={f}"):
         loaded, kept = load_model_draft(spec, target)
-        assert loaded.name == spec and (kept is None) == spec.startswith("int4:")
+        assert loaded.name == spec and (kept is None) == (DraftSpec.parse(spec).kind == "int4")
         runner, quant = draft_runner(loaded.model, kept, 32, "int8", spec)
         assert quant == ("int4" if int4_chunk() else "int8")
         inner = runner.inner if isinstance(runner, PrunedRunner) else runner

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from decode.spec import DraftSpec
+
 DRAFTSMITH = Path(sys.executable).parent / "draftsmith"
 
 
@@ -184,7 +186,7 @@ def test_vocab_then_decode_with_the_pruned_draft_equals_the_target_alone(tiny_pa
     assert code == 0, err
     r = json.loads(report.read_text())
     walked = "speculative K=3 stop<0.6 siblings=2"  # a policy named in advance, timed beside each K (a tree verify)
-    assert r["draft"].startswith("prune:") and r["greedy_equal"]
+    assert DraftSpec.parse(r["draft"]).kind == "prune" and r["greedy_equal"]
     assert set(r["modes"]) >= {"speculative_k2", walked, "hf_assisted"}
     assert r["modes"][walked]["policy"] == "K=3 stop<0.6 siblings=2" and r["modes"][walked]["k"] == 3
     assert all(row[f"{walked}_eq_target_only"] for row in r["greedy_equal_per_prompt"])

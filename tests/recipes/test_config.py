@@ -119,3 +119,20 @@ def test_a_pruned_candidate_needs_its_kept_ids_and_is_never_distilled(tmp_path: 
         recipe_from_dict({**MINIMAL, "pair": {"candidates": [f"prune:nope:vocab={kept}"]}})
     with pytest.raises(DraftsmithError, match="distill.draft: distillation trains a whole model"):
         recipe_from_dict({**MINIMAL, "distill": {"draft": spec}})
+
+
+def test_a_recipe_takes_every_spec_the_cli_takes(tmp_path: Path) -> None:
+    """int4:, prune: (of an int4 copy, calibrated) and head: candidates validate as the CLI reads them
+    (`decode.spec.DraftSpec`); their files are checked, and the target must be a whole model."""
+    kept, calib, head = tmp_path / "kept.json", tmp_path / "calib.json", tmp_path / "head"
+    kept.write_text("{}"), calib.write_text("{}"), head.mkdir()
+    (head / "config.json").write_text("{}"), (head / "model.safetensors").write_bytes(b"")
+    specs = ["int4:smollm2-135m-instruct", f"int4:smollm2-135m-instruct:calib={calib}",
+             f"prune:int4:smollm2-135m-instruct:vocab={kept}", f"head:{head}"]
+    assert recipe_from_dict({**MINIMAL, "pair": {"candidates": specs}}).pair.candidates == specs
+    with pytest.raises(DraftsmithError, match=r"pair\.candidates\[0\]: .*no head at"):
+        recipe_from_dict({**MINIMAL, "pair": {"candidates": [f"head:{tmp_path / 'none'}"]}})
+    with pytest.raises(DraftsmithError, match="target: .*whole model"):
+        recipe_from_dict({**MINIMAL, "target": "int4:smollm2-135m-instruct"})
+    with pytest.raises(DraftsmithError, match="distill.draft: distillation trains a whole model"):
+        recipe_from_dict({**MINIMAL, "distill": {"draft": "int4:smollm2-135m-instruct"}})

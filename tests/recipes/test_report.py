@@ -270,5 +270,5 @@ def test_a_ladder_renders_as_a_table_and_a_waterfall_and_the_verdict_names_what_
     assert "Where the speedup comes from: the ladder" in md and (run / "report" / "ladder.png").is_file()
     assert "| int4 m0 | int4 weights | 2.10 | 1.11x (1.11-1.12) | 2.22x (2.11-2.35) |" in md
     assert "| stock m0 (int8), plain K = 4 | stock m0 as loaded, plain K = 4 | 1.50 | - |" in md
-    assert ("Over the stock m0 at its walked policy (the same policy search on the same dev prompts; what differs: "
-            "int4 weights, vocabulary pruned to 64 ids): all 1.25x") in md
+    assert ("The race's pick (int4 m0 pruned to 64 ids) over the stock m0 at its walked policy (the same policy "
+            "search on the same dev prompts; what differs: int4 weights, vocabulary pruned to 64 ids): all 1.25x") in md

@@ -19,6 +19,7 @@ import yaml
 from safetensors.torch import load_file
 
 from decode.quant import int4_chunk
+from decode.spec import DraftSpec
 from tests import helpers
 
 DRAFTSMITH = Path(sys.executable).parent / "draftsmith"
@@ -402,7 +403,7 @@ def test_a_fastest_recipe_ranks_pruned_variants_and_writes_the_winner(world: dic
     made = json.loads((out / "distill" / "fastest.json").read_text())
     int4 = bool(int4_chunk())  # the tiny models' rows (32 wide) take draftsmith's int4 kernel where it is built
     assert made["base"] == str(base) and len(made["ranking"]) == 3 + int4  # whole, [int4,] two pruned variants
-    assert any(r["draft"].startswith("int4:") for r in made["ranking"]) == int4
+    assert any(DraftSpec.parse(r["draft"]).kind == "int4" for r in made["ranking"]) == int4
     # the int4 copy (and the pruned variants of it) GPTQ-rounded on the counted prompts and answers
     calib = out / "distill" / "calib.json"
     assert calib.is_file() == int4 and all(f"int4:{base}:calib={calib}" in r["draft"]
