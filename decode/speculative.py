@@ -90,7 +90,7 @@ class KPolicy:
     k: int = DEFAULT_K
     dynamic: bool = False
     k_min: int = 1
-    k_max: int = 16
+    k_max: int = K_MAX
     confidence: float | None = None
     siblings: int = 0
     sibling_depth: int = 1

@@ -147,6 +147,14 @@ def raced(board: dict, result: dict) -> dict:
     return {**board, "candidates": rows}
 
 
+def race_reusable(result: dict, drafts: list[str], reference: str | None) -> bool:
+    """Whether a race.json already written raced these drafts against this reference at its walked policy (a
+    race.json from before the fair reference, the base at a fixed K with no "policy", is raced again)."""
+    had = result.get("reference") or {}
+    return (sorted(result["drafts"]) == sorted(drafts)
+            and (had.get("draft"), had.get("policy")) == ((reference, "walked") if reference else (None, None)))
+
+
 def make_fastest(target: str, base: str, cfg: FastestConfig, pair: PairConfig, *, out: Path, run: Path,
                  prompts: str, limit_per_domain: int | None = None, device: str = "cpu",
                  validate: ValidateConfig | None = None, dev: list[Prompt] | None = None) -> dict:
@@ -175,11 +183,9 @@ def make_fastest(target: str, base: str, cfg: FastestConfig, pair: PairConfig, *
         top = [c["draft"] for c in board["candidates"] if c["compatible"]][: cfg.race]
         reference = base if cfg.race_reference else None
         if reference and reference not in top:  # the stock draft always races: the baseline, at its walked policy
-            top = [reference] + top[: cfg.race - 1] if cfg.race > 1 else [reference]
+            top = [reference] + top[: cfg.race - 1]
         result = read_json(out / "race.json", missing_ok=True, what="race result")
-        had = ((result or {}).get("reference") or {})
-        same_reference = had.get("draft") == reference and had.get("policy", "walked") == "walked"
-        if result is None or sorted(result["drafts"]) != sorted(top) or not same_reference:
+        if result is None or not race_reusable(result, top, reference):
             result = race(target, top, dev, validate or ValidateConfig(), out=out / "race.json",
                           timed_per_domain=cfg.race_prompts, reference=reference, device=device)
         board = raced(board, result)

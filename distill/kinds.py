@@ -30,12 +30,12 @@ from decode.errors import DraftsmithError
 from decode.io import read_json
 from decode.prompts import Prompt, load_prompts, load_test_prompts
 from decode.spec import DraftSpec
+from decode.speculative import KPolicy
 from distill.fastest import FASTEST, FastestConfig, make_fastest
 from distill.heads.pipeline import HEAD, HeadRunConfig, head_result, held_rows, run_head
 from distill.pipeline import DistillConfig, run_distill, split_prompts
 from pairing.leaderboard import PairConfig
 from pairing.policy import known_k
-from decode.speculative import KPolicy
 from pairing.validate import DraftUnderTest, ValidateConfig
 
 

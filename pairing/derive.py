@@ -88,18 +88,16 @@ def _wanted_layers(layers: list[int] | None, keep: int | None) -> list[int]:
 def resolve_candidate(spec: str) -> str:
     """A derive spec -> the path of its derived HF folder (made once, cached); any other spec unchanged. A
     vocabulary-pruned spec is refused: it is no model folder (`pairing.prune.load_model_draft` opens it)."""
-    kind = DraftSpec.parse(spec, sniff=False).kind
-    if kind == "prune":
+    d = DraftSpec.parse(spec, sniff=False)
+    if d.kind == "prune":
         raise DraftsmithError(f"{spec}: a vocabulary-pruned draft runs in draftsmith's decoder only (pair, validate, "
                               "grid, decode --draft); here name a whole model (its MODEL part)")
-    if kind == "int4":
+    if d.kind == "int4":
         raise DraftsmithError(f"{spec}: an int4 draft runs in draftsmith's decoder only (pair, validate, grid, "
                               "decode --draft); here name the whole model (drop int4:)")
-    parsed = parse_derive_spec(spec)
-    if parsed is None:
+    if d.kind != "derive":
         return spec
-    source, layers, keep = parsed
-    return str(derive(source, layers=layers, keep=keep))
+    return str(derive(d.inner.text, layers=None if d.layers is None else list(d.layers), keep=d.keep))
 
 
 # ---------------------------------------------------------------------------------------------

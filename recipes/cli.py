@@ -533,7 +533,7 @@ def _decode_parser(sub) -> None:
     _add_pair_args(p)
     p.add_argument("--no-draft", action="store_true", help="target only (the baseline)")
     p.add_argument("--prompt", required=True)
-    p.add_argument("--k", type=int, default=None, help="draft tokens per step (default 3: decode.speculative.DEFAULT_K)")
+    p.add_argument("--k", type=int, default=None, help="draft tokens per step (default: DEFAULT_K, 3)")
     p.add_argument("--dynamic-k", action="store_true", help="grow K on full acceptance, shrink on rejection")
     p.add_argument("--confidence", type=float, default=None, help="stop drafting below this draft probability")
     p.add_argument("--siblings", type=int, default=0,

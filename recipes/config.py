@@ -179,8 +179,8 @@ def check_model_spec(spec: str, key: str, *, target: bool = False) -> None:
     except DraftsmithError as e:
         raise RecipeError(f"{key}: {e}") from None
     if target and d.kind != "model":
-        raise RecipeError(f"{key}: {spec!r}: the target is a whole model: a zoo name ({', '.join(zoo.known_models())}), "
-                          "an HF folder with config.json or a .gguf file")
+        raise RecipeError(f"{key}: {spec!r}: the target is a whole model: a zoo name "
+                          f"({', '.join(zoo.known_models())}), an HF folder with config.json or a .gguf file")
 
 
 def _check_models(recipe: Recipe) -> None:

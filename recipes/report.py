@@ -347,10 +347,10 @@ def verdict(run: Path) -> tuple[str, bool] | None:
             f"{speed[best]:.2f}x the target alone ({where}).")
     fair = (b.get("after_vs_before") or {}) if b.get("kind") == "fastest" else {}
     if fair.get("all"):
-        rungs = [r["name"] for r in (b.get("ladder") or {}).get("rungs", [])]
-        steps = [r["step"] for r in (b.get("ladder") or {}).get("rungs", [])]
-        what = (steps[rungs.index("draft_before") + 1:rungs.index("draft_after") + 1]
-                if {"draft_before", "draft_after"} <= set(rungs) else [])  # the rungs between the two
+        rungs = (b.get("ladder") or {}).get("rungs", [])
+        names = [r["name"] for r in rungs]
+        what = ([r["step"] for r in rungs[names.index("draft_before") + 1:names.index("draft_after") + 1]]
+                if {"draft_before", "draft_after"} <= set(names) else [])  # the rungs between the two
         text += (f" The race's pick ({labels['draft_after']}) over the {labels['draft_before']} (the same policy "
                  "search on the same dev prompts"
                  + (f"; what differs: {', '.join(what)}" if what else "") + "): "

@@ -27,8 +27,8 @@ import contextlib
 import dataclasses
 import datetime as dt
 import fcntl
-import os
 import multiprocessing
+import os
 import shutil
 import time
 from collections.abc import Callable

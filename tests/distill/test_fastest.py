@@ -60,3 +60,17 @@ def test_with_a_reference_the_best_worst_domain_wins_not_the_fastest_overall() -
     assert winner(raced(board, {"drafts": drafts}))["draft"] == "int4"
     board["candidates"][0]["alpha"] = 0.85
     assert winner(raced(board, {"drafts": drafts}))["draft"] == "pruned"
+
+
+def test_a_race_is_reused_only_against_the_same_walked_reference() -> None:
+    """Resuming: a race.json is reused when it raced the same drafts against the base at its walked policy; one
+    written before the fair reference (the base at a fixed K) is raced again."""
+    from distill.fastest import race_reusable
+
+    drafts = {"stock": {}, "int4:stock": {}}
+    fair = {"drafts": drafts, "reference": {"draft": "stock", "policy": "walked", "name": "draft0"}}
+    old = {"drafts": drafts, "reference": {"draft": "stock", "k": 4, "name": "reference", "greedy_equal": True}}
+    assert race_reusable(fair, ["int4:stock", "stock"], "stock")
+    assert not race_reusable(old, ["int4:stock", "stock"], "stock")
+    assert not race_reusable(fair, ["stock"], "stock") and not race_reusable(fair, ["int4:stock", "stock"], None)
+    assert race_reusable({"drafts": drafts}, ["stock", "int4:stock"], None)

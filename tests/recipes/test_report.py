@@ -105,8 +105,8 @@ def test_validation_section_splits_speedups_by_domain(tmp_path: Path) -> None:
     md = write_report(run).read_text()
     assert "| code | 1 | 2.00x (2.00-2.00) | 4.00x (4.00-4.00) |" in md
     assert "| chat | 1 | 2.00x (2.00-2.00) | 2.00x (2.00-2.00) |" in md
-    assert ("Distilled vs un-distilled draft (both at the distilled draft's policy): 1.33x tokens/s (each repeat's ratio, median and range: all 1.33x "
-            "(1.33-1.33); code 2.00x (2.00-2.00); chat 1.00x (1.00-1.00)).") in md
+    assert ("Distilled vs un-distilled draft (both at the distilled draft's policy): 1.33x tokens/s (each repeat's "
+            "ratio, median and range: all 1.33x (1.33-1.33); code 2.00x (2.00-2.00); chat 1.00x (1.00-1.00)).") in md
 
 
 def test_fastest_validation_names_its_two_drafts(tmp_path: Path) -> None:
