@@ -1,7 +1,7 @@
 """Plain (non-speculative) decoding of several prompts at once, each row getting exactly the tokens that
 decoding it alone gives.
 
-    from decode.batch import generate_batch
+    from draftsmith.decode.batch import generate_batch
     rows = generate_batch(loaded.model, [ids_a, ids_b], max_new_tokens=48, sampling=SamplingParams(1.0),
                           eos_ids=eos_ids(loaded), generators=[gen_a, gen_b])
 
@@ -10,7 +10,7 @@ without a proposer): left-padded, one Hugging Face forward per token for the who
 dropped. `TargetVocab` fits a model's logits to another model's vocabulary (`decode.sampling.fit_vocab`: cut,
 or padded with -inf), so a draft never samples a token its target cannot score.
 
-Llama-family models (`decode.lean.lean_supported`) decode through `BatchLM`, LeanLM's block for B rows at
+Llama-family models (`decode.runtime.lean.lean_supported`) decode through `BatchLM`, LeanLM's block for B rows at
 once: one preallocated (B, Hkv, S, D) KV cache per layer, a key mask for the left pads, rows compacted out of
 the batch only when a quarter of it has finished (a copy of the cache each time). It can also keep, for every
 token it feeds, what a draft head trains on (`decode_batch(..., capture=aux_layers)`): the residual stream
@@ -27,11 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from decode.attention import grouped_attention, rms_norm, rotate_half
-from decode.kernels import linear
-from decode.lean import lean_parts, lean_supported
-from decode.runner import Runner
-from decode.sampling import SamplingParams, fit_vocab, greedy_token, sample, to_probs
+from draftsmith.decode.runtime.attention import grouped_attention, rms_norm, rotate_half
+from draftsmith.decode.runtime.kernels import linear
+from draftsmith.decode.runtime.lean import lean_parts, lean_supported
+from draftsmith.decode.runtime.runner import Runner
+from draftsmith.decode.sampling import SamplingParams, fit_vocab, greedy_token, sample, to_probs
 
 
 GEN_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # what a model may write data in

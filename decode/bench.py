@@ -28,16 +28,16 @@ from typing import NamedTuple
 import torch
 from tqdm import tqdm
 
-from decode.errors import DraftsmithError
-from decode.io import atomic_write_bytes, atomic_write_json, png_bytes
-from decode.loading import Loaded, eos_ids
-from decode.machine import machine_info, versions
-from decode.pair import Pair, load_pair
-from decode.prompts import Prompt, load_prompts
-from decode.quant import draft_quant as effective_quant
-from decode.runner import Runner
-from decode.speculative import KPolicy, Stats, generate, parse_policy_label, policy_label
-from decode.textgen import prompt_ids
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.runtime.io import atomic_write_bytes, atomic_write_json, png_bytes
+from draftsmith.decode.runtime.loading import Loaded, eos_ids
+from draftsmith.decode.runtime.machine import machine_info, versions
+from draftsmith.decode.runtime.pair import Pair, load_pair
+from draftsmith.decode.prompts import Prompt, load_prompts
+from draftsmith.decode.runtime.quant import draft_quant as effective_quant
+from draftsmith.decode.runtime.runner import Runner
+from draftsmith.decode.speculative import KPolicy, Stats, generate, parse_policy_label, policy_label
+from draftsmith.decode.textgen import prompt_ids
 
 DEFAULT_PROMPTS = "code"
 DEFAULT_N_PROMPTS = 4

@@ -28,11 +28,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from decode.attention import grouped_attention, rms_norm, rotate_half
-from decode.io import atomic_path, atomic_write_json, read_json
-from decode.kernels import linear
-from decode.kv_cache import KVCache
-from decode.quant import quantize_linears_int8
+from draftsmith.decode.runtime.attention import grouped_attention, rms_norm, rotate_half
+from draftsmith.decode.runtime.io import atomic_path, atomic_write_json, read_json
+from draftsmith.decode.runtime.kernels import linear
+from draftsmith.decode.runtime.kv_cache import KVCache
+from draftsmith.decode.runtime.quant import quantize_linears_int8
 
 
 def default_aux_layers(n_layers: int) -> tuple[int, int, int]:

@@ -1,6 +1,6 @@
 """Lookup tokens: what followed the last time the sequence's last few tokens occurred (prompt lookup).
 
-    from decode.lookup import continuation
+    from draftsmith.decode.lookup import continuation
     continuation([5, 6, 7, 1, 5, 6], limit=3)     # -> [7, 1, 5]: after the earlier "5 6" came 7, 1, 5
 
 Code and structured answers repeat what they have read (names, signatures, whole lines), so the tokens that

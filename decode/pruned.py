@@ -11,8 +11,8 @@ returns logits over the whole vocabulary, -inf outside S, so the decoder and its
 outside S, a valid proposal law (the target's mass there comes back through the residual max(0, p - q) after a
 rejection; at temperature 0 the target's argmax decides). What pruning costs is acceptance: p's mass outside S.
 
-`PrunedRunner` takes over the runner it wraps and cuts its head in place: the lean runner's (`decode.lean.LeanLM`,
-float or int8: `decode.quant`) or the generic runner's (`decode.runner.HFRunner`, on a shallow copy of the Hugging
+`PrunedRunner` takes over the runner it wraps and cuts its head in place: the lean runner's (`decode.runtime.lean.LeanLM`,
+float or int8: `decode.runtime.quant`) or the generic runner's (`decode.runtime.runner.HFRunner`, on a shallow copy of the Hugging
 Face model whose head is the cut one; the model itself is left whole). The cut head is a copy of N rows; the rest
 stays shared.
 
@@ -33,11 +33,11 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from decode.errors import DraftsmithError
-from decode.head import vocab_map
-from decode.kernels import int8_rows
-from decode.lean import LeanLM
-from decode.runner import HFRunner, Runner
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.head import vocab_map
+from draftsmith.decode.runtime.kernels import int8_rows
+from draftsmith.decode.runtime.lean import LeanLM
+from draftsmith.decode.runtime.runner import HFRunner, Runner
 
 
 def coverage_size(counts: Tensor, coverage: float) -> int:
@@ -104,7 +104,7 @@ def head_rows(head: nn.Module, ids: Tensor) -> nn.Module:
             if head.bias is not None:
                 cut.bias.copy_(head.bias[ids.to(w.device)])
         return cut.requires_grad_(False).eval()
-    from decode.quant import Int4Linear
+    from draftsmith.decode.runtime.quant import Int4Linear
 
     if isinstance(head, Int4Linear):
         return Int4Linear.rows_of(head, ids.to(head.packed.device))
@@ -135,7 +135,7 @@ def head_source(head: nn.Module) -> tuple[Tensor, Tensor, Tensor | None]:
         if rows is None:
             raise DraftsmithError("context ids need an int8 head with zero points 0 (symmetric)")
         return rows
-    from decode.quant import Int4Linear
+    from draftsmith.decode.runtime.quant import Int4Linear
 
     if isinstance(head, Int4Linear) and head.many is not None:  # the int8 copy's rows: a quarter of float's
         return head_source(head.many)
@@ -155,7 +155,7 @@ class ContextHead(nn.Module):
         self.extra_bias: Tensor | None = None
 
     def forward(self, h: Tensor) -> Tensor:
-        from decode.kernels import linear
+        from draftsmith.decode.runtime.kernels import linear
 
         out = linear(h, self.cut) if h.dim() == 2 else self.cut(h)
         if self.extra is None or self.extra.shape[0] == 0:

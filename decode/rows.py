@@ -19,8 +19,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from decode.io import atomic_dir, atomic_write_text
-from decode.prompts import Prompt
+from draftsmith.decode.runtime.io import atomic_dir, atomic_write_text
+from draftsmith.decode.prompts import Prompt
 
 
 def read_partial(part: str | Path, prompts: Sequence[Prompt]) -> list[dict]:

@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from decode.errors import DraftsmithError
+from draftsmith.decode.runtime.errors import DraftsmithError
 
 KINDS = ("model", "derive", "int4", "prune", "head")
 _PREFIXES = {"derive": "derive:", "int4": "int4:", "prune": "prune:", "head": "head:"}

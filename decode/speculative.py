@@ -46,10 +46,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from decode.errors import DraftsmithError
-from decode.lookup import continuation
-from decode.runner import HFRunner, Runner
-from decode.sampling import (
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.lookup import continuation
+from draftsmith.decode.runtime.runner import HFRunner, Runner
+from draftsmith.decode.sampling import (
     SamplingParams, fit_vocab, greedy_token, sample, to_probs, verify, verify_candidates, verify_candidates_greedy,
     verify_greedy,
 )

@@ -1,5 +1,5 @@
 """Text in, text out: a user message as prompt ids (through the chat template) and `decode_text`, what the
-`draftsmith decode` verb runs on a pair from `decode.pair.load_pair`.
+`draftsmith decode` verb runs on a pair from `decode.runtime.pair.load_pair`.
 
     .venv/bin/draftsmith decode --target smollm2-135m-instruct --draft <draft> --prompt "Write a haiku" --k 4
 
@@ -12,11 +12,11 @@ from typing import Any
 
 import torch
 
-from decode.errors import DraftsmithError
-from decode.loading import eos_ids
-from decode.pair import Pair
-from decode.sampling import SamplingParams
-from decode.speculative import KPolicy, generate
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.runtime.loading import eos_ids
+from draftsmith.decode.runtime.pair import Pair
+from draftsmith.decode.sampling import SamplingParams
+from draftsmith.decode.speculative import KPolicy, generate
 
 
 def prompt_ids(tokenizer: Any, text: str, *, chat: bool = True) -> list[int]:

@@ -1,12 +1,12 @@
 """Training state on disk: checkpoints written beside and renamed into place, listed, and read back bit-for-bit.
 
-    from distill.checkpoint import list_checkpoints, save_checkpoint, restore_checkpoint
+    from draftsmith.distill.checkpoint import list_checkpoints, save_checkpoint, restore_checkpoint
 
 `checkpoints/step-N/` (only the latest is kept): `student.safetensors` (the trainable parameters: all of them,
 or the LoRA adapters), `state.pt` (optimizer, scheduler, grad scaler, RNG states; read back with
 `torch.load(weights_only=True)`), `trainer.json` (step, data position, best alpha, config), `log.jsonl`
 (the log up to this step). A folder under its final name is always complete: it is built under a temporary
-name in the same directory and swapped in by `os.replace` (`decode.io.atomic_dir`). `save_hf` writes a Hugging Face
+name in the same directory and swapped in by `os.replace` (`decode.runtime.io.atomic_dir`). `save_hf` writes a Hugging Face
 folder the same way.
 """
 
@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from decode.errors import DraftsmithError
-from decode.io import atomic_dir, read_json
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.runtime.io import atomic_dir, read_json
 
 MARKER = "draftsmith_distill.json"  # in every best/ folder: which step and alpha it holds, and the config
 

@@ -1,6 +1,6 @@
 """Training sequences for distillation: prompts plus continuations, generated once into a folder, resumable.
 
-    from distill.data import generate_data
+    from draftsmith.distill.data import generate_data
     data = generate_data(load(target), load(draft), load_suite("code"), Path("runs/x/distill/data"),
                          source="mixed", mix=0.5, max_new_tokens=64, temperature=1.0)
 
@@ -49,20 +49,20 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from decode.batch import TargetVocab, decode_batch, generate_batch
-from decode.errors import DraftsmithError
-from decode.io import atomic_path, atomic_write_json, folder_identity, read_json
-from decode.lean import lean_supported
-from decode.loading import Loaded, eos_ids
-from decode.pair import check_vocab
-from decode.prompts import Prompt
-from decode.quant import draft_quant
-from decode.rows import append_rows, read_partial, save_rows
-from decode.runner import make_runner
-from decode.sampling import SamplingParams
-from decode.speculative import generate
-from decode.textgen import prompt_ids
-from pairing.reference import prompt_seed
+from draftsmith.decode.batch import TargetVocab, decode_batch, generate_batch
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.runtime.io import atomic_path, atomic_write_json, folder_identity, read_json
+from draftsmith.decode.runtime.lean import lean_supported
+from draftsmith.decode.runtime.loading import Loaded, eos_ids
+from draftsmith.decode.runtime.pair import check_vocab
+from draftsmith.decode.prompts import Prompt
+from draftsmith.decode.runtime.quant import draft_quant
+from draftsmith.decode.rows import append_rows, read_partial, save_rows
+from draftsmith.decode.runtime.runner import make_runner
+from draftsmith.decode.sampling import SamplingParams
+from draftsmith.decode.speculative import generate
+from draftsmith.decode.textgen import prompt_ids
+from draftsmith.pairing.reference import prompt_seed
 
 FORMAT_VERSION = 1  # bump when rows or generation change meaning: old folders are then refused, not mixed in
 SOURCES = ("target", "draft", "mixed")
@@ -343,7 +343,7 @@ def _row_writer(target: Loaded, draft: Loaded, ids: list[list[int]], from_draft:
     need_draft = any(i in from_draft for i in todo)
     t_runner = make_runner(target.model, max_seq_len) if need_target and (speculative or not batched) else None
     proposer = None
-    if need_target and speculative:  # int8 where it can (decode.quant.draft_quant): cheaper proposals, exact text
+    if need_target and speculative:  # int8 where it can (decode.runtime.quant.draft_quant): cheaper proposals, exact text
         proposer = make_runner(draft.model, max_seq_len, quantize=draft_quant(draft.model))
     alone = None
     if need_draft and not batched:  # on-policy text comes from the draft itself, not from its int8 copy

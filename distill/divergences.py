@@ -27,8 +27,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from decode.errors import DraftsmithError
-from decode.sampling import fit_vocab
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.sampling import fit_vocab
 
 # log-probabilities on the side being divided by are floored here, so a draft holding mass where the target
 # has none (reverse KL against a top-k teacher: -inf outside the top k) costs a large finite penalty and a

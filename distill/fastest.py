@@ -1,6 +1,6 @@
 """The fastest standalone draft for a target: a whole model beside its int4 copy and vocabulary-pruned variants of
 that (FR-Spec), ranked side by side on dev prompts (the recipe kind `fastest`: recipes/qwen-draft.yaml). The int4
-copy (`int4:BASE`, `decode.quant`) reads 0.625 bytes a weight where the int8 draft reads 1; with `int4: false`, or
+copy (`int4:BASE`, `decode.runtime.quant`) reads 0.625 bytes a weight where the int8 draft reads 1; with `int4: false`, or
 where this CPU has no int4 kernel, the pruned variants prune the whole model as it is.
 
     board = make_fastest(ctx_target, "qwen2.5-coder-0.5b-instruct", FastestConfig(sizes=[8192, 32768]), pair_cfg,
@@ -12,7 +12,7 @@ where this CPU has no int4 kernel, the pruned variants prune the whole model as 
    target's own greedy text), counted (`distill.vocab.count_tokens`), one kept-ids file per size
    (`pairing.prune.build_vocab`; ties to the lower id, which in a BPE vocabulary is the earlier merge). With
    `calib` the same prompts with their answers are the int4 copy's calibration (out/calib.json):
-   `int4:BASE:calib=FILE`, its weights rounded by GPTQ on the text the draft reads (`decode.quant.gptq_groups`).
+   `int4:BASE:calib=FILE`, its weights rounded by GPTQ on the text the draft reads (`decode.runtime.quant.gptq_groups`).
 2. The ranking: `pairing.leaderboard.run_pair` over the base and its pruned variants, with the recipe's pair
    settings (alpha teacher-forced, cost timed with one target clock for all, predicted speedups).
 3. The race (`race` > 0): the top `race` of the ranking (the base always among them), each at the round policy
@@ -34,18 +34,18 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from decode.allocator import release_freed_memory
-from decode.errors import DraftsmithError
-from decode.io import atomic_write_json, atomic_write_text, read_json
-from decode.loading import Loaded, load
-from decode.prompts import Prompt, first_per_domain, load_prompts
-from decode.quant import int4_ok, write_calib
-from decode.spec import DraftSpec
-from distill.vocab import count_tokens
-from pairing.leaderboard import PairConfig, run_pair
-from pairing.prune import build_vocab, target_rows
-from pairing.reference import reference_continuations
-from pairing.validate import ValidateConfig, race
+from draftsmith.decode.runtime.allocator import release_freed_memory
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.runtime.io import atomic_write_json, atomic_write_text, read_json
+from draftsmith.decode.runtime.loading import Loaded, load
+from draftsmith.decode.prompts import Prompt, first_per_domain, load_prompts
+from draftsmith.decode.runtime.quant import int4_ok, write_calib
+from draftsmith.decode.spec import DraftSpec
+from draftsmith.distill.vocab import count_tokens
+from draftsmith.pairing.leaderboard import PairConfig, run_pair
+from draftsmith.pairing.prune import build_vocab, target_rows
+from draftsmith.pairing.reference import reference_continuations
+from draftsmith.pairing.validate import ValidateConfig, race
 
 
 FASTEST = "fastest"  # distill.draft's value that ranks a model and its pruned variants instead of training
@@ -95,7 +95,7 @@ def build_vocabs(target: str, d: Loaded, prompts: list[Prompt], cfg: FastestConf
                  device: str = "cpu", calib: bool = False) -> tuple[dict[int, Path], Path | None]:
     """One kept-ids file per size in `out` (vocab-N.json), counted on the target's greedy continuations of
     `prompts` (generated with `d`, the loaded base, as the draft: the same text, faster); with `calib`, those
-    prompts with their continuations as a calibration file too (out/calib.json, `decode.quant.write_calib`).
+    prompts with their continuations as a calibration file too (out/calib.json, `decode.runtime.quant.write_calib`).
     -> (the files by size, the calibration file or None)."""
     t = load(target, device=device)
     refs = reference_continuations(t, prompts, max_new_tokens=cfg.max_new_tokens, draft=d)

@@ -1,6 +1,6 @@
 """Draft kinds: what a recipe's stages ask of a draft, answered once per kind.
 
-    from distill.kinds import kind_for
+    from draftsmith.distill.kinds import kind_for
     kind = kind_for(recipe.distill.draft)          # "head" -> the head kind; a model spec or "best" -> standalone
     kind.train(ctx); kind.validation(ctx); kind.export(ctx)
 
@@ -26,17 +26,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from decode.errors import DraftsmithError
-from decode.io import read_json
-from decode.prompts import Prompt, load_prompts, load_test_prompts
-from decode.spec import DraftSpec
-from decode.speculative import KPolicy
-from distill.fastest import FASTEST, FastestConfig, make_fastest
-from distill.heads.pipeline import HEAD, HeadRunConfig, head_result, held_rows, run_head
-from distill.pipeline import DistillConfig, run_distill, split_prompts
-from pairing.leaderboard import PairConfig
-from pairing.policy import known_k
-from pairing.validate import DraftUnderTest, ValidateConfig
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.runtime.io import read_json
+from draftsmith.decode.prompts import Prompt, load_prompts, load_test_prompts
+from draftsmith.decode.spec import DraftSpec
+from draftsmith.decode.speculative import KPolicy
+from draftsmith.distill.fastest import FASTEST, FastestConfig, make_fastest
+from draftsmith.distill.heads.pipeline import HEAD, HeadRunConfig, head_result, held_rows, run_head
+from draftsmith.distill.pipeline import DistillConfig, run_distill, split_prompts
+from draftsmith.pairing.leaderboard import PairConfig
+from draftsmith.pairing.policy import known_k
+from draftsmith.pairing.validate import DraftUnderTest, ValidateConfig
 
 
 @dataclass
@@ -172,7 +172,7 @@ class Standalone:
         return drafts
 
     def export(self, ctx: RunContext) -> dict:
-        from distill.export import export
+        from draftsmith.distill.export import export
 
         best_dir = ctx.folders["distill"] / "best"
         if not best_dir.is_dir():
@@ -229,7 +229,7 @@ class Head:
         return drafts
 
     def export(self, ctx: RunContext) -> dict:
-        from distill.export.heads import export_head
+        from draftsmith.distill.export.heads import export_head
 
         head = self._trained(ctx, "export")
         e = ctx.export_cfg

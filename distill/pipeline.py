@@ -22,17 +22,17 @@ from pathlib import Path
 import datasets
 import torch
 
-from decode.bench import Validation, validate_drafts
-from decode.errors import DraftsmithError
-from decode.io import atomic_write_json
-from decode.loading import eos_ids, load
-from decode.prompts import Prompt, load_prompts
-from decode.quant import draft_quant
-from decode.runner import make_runner
-from distill.data import generate_data, load_data_folder
-from distill.train import TrainConfig, train
-from pairing.derive import resolve_candidate
-from pairing.reference import reference_continuations
+from draftsmith.decode.bench import Validation, validate_drafts
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.runtime.io import atomic_write_json
+from draftsmith.decode.runtime.loading import eos_ids, load
+from draftsmith.decode.prompts import Prompt, load_prompts
+from draftsmith.decode.runtime.quant import draft_quant
+from draftsmith.decode.runtime.runner import make_runner
+from draftsmith.distill.data import generate_data, load_data_folder
+from draftsmith.distill.train import TrainConfig, train
+from draftsmith.pairing.derive import resolve_candidate
+from draftsmith.pairing.reference import reference_continuations
 
 DATA_SOURCES = ("target", "draft", "mixed")
 
@@ -122,8 +122,8 @@ def run_data(target_spec: str, out: Path, data: DataConfig, cfg: DistillConfig, 
     """The data stage: out/prompts (the target's own requests) then out/rows (its answers, the teacher cache
     beside them; `data.max_new_tokens` and `data.batch_size`, the rest of the rows' settings from the distill
     section); both resume. Returns what the stage reports."""
-    from decode.io import read_json
-    from distill.prompt_gen import generate_prompts
+    from draftsmith.decode.runtime.io import read_json
+    from draftsmith.distill.prompt_gen import generate_prompts
 
     out = Path(out)
     target = load(target_spec, device=device)
@@ -147,9 +147,9 @@ def gen_data(target_spec: str, out: Path, cfg: DistillConfig, *, prompts: str = 
     Under `accelerate launch --num_processes N` (one machine or several) each process generates its share of
     the prompts (`shard`), the main process (`main`) merges the shards into the one dataset a single process
     would have written and builds the cache, and every process returns the same dataset."""
-    from distill.data import DATASET_DIR, TOPK_DIR, captured_topk, data_stats, merge_shards, training_rows
-    from distill.teacher_cache import build_teacher_cache, write_teacher_cache
-    from distill.train import TEACHER_CACHE_DIR
+    from draftsmith.distill.data import DATASET_DIR, TOPK_DIR, captured_topk, data_stats, merge_shards, training_rows
+    from draftsmith.distill.teacher_cache import build_teacher_cache, write_teacher_cache
+    from draftsmith.distill.train import TEACHER_CACHE_DIR
 
     state = _distributed(device)
     shard = (state.process_index, state.num_processes) if state is not None else None

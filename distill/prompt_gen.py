@@ -1,6 +1,6 @@
 """Prompts the target writes itself: the pre-query template (Magpie, Xu et al. 2024), deduplicated, resumable.
 
-    from distill.prompt_gen import generate_prompts
+    from draftsmith.distill.prompt_gen import generate_prompts
     ds = generate_prompts(load("qwen2.5-coder-0.5b-instruct"), 2000, ["code", "json", "summarize", "chat"],
                           Path("runs/x/prompts"))
     prompts = load_prompts(Path("runs/x/prompts"))        # decode.prompts reads the folder as it is
@@ -38,13 +38,13 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from decode.batch import GEN_DTYPES, generate_batch, writer_model
-from decode.errors import DraftsmithError
-from decode.io import atomic_dir, atomic_write_json, atomic_write_text, folder_identity, read_json
-from decode.loading import Loaded, eos_ids
-from decode.rows import append_rows
-from decode.sampling import SamplingParams
-from pairing.reference import prompt_seed
+from draftsmith.decode.batch import GEN_DTYPES, generate_batch, writer_model
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.runtime.io import atomic_dir, atomic_write_json, atomic_write_text, folder_identity, read_json
+from draftsmith.decode.runtime.loading import Loaded, eos_ids
+from draftsmith.decode.rows import append_rows
+from draftsmith.decode.sampling import SamplingParams
+from draftsmith.pairing.reference import prompt_seed
 
 FORMAT_VERSION = 1
 DOMAINS: dict[str, str] = {  # the system line that steers what the "user" asks for

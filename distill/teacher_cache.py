@@ -1,6 +1,6 @@
 """The target's top-k log-probabilities on every training row, computed once and kept on disk for reuse.
 
-    from distill.teacher_cache import build_teacher_cache
+    from draftsmith.distill.teacher_cache import build_teacher_cache
     cache = build_teacher_cache(load(target), rows, Path("runs/x/distill/data/teacher-topk"), k=64)
     logits = cache.logits([0, 3], mask)           # (B, T, V) teacher logits for a training micro-batch
 
@@ -33,11 +33,11 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from decode.errors import DraftsmithError
-from decode.io import atomic_path, atomic_write_json, atomic_write_text, folder_identity
-from decode.loading import Loaded
-from distill.data import collate
-from distill.divergences import topk_teacher_logits
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.runtime.io import atomic_path, atomic_write_json, atomic_write_text, folder_identity
+from draftsmith.decode.runtime.loading import Loaded
+from draftsmith.distill.data import collate
+from draftsmith.distill.divergences import topk_teacher_logits
 
 FORMAT_VERSION = 1
 DTYPES = {"float32": torch.float32, "float16": torch.float16}

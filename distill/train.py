@@ -1,6 +1,6 @@
 """Distil the target into the draft: a plain loop over `accelerate`, divergence on continuation tokens only.
 
-    from distill.train import TrainConfig, train
+    from draftsmith.distill.train import TrainConfig, train
     summary = train(load(target), load(draft), generate_data(...), reference_continuations(target, held_out),
                     Path("runs/x/distill"), TrainConfig(loss="fkl", lr=1e-4, steps=200, lora_r=16))
 
@@ -63,18 +63,18 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from decode.errors import DraftsmithError
-from decode.io import atomic_write_json
-from decode.loading import Loaded
-from decode.pair import check_vocab
-from decode.sampling import SamplingParams
-from distill.checkpoint import (MARKER, list_checkpoints, load_student, restore_checkpoint, save_checkpoint, save_hf,
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.runtime.io import atomic_write_json
+from draftsmith.decode.runtime.loading import Loaded
+from draftsmith.decode.runtime.pair import check_vocab
+from draftsmith.decode.sampling import SamplingParams
+from draftsmith.distill.checkpoint import (MARKER, list_checkpoints, load_student, restore_checkpoint, save_checkpoint, save_hf,
                                 trainable)
-from distill.data import collate, training_rows
-from distill.divergences import DIVERGENCES, align_vocab, divergence_sum, token_mean
-from distill.teacher_cache import DTYPES as TEACHER_DTYPES
-from distill.teacher_cache import TeacherTopK, build_teacher_cache
-from pairing.acceptance import measure_acceptance
+from draftsmith.distill.data import collate, training_rows
+from draftsmith.distill.divergences import DIVERGENCES, align_vocab, divergence_sum, token_mean
+from draftsmith.distill.teacher_cache import DTYPES as TEACHER_DTYPES
+from draftsmith.distill.teacher_cache import TeacherTopK, build_teacher_cache
+from draftsmith.pairing.acceptance import measure_acceptance
 
 SCHEDULES = ("cosine", "linear", "constant")
 MIXED_PRECISION = ("no", "fp16", "bf16")
@@ -510,10 +510,10 @@ def refresh_onpolicy(student: nn.Module, rows: list, onpolicy: list[int], round_
     """Resample the on-policy rows from the current student (temperature 1, at most as long as the longest of
     them was; row i seeded from (seed, round, i)), in place; returns {round, rows} for the checkpoint, so that a
     resumed run trains on the same rows."""
-    from decode.batch import generate_batch
-    from decode.loading import eos_ids
-    from distill.data import target_vocab
-    from pairing.reference import prompt_seed
+    from draftsmith.decode.batch import generate_batch
+    from draftsmith.decode.runtime.loading import eos_ids
+    from draftsmith.distill.data import target_vocab
+    from draftsmith.pairing.reference import prompt_seed
 
     max_new = max(len(rows[i][1]) for i in onpolicy)
     was_training = student.training

@@ -5,7 +5,7 @@ text it wrote.
         --out kept.json
     .venv/bin/draftsmith vocab --target qwen2.5-coder-1.5b-instruct --prompts code,chat --size 32768 --out kept.json
 
-    from distill.vocab import make_vocab
+    from draftsmith.distill.vocab import make_vocab
     kept = make_vocab("qwen2.5-coder-1.5b-instruct", Path("kept.json"), prompts="code,chat", coverage=0.99)
 
 The target's text comes from one of:
@@ -29,13 +29,13 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from decode.errors import DraftsmithError
-from decode.loading import Loaded, load
-from decode.prompts import Prompt, load_prompts
-from distill.data import load_data_folder
-from distill.heads.data import head_data_texts
-from pairing.prune import KeptVocab, build_vocab, target_rows
-from pairing.reference import reference_continuations
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.runtime.loading import Loaded, load
+from draftsmith.decode.prompts import Prompt, load_prompts
+from draftsmith.distill.data import load_data_folder
+from draftsmith.distill.heads.data import head_data_texts
+from draftsmith.pairing.prune import KeptVocab, build_vocab, target_rows
+from draftsmith.pairing.reference import reference_continuations
 
 
 def count_tokens(seqs: Iterable[Tensor | Sequence[int]], vocab_size: int) -> Tensor:

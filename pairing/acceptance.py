@@ -31,13 +31,13 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from decode.errors import DraftsmithError
-from decode.loading import Loaded, eos_ids
-from decode.pruned import Proposes, restrict_logits
-from decode.sampling import SamplingParams, fit_vocab, greedy_token, to_probs
-from decode.textgen import prompt_ids
-from pairing.cost import expected_tau
-from pairing.depth import depth_rates_censored, depth_rates_from_rounds, round_matrix, tokens_per_round
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.runtime.loading import Loaded, eos_ids
+from draftsmith.decode.pruned import Proposes, restrict_logits
+from draftsmith.decode.sampling import SamplingParams, fit_vocab, greedy_token, to_probs
+from draftsmith.decode.textgen import prompt_ids
+from draftsmith.pairing.cost import expected_tau
+from draftsmith.pairing.depth import depth_rates_censored, depth_rates_from_rounds, round_matrix, tokens_per_round
 
 K_RANGE = range(1, 17)
 TOKEN_LEVEL = "teacher-forced"
@@ -307,7 +307,7 @@ def measure_acceptance(
     from the target's are measured through text at temperature 0 (see the module docstring). `kept[i]`: the
     target ids a vocabulary-pruned draft i proposes (`decode.pruned`; a `Proposes` with context: and the ids
     each row has read); its q is 0 outside them, as it decodes. `runners[i]`: the runner draft i decodes with (its
-    int8 or int4 weights, `decode.runner.make_runner(..., quantize=...)`, not pruned: `kept` prunes): its q comes
+    int8 or int4 weights, `decode.runtime.runner.make_runner(..., quantize=...)`, not pruned: `kept` prunes): its q comes
     from that runner fed each row whole, so alpha is the quantised draft's, not its float model's; None (the
     default) reads the model as loaded, batched.
     """
@@ -387,7 +387,7 @@ def measure_head_acceptance(
     reads entry e = P + s + j - 3 at depth j (P = prompt length) and proposes position s + j - 1, judged by
     beta = sum min(p, q) against the target there (1[argmax agree] at temperature 0). `alpha` and the
     per-position view are depth 1's; `matrices` hold every depth for `Acceptance.tokens_per_round`."""
-    from decode.head import ttt_logits
+    from draftsmith.decode.head import ttt_logits
 
     rows = [dict(r, _index=i) for i, r in enumerate(refs) if len(r["continuation_ids"]) and len(r["prompt_ids"]) >= 2]
     if not rows:

@@ -1,6 +1,6 @@
 """Can this draft speculate for this target token by token, and would llama.cpp accept the pair?
 
-    from pairing.compat import check_pair
+    from draftsmith.pairing.compat import check_pair
     c = check_pair(load("qwen2.5-coder-1.5b-instruct"), load("qwen2.5-coder-0.5b-instruct"))
     c.kind, c.compatible, c.notes, c.llama_cpp, c.llama_cpp_notes
 
@@ -27,9 +27,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from decode import zoo
-from decode.errors import DraftsmithError
-from decode.loading import Loaded
+from draftsmith.decode.runtime import zoo
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.runtime.loading import Loaded
 
 SPEC_VOCAB_MAX_SIZE_DIFFERENCE = 128  # llama.cpp common/speculative.cpp
 SPEC_VOCAB_CHECK_START_TOKEN_ID = 5  # ids below this (special tokens) may differ

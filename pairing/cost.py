@@ -1,7 +1,7 @@
 """The cost model: what a draft step and a verify step cost on this machine, and the speedup they predict.
 
-    from pairing.cost import measure_cost, speedup_curve
-    cost = measure_cost(target_runner, draft_runner)        # runners from decode.runner.make_runner
+    from draftsmith.pairing.cost import measure_cost, speedup_curve
+    cost = measure_cost(target_runner, draft_runner)        # runners from decode.runtime.runner.make_runner
     curve = speedup_curve(alpha, cost.c, cost.v)            # K -> predicted speedup (K chosen: pairing.policy)
 
 Definitions (docs/design.md): `c` = one cached one-token draft forward / one cached one-token target
@@ -34,9 +34,9 @@ from dataclasses import dataclass, replace
 import torch
 from tqdm import tqdm
 
-from decode.floor import COST_CONTEXT  # tokens of context when timing c and v(K): pair, validate, floor alike
-from decode.runner import Runner
-from decode.speculative import KPolicy, RoundClock, generate
+from draftsmith.decode.runtime.plan import COST_CONTEXT  # tokens of context when timing c and v(K): pair, validate, floor alike
+from draftsmith.decode.runtime.runner import Runner
+from draftsmith.decode.speculative import KPolicy, RoundClock, generate
 
 K_RANGE = range(1, 17)
 

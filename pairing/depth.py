@@ -42,8 +42,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from decode.speculative import check_sibling_depth, check_siblings
-from pairing.cost import speedup_from_tau
+from draftsmith.decode.speculative import check_sibling_depth, check_siblings
+from draftsmith.pairing.cost import speedup_from_tau
 
 BetaRows = Tensor | Sequence[Tensor | Sequence[float]]
 

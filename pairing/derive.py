@@ -3,7 +3,7 @@
     .venv/bin/draftsmith derive --from qwen2.5-coder-1.5b-instruct --keep 8
     .venv/bin/draftsmith pair --candidates derive:qwen2.5-coder-1.5b-instruct:layers=0-3,27 ...
 
-    from pairing.derive import derive
+    from draftsmith.pairing.derive import derive
     derive("qwen2.5-coder-1.5b-instruct", keep=8)          # -> <cache>/derived/qwen2.5-coder-1.5b-instruct-layers0-7/
 
 The draft shares the source's tokenizer, embeddings, final norm and LM head, so it is a same-tokenizer
@@ -21,10 +21,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from decode import zoo
-from decode.errors import DraftsmithError
-from decode.io import atomic_dir
-from decode.spec import DraftSpec
+from draftsmith.decode.runtime import zoo
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.runtime.io import atomic_dir
+from draftsmith.decode.spec import DraftSpec
 
 _LAYER_KEYS = "model.layers."
 _NOT_PER_LAYER = {"architectures"}  # config lists that could happen to be num_hidden_layers long
@@ -155,7 +155,7 @@ def derive(
     """
     from transformers import AutoConfig
 
-    from decode.loading import load, resolve
+    from draftsmith.decode.runtime.loading import load, resolve
 
     wanted = _wanted_layers(layers, keep)
     final = Path(out).expanduser() if out is not None else default_out(source, wanted)

@@ -24,17 +24,17 @@ from pathlib import Path
 
 import torch
 
-from decode.bench import validate_drafts
-from decode.errors import DraftsmithError
-from decode.head import HeadDraft
-from decode.io import atomic_write_bytes, atomic_write_json, png_bytes
-from decode.loading import eos_ids, load
-from decode.runner import make_runner
-from decode.prompts import first_per_domain, load_prompts
-from decode.speculative import KPolicy, parse_policy_label, policy_label
-from decode.machine import machine_info, versions
-from decode.textgen import prompt_ids
-from pairing.validate import open_draft
+from draftsmith.decode.bench import validate_drafts
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.head import HeadDraft
+from draftsmith.decode.runtime.io import atomic_write_bytes, atomic_write_json, png_bytes
+from draftsmith.decode.runtime.loading import eos_ids, load
+from draftsmith.decode.runtime.runner import make_runner
+from draftsmith.decode.prompts import first_per_domain, load_prompts
+from draftsmith.decode.speculative import KPolicy, parse_policy_label, policy_label
+from draftsmith.decode.runtime.machine import machine_info, versions
+from draftsmith.decode.textgen import prompt_ids
+from draftsmith.pairing.validate import open_draft
 
 QUANTS = ("int8", "none")
 

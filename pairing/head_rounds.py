@@ -1,6 +1,6 @@
 """A draft's teacher-forced rounds on held-out references: what validation walks to choose its round policy.
 
-    from pairing.head_rounds import depth_records, standalone_records
+    from draftsmith.pairing.head_rounds import depth_records, standalone_records
     records = depth_records(head, held_rows, max_k, ranks=True)   # -> pairing.policy.choose_policy(records=...)
     records = standalone_records(runner, [(prompt_ids, reference_ids)], max_k, vocab=V, ranks=True)
 
@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from decode.head import Eagle3Head, ttt_hidden
-from decode.sampling import fit_vocab, greedy_token
+from draftsmith.decode.head import Eagle3Head, ttt_hidden
+from draftsmith.decode.sampling import fit_vocab, greedy_token
 
 def depth_records(head: Eagle3Head, rows: list[dict], depth: int, *, ranks: bool = False) -> list[tuple[Tensor, ...]]:
     """Per row, the head's teacher-forced rounds from every new token, for `pairing.depth.gated_walk`: hits

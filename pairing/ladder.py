@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from decode.bench import Validation
-from decode.errors import DraftsmithError
+from draftsmith.decode.bench import Validation
+from draftsmith.decode.runtime.errors import DraftsmithError
 
 LADDER_VERSION = 1
 

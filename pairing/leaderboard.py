@@ -32,25 +32,25 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 
-from decode.allocator import release_freed_memory
-from decode.bench import hf_side_by_side, validate_drafts
-from decode.errors import DraftsmithError
-from decode.head import Eagle3Head, HeadDraft, head_quant, load_head
-from decode.io import atomic_write_bytes, atomic_write_json, atomic_write_text, png_bytes
-from decode.loading import Loaded, eos_ids, load
-from decode.machine import machine_info, versions
-from decode.prompts import Prompt, load_prompts
-from decode.runner import make_runner
-from decode.sampling import SamplingParams
-from decode.spec import DraftSpec, split_specs
-from decode.speculative import KPolicy
-from pairing.acceptance import measure_acceptance, measure_head_acceptance
-from pairing.compat import Compat, check_pair
-from pairing.cost import (CostModel, DecoderCost, calibrate_decoder, measure_cost, shared_target_clock,
+from draftsmith.decode.runtime.allocator import release_freed_memory
+from draftsmith.decode.bench import hf_side_by_side, validate_drafts
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.head import Eagle3Head, HeadDraft, head_quant, load_head
+from draftsmith.decode.runtime.io import atomic_write_bytes, atomic_write_json, atomic_write_text, png_bytes
+from draftsmith.decode.runtime.loading import Loaded, eos_ids, load
+from draftsmith.decode.runtime.machine import machine_info, versions
+from draftsmith.decode.prompts import Prompt, load_prompts
+from draftsmith.decode.runtime.runner import make_runner
+from draftsmith.decode.sampling import SamplingParams
+from draftsmith.decode.spec import DraftSpec, split_specs
+from draftsmith.decode.speculative import KPolicy
+from draftsmith.pairing.acceptance import measure_acceptance, measure_head_acceptance
+from draftsmith.pairing.compat import Compat, check_pair
+from draftsmith.pairing.cost import (CostModel, DecoderCost, calibrate_decoder, measure_cost, shared_target_clock,
                           speedup_curve)
-from pairing.policy import PolicyChoice, choose_policy
-from pairing.prune import KeptVocab, draft_runner, load_model_draft, runner_calib, runner_quant
-from pairing.reference import reference_continuations
+from draftsmith.pairing.policy import PolicyChoice, choose_policy
+from draftsmith.pairing.prune import KeptVocab, draft_runner, load_model_draft, runner_calib, runner_quant
+from draftsmith.pairing.reference import reference_continuations
 
 MAX_K = 16
 

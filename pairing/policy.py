@@ -1,6 +1,6 @@
 """Choose a draft's round policy: K, the probability below which a round stops early, and sibling rounds.
 
-    from pairing.policy import choose_policy, taus_from_alpha
+    from draftsmith.pairing.policy import choose_policy, taus_from_alpha
     choice = choose_policy(cost, taus=taus_from_alpha(0.7, 8), tokens=64)     # cost: CostModel or DecoderCost
     choice.policy            # a decode.speculative.KPolicy, carried as is to the decoder
     choice.predicted         # its predicted speedup over the target alone
@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from decode.speculative import DEFAULT_K, KPolicy
-from pairing.cost import CostModel, DecoderCost, expected_tau, speedup_from_tau
-from pairing.depth import expected_tau_from_depth_rates, round_walk
+from draftsmith.decode.speculative import DEFAULT_K, KPolicy
+from draftsmith.pairing.cost import CostModel, DecoderCost, expected_tau, speedup_from_tau
+from draftsmith.pairing.depth import expected_tau_from_depth_rates, round_walk
 
 GATES = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # stop thresholds predicted for (0: never stop)
 

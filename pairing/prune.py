@@ -29,15 +29,15 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from decode.errors import DraftsmithError
-from decode.io import atomic_write_json, read_json
-from decode.loading import Loaded, load
-from decode.pair import check_vocab
-from decode.pruned import Proposes, PrunedRunner, coverage_size, vocab_ids
-from decode.quant import Calibration, draft_quant, read_calib
-from decode.runner import Runner, make_runner
-from decode.spec import DraftSpec
-from pairing.derive import resolve_candidate
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.runtime.io import atomic_write_json, read_json
+from draftsmith.decode.runtime.loading import Loaded, load
+from draftsmith.decode.runtime.pair import check_vocab
+from draftsmith.decode.pruned import Proposes, PrunedRunner, coverage_size, vocab_ids
+from draftsmith.decode.runtime.quant import Calibration, draft_quant, read_calib
+from draftsmith.decode.runtime.runner import Runner, make_runner
+from draftsmith.decode.spec import DraftSpec
+from draftsmith.pairing.derive import resolve_candidate
 
 FORMAT = "draftsmith-kept-vocab"
 VERSION = 1
@@ -183,7 +183,7 @@ def is_model_draft_spec(spec: str | None) -> bool:
 
 def runner_quant(model, quant: str | None, spec: str = "") -> str | None:
     """The quantisation a standalone draft decodes with: what its spec asks for (`int4:MODEL`), else `quant`, where
-    the model can take it (`decode.quant.draft_quant`), else None."""
+    the model can take it (`decode.runtime.quant.draft_quant`), else None."""
     return draft_quant(model, spec_quant(spec) or quant)
 
 
@@ -196,7 +196,7 @@ def runner_calib(quant: str | None, spec: str) -> Calibration | None:
 def draft_runner(model, kept: KeptVocab | None, max_seq_len: int, quant: str | None,
                  spec: str = "") -> tuple[Runner, str | None]:
     """A standalone draft as the decoder runs it: int8 Linear weights where `quant` asks and the model can take
-    them (`decode.quant.draft_quant`), int4 where its `spec` asks (`int4:MODEL`, GPTQ-rounded on FILE's text with
+    them (`decode.runtime.quant.draft_quant`), int4 where its `spec` asks (`int4:MODEL`, GPTQ-rounded on FILE's text with
     `int4:MODEL:calib=FILE`; int8 where this CPU has no int4 kernel), its head cut to the kept ids when pruned.
     -> (runner, the quantisation)."""
     q = runner_quant(model, quant, spec)

@@ -3,7 +3,7 @@
     refs = reference_continuations(load("smollm2-360m-instruct"), load_suite("code"), max_new_tokens=64)
 
 Every draft is ranked on the same text: what the target itself writes (greedy by default). Generation uses
-the built-in decoder (`decode.speculative.generate` on `decode.runner.make_runner`); with `draft=` it decodes
+the built-in decoder (`decode.speculative.generate` on `decode.runtime.runner.make_runner`); with `draft=` it decodes
 speculatively, which at temperature 0 gives exactly the target's tokens, only sooner.
 
 Cache: `<cache>/reference/<key>/`, a `datasets.save_to_disk` folder with columns
@@ -24,18 +24,18 @@ import datasets
 import torch
 from tqdm.auto import tqdm
 
-from decode import zoo
-from decode.errors import DraftsmithError
-from decode.io import atomic_write_json, folder_identity
-from decode.loading import Loaded, eos_ids
-from decode.pair import check_vocab
-from decode.prompts import Prompt
-from decode.quant import draft_quant
-from decode.rows import append_rows, read_partial, save_rows
-from decode.runner import make_runner
-from decode.sampling import SamplingParams
-from decode.speculative import generate
-from decode.textgen import prompt_ids
+from draftsmith.decode.runtime import zoo
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.runtime.io import atomic_write_json, folder_identity
+from draftsmith.decode.runtime.loading import Loaded, eos_ids
+from draftsmith.decode.runtime.pair import check_vocab
+from draftsmith.decode.prompts import Prompt
+from draftsmith.decode.runtime.quant import draft_quant
+from draftsmith.decode.rows import append_rows, read_partial, save_rows
+from draftsmith.decode.runtime.runner import make_runner
+from draftsmith.decode.sampling import SamplingParams
+from draftsmith.decode.speculative import generate
+from draftsmith.decode.textgen import prompt_ids
 
 FORMAT_VERSION = 1  # bump when rows or generation change meaning: old caches are then never reused
 

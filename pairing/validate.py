@@ -1,6 +1,6 @@
 """Validation: the target alone and each draft on the same prompts, interleaved in one run: the measured speedup.
 
-    from pairing.validate import DraftUnderTest, ValidateConfig, validate
+    from draftsmith.pairing.validate import DraftUnderTest, ValidateConfig, validate
     result = validate("smollm2-135m-instruct",
                       [DraftUnderTest("draft_before", "derive:smollm2-135m-instruct:keep=4", alpha=0.04),
                        DraftUnderTest("draft_after", "runs/x/distill/best", alpha=0.17, chooses=True)],
@@ -25,25 +25,25 @@ from pathlib import Path
 
 import torch
 
-from decode.bench import Validation, validate_drafts
-from decode.errors import DraftsmithError
-from decode.head import HeadDraft, head_quant
-from decode.io import atomic_write_json
-from decode.loading import Loaded, eos_ids, load
-from decode.lookup import copy_table
-from decode.runner import make_runner
-from decode.prompts import Prompt, first_per_domain
-from decode.spec import DraftSpec
-from decode.speculative import KPolicy, check_siblings
-from decode.machine import machine_info, versions
-from decode.textgen import prompt_ids
-from pairing.cost import COST_CONTEXT, calibrate_decoder, measure_cost
-from pairing.head_rounds import depth_records, standalone_records
-from pairing.ladder import Rung, ladder
-from pairing.leaderboard import load_head_candidate
-from pairing.prune import draft_runner, load_model_draft
-from pairing.reference import reference_continuations
-from pairing.policy import PolicyChoice, choose_policy, taus_from_alpha, taus_from_rates
+from draftsmith.decode.bench import Validation, validate_drafts
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.head import HeadDraft, head_quant
+from draftsmith.decode.runtime.io import atomic_write_json
+from draftsmith.decode.runtime.loading import Loaded, eos_ids, load
+from draftsmith.decode.lookup import copy_table
+from draftsmith.decode.runtime.runner import make_runner
+from draftsmith.decode.prompts import Prompt, first_per_domain
+from draftsmith.decode.spec import DraftSpec
+from draftsmith.decode.speculative import KPolicy, check_siblings
+from draftsmith.decode.runtime.machine import machine_info, versions
+from draftsmith.decode.textgen import prompt_ids
+from draftsmith.pairing.cost import COST_CONTEXT, calibrate_decoder, measure_cost
+from draftsmith.pairing.head_rounds import depth_records, standalone_records
+from draftsmith.pairing.ladder import Rung, ladder
+from draftsmith.pairing.leaderboard import load_head_candidate
+from draftsmith.pairing.prune import draft_runner, load_model_draft
+from draftsmith.pairing.reference import reference_continuations
+from draftsmith.pairing.policy import PolicyChoice, choose_policy, taus_from_alpha, taus_from_rates
 
 
 @dataclass

@@ -30,8 +30,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from decode.allocator import keep_freed_memory
-from decode.errors import DraftsmithError
+from draftsmith.decode.runtime.allocator import keep_freed_memory
+from draftsmith.decode.runtime.errors import DraftsmithError
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -48,10 +48,10 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from decode import zoo
+    from draftsmith.decode.runtime import zoo
 
     if args.action == "llama-cpp":  # the real engine of the llama.cpp checks: built once, cached
-        from distill.export.llama_cpp import converter_dir, find_llama_server
+        from draftsmith.distill.export.llama_cpp import converter_dir, find_llama_server
 
         print(find_llama_server())
         print(converter_dir())
@@ -72,7 +72,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def _sampling(args: argparse.Namespace):
-    from decode.sampling import SamplingParams
+    from draftsmith.decode.sampling import SamplingParams
 
     try:
         return SamplingParams(args.temperature, args.top_k, args.top_p)
@@ -81,7 +81,7 @@ def _sampling(args: argparse.Namespace):
 
 
 def _policy(args: argparse.Namespace):
-    from decode.speculative import DEFAULT_K, KPolicy
+    from draftsmith.decode.speculative import DEFAULT_K, KPolicy
 
     k = DEFAULT_K if args.k is None else args.k
     try:
@@ -92,7 +92,7 @@ def _policy(args: argparse.Namespace):
 
 
 def cmd_decode(args: argparse.Namespace) -> int:
-    from decode.textgen import decode_text
+    from draftsmith.decode.textgen import decode_text
 
     sampling, policy = _sampling(args), _policy(args)
     pair = _decode_pair(args, policy)
@@ -115,8 +115,8 @@ def _decode_pair(args: argparse.Namespace, policy):
     or a head on the target's embedding; a one-line error, before any decoding, for what the decoder cannot run."""
     from dataclasses import replace
 
-    from decode.pair import load_pair
-    from pairing.prune import is_model_draft_spec
+    from draftsmith.decode.runtime.pair import load_pair
+    from draftsmith.pairing.prune import is_model_draft_spec
 
     draft = None if args.no_draft else args.draft
     head = _head_spec(draft)
@@ -142,7 +142,7 @@ def _with_pruned_draft(pair, spec: str, max_seq_len: int, quant: str | None):
     runner proposes the kept ids; `pair.draft` is the whole model (what transformers' assisted generation runs)."""
     from dataclasses import replace
 
-    from pairing.prune import draft_runner, load_model_draft
+    from draftsmith.pairing.prune import draft_runner, load_model_draft
 
     loaded, kept = load_model_draft(spec, pair.target)
     return replace(pair, draft=loaded, draft_runner=draft_runner(loaded.model, kept, max_seq_len, quant, spec)[0])
@@ -151,7 +151,7 @@ def _with_pruned_draft(pair, spec: str, max_seq_len: int, quant: str | None):
 def _head_spec(draft: str | None) -> str | None:
     """`head:PATH` for a draft head: given so, or a folder `decode.head.save_head` wrote (its config.json names
     Eagle3Head); None for a standalone draft."""
-    from decode.spec import DraftSpec
+    from draftsmith.decode.spec import DraftSpec
 
     if draft is None:
         return None
@@ -161,8 +161,8 @@ def _head_spec(draft: str | None) -> str | None:
 
 def _head_draft(spec: str, target, max_seq_len: int, quant: str | None):
     """The head in `spec` (head:PATH) as a draft, checked against the target; int8 as `--draft-quant` asks."""
-    from decode.head import HeadDraft, head_quant
-    from pairing.leaderboard import load_head_candidate
+    from draftsmith.decode.head import HeadDraft, head_quant
+    from draftsmith.pairing.leaderboard import load_head_candidate
 
     head = load_head_candidate(spec, target)
     return HeadDraft(head, max_seq_len, quantize=head_quant(head, quant))
@@ -170,7 +170,7 @@ def _head_draft(spec: str, target, max_seq_len: int, quant: str | None):
 
 def _check_positions(target, args: argparse.Namespace) -> None:
     """The prompt and every new token must fit the caches (--max-seq-len positions)."""
-    from decode.textgen import prompt_ids
+    from draftsmith.decode.textgen import prompt_ids
 
     n = len(prompt_ids(target.tokenizer, args.prompt, chat=not args.no_chat))
     if n < 1:
@@ -181,9 +181,9 @@ def _check_positions(target, args: argparse.Namespace) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from decode.bench import BenchConfig, run_bench
-    from decode.pair import load_pair
-    from pairing.prune import is_model_draft_spec
+    from draftsmith.decode.bench import BenchConfig, run_bench
+    from draftsmith.decode.runtime.pair import load_pair
+    from draftsmith.pairing.prune import is_model_draft_spec
 
     cfg = _config(BenchConfig, args)
     pair = None
@@ -211,8 +211,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_floor(args: argparse.Namespace) -> int:
-    from decode.floor import floor_plot, floor_report, format_floor
-    from decode.io import atomic_write_bytes, atomic_write_json, read_json
+    from draftsmith.decode.floor import floor_plot, floor_report, format_floor
+    from draftsmith.decode.runtime.io import atomic_write_bytes, atomic_write_json, read_json
 
     if args.from_record:
         report = read_json(args.from_record, what="floor record")
@@ -235,7 +235,7 @@ def cmd_floor(args: argparse.Namespace) -> int:
 
 
 def cmd_grid(args: argparse.Namespace) -> int:
-    from pairing.grid import GridConfig, run_grid
+    from draftsmith.pairing.grid import GridConfig, run_grid
 
     result = run_grid(args.target, args.draft, _config(GridConfig, args), out=args.out)
     base = result["tok_per_s"]["target_only"]
@@ -250,7 +250,7 @@ def cmd_grid(args: argparse.Namespace) -> int:
 
 
 def _config(cls: type, args: argparse.Namespace, extra: dict | None = None):
-    from recipes.options import options_to_config
+    from draftsmith.recipes.options import options_to_config
 
     return options_to_config(cls, args, extra)
 
@@ -259,8 +259,8 @@ def _common(args: argparse.Namespace) -> dict:
     """target, prompts, limit_per_domain, device: the settings a recipe keeps at its top level."""
     from dataclasses import fields
 
-    from recipes.config import DEVICES, Recipe, check_prompts
-    from recipes.options import given
+    from draftsmith.recipes.config import DEVICES, Recipe, check_prompts
+    from draftsmith.recipes.options import given
 
     defaults = {f.name: f.default for f in fields(Recipe)}
     common = {k: v for k, v in given(args).items() if k in ("prompts", "limit_per_domain", "device")}
@@ -276,7 +276,7 @@ def _common(args: argparse.Namespace) -> dict:
 
 
 def cmd_pair(args: argparse.Namespace) -> int:
-    from pairing.leaderboard import PairConfig, markdown, run_pair, split_candidates
+    from draftsmith.pairing.leaderboard import PairConfig, markdown, run_pair, split_candidates
 
     cfg = _config(PairConfig, args, {"candidates": split_candidates(args.candidates)})
     c = _common(args)
@@ -288,9 +288,9 @@ def cmd_pair(args: argparse.Namespace) -> int:
 
 
 def cmd_derive(args: argparse.Namespace) -> int:
-    from pairing.derive import derive
+    from draftsmith.pairing.derive import derive
 
-    from decode.spec import parse_layers
+    from draftsmith.decode.spec import parse_layers
 
     layers = parse_layers(args.layers) if args.layers else None
     print(derive(args.source, args.out, layers=layers, keep=args.keep))
@@ -298,7 +298,7 @@ def cmd_derive(args: argparse.Namespace) -> int:
 
 
 def cmd_vocab(args: argparse.Namespace) -> int:
-    from distill.vocab import make_vocab
+    from draftsmith.distill.vocab import make_vocab
 
     kept = make_vocab(args.target, args.out, data=args.data, prompts=args.prompts, coverage=args.coverage,
                       size=args.size, max_new_tokens=args.max_new_tokens, limit_per_domain=args.limit_per_domain,
@@ -310,7 +310,7 @@ def cmd_vocab(args: argparse.Namespace) -> int:
 
 
 def cmd_distill(args: argparse.Namespace) -> int:
-    from distill.pipeline import DistillConfig, run_distill
+    from draftsmith.distill.pipeline import DistillConfig, run_distill
 
     cfg = _config(DistillConfig, args)
     c = _common(args)
@@ -321,7 +321,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
     if r.get("skipped_note"):
         print(f"warning: {r['skipped_note']}")
     if "speed" in r:
-        from decode.bench import Validation
+        from draftsmith.decode.bench import Validation
 
         v = Validation.from_dict(r["speed"])
         tps = v.tok_per_s
@@ -333,9 +333,9 @@ def cmd_distill(args: argparse.Namespace) -> int:
 
 
 def cmd_gen_prompts(args: argparse.Namespace) -> int:
-    from decode.io import read_json
-    from decode.loading import load
-    from distill.prompt_gen import generate_prompts
+    from draftsmith.decode.runtime.io import read_json
+    from draftsmith.decode.runtime.loading import load
+    from draftsmith.distill.prompt_gen import generate_prompts
 
     domains = [d.strip() for d in args.domains.split(",") if d.strip()]
     generate_prompts(load(args.target, device=args.device), args.n, domains, args.out, temperature=args.temperature,
@@ -349,7 +349,7 @@ def cmd_gen_prompts(args: argparse.Namespace) -> int:
 
 
 def cmd_gen_data(args: argparse.Namespace) -> int:
-    from distill.pipeline import DistillConfig, gen_data
+    from draftsmith.distill.pipeline import DistillConfig, gen_data
 
     c = _common(args)
     got = gen_data(args.target, Path(args.out), _config(DistillConfig, args), prompts=c["prompts"],
@@ -392,8 +392,8 @@ def _add_plain_data(p: argparse.ArgumentParser) -> None:
 
 def _add_common(p: argparse.ArgumentParser, taken: set[str], *, target_required: bool = True) -> None:
     """--target (plain) and --prompts / --limit-per-domain / --device from the recipe's top-level fields."""
-    from recipes.config import Recipe
-    from recipes.options import add_options
+    from draftsmith.recipes.config import Recipe
+    from draftsmith.recipes.options import add_options
 
     p.add_argument("--target", required=target_required, default=None if target_required else DEFAULT_TARGET,
                    help="the target: zoo name, HF folder or .gguf file")
@@ -403,9 +403,9 @@ def _add_common(p: argparse.ArgumentParser, taken: set[str], *, target_required:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from distill.export import ExportConfig, export
-    from distill.export.model_card import llama_cpp_result
-    from recipes.options import given
+    from draftsmith.distill.export import ExportConfig, export
+    from draftsmith.distill.export.model_card import llama_cpp_result
+    from draftsmith.recipes.options import given
 
     formats = given(args).get("formats")
     extra = {"formats": ["hf", "gguf"]} if formats in ("all", ["all"]) else {}
@@ -439,7 +439,7 @@ def _print_prediction(pred: dict | None) -> None:
     """llama-server's predicted and measured speedup per K, and acceptance in both engines (export's check)."""
     if not pred:
         return
-    from distill.export.model_card import PREDICTION_HEADERS, prediction_rows
+    from draftsmith.distill.export.model_card import PREDICTION_HEADERS, prediction_rows
 
     print(f"llama.cpp: {pred['verdict']}")
     print("  " + " | ".join(PREDICTION_HEADERS))
@@ -448,8 +448,8 @@ def _print_prediction(pred: dict | None) -> None:
 
 
 def cmd_export_head(args: argparse.Namespace) -> int:
-    from decode.speculative import DEFAULT_K
-    from distill.export.heads import export_head
+    from draftsmith.decode.speculative import DEFAULT_K
+    from draftsmith.distill.export.heads import export_head
 
     ks = [int(x) for x in args.llama_cpp_ks.split(",") if x.strip()] if args.llama_cpp_ks else None
     k = DEFAULT_K if args.k is None else args.k
@@ -474,8 +474,8 @@ def cmd_export_head(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from recipes.config import STAGES, load_recipe
-    from recipes.runner import run_recipe
+    from draftsmith.recipes.config import STAGES, load_recipe
+    from draftsmith.recipes.runner import run_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
     stages = None
@@ -496,7 +496,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_leaderboard(args: argparse.Namespace) -> int:
-    from recipes.compare import merge_runs, write_merged
+    from draftsmith.recipes.compare import merge_runs, write_merged
 
     merged = merge_runs(args.runs)
     doc = write_merged(merged, args.out)
@@ -554,8 +554,8 @@ def _decode_parser(sub) -> None:
 
 
 def _bench_parser(sub) -> None:
-    from decode.bench import BenchConfig
-    from recipes.options import add_options
+    from draftsmith.decode.bench import BenchConfig
+    from draftsmith.recipes.options import add_options
 
     p = sub.add_parser("bench", help="time target-only, speculative, HF generate and HF assisted side by side")
     p.add_argument("--target", default=DEFAULT_TARGET, help=f"zoo name, HF folder or .gguf file (default {DEFAULT_TARGET})")
@@ -578,8 +578,8 @@ def _floor_parser(sub) -> None:
 
 
 def _grid_parser(sub) -> None:
-    from pairing.grid import GridConfig
-    from recipes.options import add_options
+    from draftsmith.pairing.grid import GridConfig
+    from draftsmith.recipes.options import add_options
 
     p = sub.add_parser("grid", help="time one draft at a grid of K, stop thresholds and siblings beside the target "
                                     "alone, in one interleaved run (choose on dev prompts)")
@@ -592,8 +592,8 @@ def _grid_parser(sub) -> None:
 
 
 def _pair_parser(sub) -> None:
-    from pairing.leaderboard import PairConfig
-    from recipes.options import add_options
+    from draftsmith.pairing.leaderboard import PairConfig
+    from draftsmith.recipes.options import add_options
 
     p = sub.add_parser("pair", help="rank candidate drafts for a target: alpha, cost, predicted/measured speedup")
     taken: set[str] = set()
@@ -637,8 +637,8 @@ def _vocab_parser(sub) -> None:
 
 
 def _distill_parser(sub) -> None:
-    from distill.pipeline import DistillConfig
-    from recipes.options import add_options
+    from draftsmith.distill.pipeline import DistillConfig
+    from draftsmith.recipes.options import add_options
 
     p = sub.add_parser("distill", help="distill a draft toward the target; alpha (and tokens/s) before and after")
     taken: set[str] = set()
@@ -670,8 +670,8 @@ def _gen_prompts_parser(sub) -> None:
 
 
 def _gen_data_parser(sub) -> None:
-    from distill.pipeline import DistillConfig
-    from recipes.options import add_options
+    from draftsmith.distill.pipeline import DistillConfig
+    from draftsmith.recipes.options import add_options
 
     p = sub.add_parser("gen-data", help="generate distillation data (resumable) without training")
     taken: set[str] = set()
@@ -684,8 +684,8 @@ def _gen_data_parser(sub) -> None:
 
 
 def _export_parser(sub) -> None:
-    from distill.export import ExportConfig
-    from recipes.options import add_options
+    from draftsmith.distill.export import ExportConfig
+    from draftsmith.recipes.options import add_options
 
     p = sub.add_parser("export", help="export a (distilled) draft: HF folder, GGUF for llama.cpp, vLLM/SGLang lines")
     p.add_argument("--draft", required=True, help="HF folder (e.g. a distill run's best/), zoo name or derive spec")
@@ -714,7 +714,7 @@ def _export_head_parser(sub) -> None:
 
 def _run_parser(sub) -> None:
     p = sub.add_parser("run", help="run a recipe: pair -> distill -> validate -> export, resumable, with a report")
-    p.add_argument("recipe", type=Path, help="a recipe YAML (see recipes/*.yaml)")
+    p.add_argument("recipe", type=Path, help="a recipe YAML, or a built-in recipe's name (quickstart, qwen-draft, ...)")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. distill.train.steps=200")
     p.add_argument("--out", type=Path, default=None, help="run folder (default runs/<recipe name>)")
     p.add_argument("--stages", default=None, help="a subset, e.g. pair,validate (default: the recipe's)")

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from decode.errors import DraftsmithError
-from decode.io import atomic_write_json, read_json
-from pairing.leaderboard import prediction_caveat
-from recipes.report import Doc, fmt
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.runtime.io import atomic_write_json, read_json
+from draftsmith.pairing.leaderboard import prediction_caveat
+from draftsmith.recipes.report import Doc, fmt
 
 COLUMNS = ["target", "draft", "kind", "alpha", "positions", "best K", "predicted", "measured (ours)", "llama.cpp",
            "run"]

@@ -1,6 +1,6 @@
 """Recipes as typed configs: one YAML file fills one dataclass per stage, validated on load.
 
-    from recipes.config import load_recipe
+    from draftsmith.recipes.config import load_recipe
     recipe = load_recipe("recipes/quickstart.yaml", ["distill.train.steps=200", "pair.validate=1"])
 
 The dataclasses below are the one source of truth for defaults. Every problem is a one-line
@@ -21,16 +21,16 @@ from typing import Any
 
 import yaml
 
-from decode import zoo
-from decode.errors import DraftsmithError
-from decode.spec import DraftSpec
-from distill.export import ExportConfig
-from distill.fastest import FastestConfig
-from distill.heads.pipeline import HeadRunConfig
-from distill.kinds import is_model_spec
-from distill.pipeline import DataConfig, DistillConfig
-from pairing.leaderboard import PairConfig
-from pairing.validate import ValidateConfig
+from draftsmith.decode.runtime import zoo
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.spec import DraftSpec
+from draftsmith.distill.export import ExportConfig
+from draftsmith.distill.fastest import FastestConfig
+from draftsmith.distill.heads.pipeline import HeadRunConfig
+from draftsmith.distill.kinds import is_model_spec
+from draftsmith.distill.pipeline import DataConfig, DistillConfig
+from draftsmith.pairing.leaderboard import PairConfig
+from draftsmith.pairing.validate import ValidateConfig
 
 STAGES = ("pair", "data", "distill", "validate", "export")  # data runs only when the recipe's data.n > 0
 DEVICES = ("cpu", "cuda")
@@ -201,7 +201,7 @@ def _check_models(recipe: Recipe) -> None:
 
 def check_prompts(source: str, key: str) -> None:
     """Suite names, or an existing file / folder: anything else is a one-line error naming the key."""
-    from decode.prompts import SUITES
+    from draftsmith.decode.prompts import SUITES
 
     names = [n.strip() for n in source.split(",") if n.strip()]
     if names and all(n in SUITES for n in names):
@@ -270,9 +270,28 @@ def recipe_from_dict(data: dict[str, Any], overrides: list[str] = (), *, check_m
     return recipe
 
 
+BUILT_IN = Path(__file__).resolve().parent  # the recipes that ship in the package: `draftsmith run quickstart`
+
+
+def built_in_recipes() -> list[str]:
+    return sorted(p.stem for p in BUILT_IN.glob("*.yaml"))
+
+
+def recipe_path(name: str | Path) -> Path:
+    """A recipe file as given, or a built-in recipe's name (`quickstart`, `qwen-draft`: the YAML that ships in the
+    package, so an installed draftsmith runs them from any folder)."""
+    path = Path(name)
+    if path.exists() or path.suffix in (".yaml", ".yml") or len(path.parts) > 1:
+        return path
+    if (BUILT_IN / f"{path}.yaml").is_file():
+        return BUILT_IN / f"{path}.yaml"
+    raise DraftsmithError(f"{name}: no such recipe file, nor a built-in recipe ({', '.join(built_in_recipes())})")
+
+
 def load_recipe(path: str | Path, overrides: list[str] = (), *, check_models: bool = True) -> Recipe:
-    """Read, override and validate a recipe; every error is one line starting with the file name."""
-    path = Path(path)
+    """Read, override and validate a recipe (a file, or a built-in one's name: `recipe_path`); every error is one
+    line starting with the file name."""
+    path = recipe_path(path)
     try:
         text = path.read_text()
     except OSError as e:

@@ -20,7 +20,7 @@ import re
 import typing
 from typing import Any
 
-from recipes.config import build, parse_value
+from draftsmith.recipes.config import build, parse_value
 
 _COMMENT = re.compile(r"^\s+(\w+)\s*:[^#]*#\s*(.+?)\s*$")
 

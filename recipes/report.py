@@ -1,6 +1,6 @@
 """The run folder's report: report.md and report.html (plots as PNG), rebuilt from whatever stages have finished.
 
-    from recipes.report import write_report; write_report(Path("runs/quickstart"))
+    from draftsmith.recipes.report import write_report; write_report(Path("runs/quickstart"))
 
 Sections: stages (status, time), the pairing leaderboard, training curves (loss and alpha vs step), alpha by
 domain before and after distillation, tokens/s of target alone / un-distilled / distilled draft with ratios
@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from decode.bench import Validation
-from decode.io import atomic_write_bytes, atomic_write_text, png_bytes, read_json
-from distill.export.model_card import PREDICTION_HEADERS, llama_cpp_result, prediction_lines, prediction_rows
-from pairing.ladder import waterfall
-from pairing.leaderboard import table_rows
+from draftsmith.decode.bench import Validation
+from draftsmith.decode.runtime.io import atomic_write_bytes, atomic_write_text, png_bytes, read_json
+from draftsmith.distill.export.model_card import PREDICTION_HEADERS, llama_cpp_result, prediction_lines, prediction_rows
+from draftsmith.pairing.ladder import waterfall
+from draftsmith.pairing.leaderboard import table_rows
 
 _STYLE = ("<style>body{font-family:sans-serif;margin:2em;max-width:70em}table{border-collapse:collapse}"
           "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}td:first-child{text-align:left}"

@@ -40,14 +40,14 @@ from typing import Any
 
 import torch
 
-from decode.allocator import allocator_setting, keep_freed_memory, release_freed_memory
-from decode.errors import DraftsmithError
-from decode.io import atomic_write_json, read_json
-from distill.kinds import RunContext, kind_for
-from pairing.leaderboard import run_pair
-from pairing.validate import validate
-from recipes.config import STAGES, Recipe, dump_recipe
-from recipes.report import write_report
+from draftsmith.decode.runtime.allocator import allocator_setting, keep_freed_memory, release_freed_memory
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.runtime.io import atomic_write_json, read_json
+from draftsmith.distill.kinds import RunContext, kind_for
+from draftsmith.pairing.leaderboard import run_pair
+from draftsmith.pairing.validate import validate
+from draftsmith.recipes.config import STAGES, Recipe, dump_recipe
+from draftsmith.recipes.report import write_report
 
 STAGE_DIRS = {"pair": "pairing", "data": "data", "distill": "distill", "validate": "validate", "export": "export"}
 
@@ -166,7 +166,7 @@ def _report(run: RunFolder, say: Callable[[str], None]) -> None:
 
 
 def stage_data(recipe: Recipe, run: RunFolder) -> dict:
-    from distill.pipeline import run_data
+    from draftsmith.distill.pipeline import run_data
 
     # gen-data's rows are the target's; the draft only matters for on-policy rows or speculative generation
     draft = kind_for(recipe.distill.draft).data_draft(context(recipe, run))

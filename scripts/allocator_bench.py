@@ -1,4 +1,4 @@
-"""What `decode.allocator.keep_freed_memory` is worth: head data and head training, with glibc's allocator as it
+"""What `decode.runtime.allocator.keep_freed_memory` is worth: head data and head training, with glibc's allocator as it
 is and with freed memory kept, each in its own process, one after the other, twice (system, keep, system, keep).
 
     .venv/bin/python scripts/allocator_bench.py --out docs/allocator   # -> docs/allocator/bench.json
@@ -27,12 +27,12 @@ from pathlib import Path
 
 def one(args: argparse.Namespace) -> dict:
     """In this process: data, then training; tokens per second of each."""
-    from decode.allocator import keep_freed_memory
-    from decode.loading import load
-    from decode.prompts import load_prompts
-    from distill.heads.data import HeadDataConfig, build_head_data, load_head_data
-    from distill.heads.pipeline import aux_layers_for
-    from distill.heads.train import HeadTrainConfig, train_head
+    from draftsmith.decode.runtime.allocator import keep_freed_memory
+    from draftsmith.decode.runtime.loading import load
+    from draftsmith.decode.prompts import load_prompts
+    from draftsmith.distill.heads.data import HeadDataConfig, build_head_data, load_head_data
+    from draftsmith.distill.heads.pipeline import aux_layers_for
+    from draftsmith.distill.heads.train import HeadTrainConfig, train_head
 
     setting = keep_freed_memory()
     target = load(args.target)
@@ -84,8 +84,8 @@ def main() -> None:
             raise SystemExit(f"the {setting} process failed (exit {proc.returncode})")
         runs.append({"setting": setting, **json.loads(proc.stdout.strip().splitlines()[-1])})
         print(json.dumps(runs[-1]), flush=True)
-    from decode.io import atomic_write_json
-    from decode.machine import machine_info, versions
+    from draftsmith.decode.runtime.io import atomic_write_json
+    from draftsmith.decode.runtime.machine import machine_info, versions
 
     def med(setting: str, key: str) -> float:
         return statistics.median(r[key] for r in runs if r["setting"] == setting)

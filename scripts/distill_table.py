@@ -49,16 +49,16 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from decode.errors import DraftsmithError  # noqa: E402
-from decode.io import atomic_write_json, atomic_write_text  # noqa: E402
-from decode.loading import load  # noqa: E402
-from decode.machine import machine_info, versions  # noqa: E402
-from decode.prompts import load_prompts  # noqa: E402
-from distill.data import generate_data  # noqa: E402
-from distill.pipeline import split_prompts  # noqa: E402
-from distill.train import TrainConfig, train  # noqa: E402
-from pairing.derive import resolve_candidate  # noqa: E402
-from pairing.reference import reference_continuations  # noqa: E402
+from draftsmith.decode.runtime.errors import DraftsmithError  # noqa: E402
+from draftsmith.decode.runtime.io import atomic_write_json, atomic_write_text  # noqa: E402
+from draftsmith.decode.runtime.loading import load  # noqa: E402
+from draftsmith.decode.runtime.machine import machine_info, versions  # noqa: E402
+from draftsmith.decode.prompts import load_prompts  # noqa: E402
+from draftsmith.distill.data import generate_data  # noqa: E402
+from draftsmith.distill.pipeline import split_prompts  # noqa: E402
+from draftsmith.distill.train import TrainConfig, train  # noqa: E402
+from draftsmith.pairing.derive import resolve_candidate  # noqa: E402
+from draftsmith.pairing.reference import reference_continuations  # noqa: E402
 
 TARGET = "smollm2-135m-instruct"
 DRAFT = "derive:smollm2-135m-instruct:keep=4"

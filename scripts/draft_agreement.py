@@ -3,14 +3,14 @@ to dev prompts, by how the draft's weights are quantised and how its prompt is p
 
     .venv/bin/python scripts/draft_agreement.py --out docs/results/pruned/agreement    # -> .../agreement.json
 
-Each variant is `--draft` as the decoder opens it (`decode.runner.make_runner`); it reads each prompt in one forward
+Each variant is `--draft` as the decoder opens it (`decode.runtime.runner.make_runner`); it reads each prompt in one forward
 (a prefill) and then the answer one token a forward, as draft steps do, and its argmax at every answer position is
 compared with the target's token there. Variants:
 
 - float: the draft as loaded (float32);
 - int8: per-row int8 weights, its prefill on draftsmith's kernel (`LeanLM.native_many`, the default);
   int8 fbgemm prefill: the same with the prefill on fbgemm's dynamic int8 Linear (one input scale for the prompt);
-- int4: groups of 32 with least-squares pairs (`decode.quant.quantize_groups`, the default), prefill on the
+- int4: groups of 32 with least-squares pairs (`decode.runtime.quant.quantize_groups`, the default), prefill on the
   kernel; int4 min/max pairs: refine=0; int4 fbgemm prefill: the prefill on the int8 copy of the int4 weights
   (`Int4Linear.many`, the route prefills took before).
 
@@ -30,13 +30,13 @@ from pathlib import Path
 
 import torch
 
-from decode import quant
-from decode.io import atomic_write_json
-from decode.loading import load
-from decode.machine import machine_info, versions
-from decode.prompts import first_per_domain, load_prompts
-from decode.runner import make_runner
-from pairing.reference import reference_continuations
+from draftsmith.decode.runtime import quant
+from draftsmith.decode.runtime.io import atomic_write_json
+from draftsmith.decode.runtime.loading import load
+from draftsmith.decode.runtime.machine import machine_info, versions
+from draftsmith.decode.prompts import first_per_domain, load_prompts
+from draftsmith.decode.runtime.runner import make_runner
+from draftsmith.pairing.reference import reference_continuations
 
 VARIANTS = ("float", "int8", "int8 fbgemm prefill", "int4", "int4 min/max pairs", "int4 fbgemm prefill")
 

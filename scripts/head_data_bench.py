@@ -21,13 +21,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from decode.allocator import keep_freed_memory
-from decode.io import atomic_write_json
-from decode.loading import load
-from decode.machine import machine_info, versions
-from decode.prompts import load_prompts
-from distill.heads.data import HeadDataConfig, build_head_data
-from distill.heads.pipeline import aux_layers_for
+from draftsmith.decode.runtime.allocator import keep_freed_memory
+from draftsmith.decode.runtime.io import atomic_write_json
+from draftsmith.decode.runtime.loading import load
+from draftsmith.decode.runtime.machine import machine_info, versions
+from draftsmith.decode.prompts import load_prompts
+from draftsmith.distill.heads.data import HeadDataConfig, build_head_data
+from draftsmith.distill.heads.pipeline import aux_layers_for
 
 
 def main() -> None:

@@ -26,12 +26,12 @@ from pathlib import Path
 
 import torch
 
-from decode.allocator import keep_freed_memory
-from decode.io import atomic_write_json
-from decode.loading import load
-from decode.machine import machine_info, versions
-from distill.heads.pipeline import aux_layers_for
-from distill.heads.train import HeadTrainConfig, train_head
+from draftsmith.decode.runtime.allocator import keep_freed_memory
+from draftsmith.decode.runtime.io import atomic_write_json
+from draftsmith.decode.runtime.loading import load
+from draftsmith.decode.runtime.machine import machine_info, versions
+from draftsmith.distill.heads.pipeline import aux_layers_for
+from draftsmith.distill.heads.train import HeadTrainConfig, train_head
 
 
 def synthetic_rows(n: int, vocab: int, hidden: int, seed: int) -> list[dict]:

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import torch
 
-from decode.io import atomic_write_json
-from decode.loading import load
-from decode.machine import machine_info, versions
-from decode.runner import make_runner
+from draftsmith.decode.runtime.io import atomic_write_json
+from draftsmith.decode.runtime.loading import load
+from draftsmith.decode.runtime.machine import machine_info, versions
+from draftsmith.decode.runtime.runner import make_runner
 
 LAYOUTS = ("dnn", "xw", "wx")
 

@@ -1,4 +1,4 @@
-"""What an int8 draft's one-row step costs on draftsmith's own kernel (decode.native) and on fbgemm's, side by side.
+"""What an int8 draft's one-row step costs on draftsmith's own kernel (decode.runtime.native) and on fbgemm's, side by side.
 
     .venv/bin/python scripts/native_bench.py --out docs/results/pruned/native    # -> .../bench.json
 
@@ -21,11 +21,11 @@ from pathlib import Path
 
 import torch
 
-from decode import native
-from decode.io import atomic_write_json
-from decode.loading import load
-from decode.machine import machine_info, versions
-from decode.runner import make_runner
+from draftsmith.decode.runtime import native
+from draftsmith.decode.runtime.io import atomic_write_json
+from draftsmith.decode.runtime.loading import load
+from draftsmith.decode.runtime.machine import machine_info, versions
+from draftsmith.decode.runtime.runner import make_runner
 
 
 def step_ms(runner, prompt: torch.Tensor, steps: int) -> float:

@@ -1,11 +1,11 @@
 """An int4 draft's step at each prefetch distance of draftsmith's int4 kernel, and the one
-`decode.native.tune_q4_ahead` chose on this machine.
+`decode.runtime.native.tune_q4_ahead` chose on this machine.
 
     .venv/bin/python scripts/q4_prefetch.py --out docs/results/pruned/q4-prefetch    # -> .../q4-prefetch.json
 
 One row a step after a `--context`-token prefill and 5 warm-up steps, the mean of `--steps` timed steps; `--passes`
 passes, each over every distance in turn (interleaved); the median pass per distance. The outputs are the same bits
-at every distance (tests/decode/test_native.py): only the time moves. Smoke run on a tiny model folder:
+at every distance (tests/decode/runtime/test_native.py): only the time moves. Smoke run on a tiny model folder:
 
     .venv/bin/python scripts/q4_prefetch.py --draft TINY --context 8 --steps 2 --passes 1 --out /tmp/p
 """
@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 
-from decode import native
-from decode.io import atomic_write_json
-from decode.loading import load
-from decode.machine import machine_info, versions
-from decode.runner import make_runner
+from draftsmith.decode.runtime import native
+from draftsmith.decode.runtime.io import atomic_write_json
+from draftsmith.decode.runtime.loading import load
+from draftsmith.decode.runtime.machine import machine_info, versions
+from draftsmith.decode.runtime.runner import make_runner
 
 
 def main() -> None:

@@ -10,4 +10,4 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
-.venv/bin/python -c "import torch, decode, pairing, distill, recipes; print('draftsmith ready: torch', torch.__version__)"
+.venv/bin/python -c "import torch, draftsmith.decode, draftsmith.pairing, draftsmith.distill, draftsmith.recipes; print('draftsmith ready: torch', torch.__version__)"

@@ -16,7 +16,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
 
-from decode.loading import Loaded
+from draftsmith.decode.runtime.loading import Loaded
 
 
 def word_tokenizer(tokens: list[str], *, eos: str | None, unk: str = "[UNK]", bos: str | None = None,

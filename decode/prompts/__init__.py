@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from decode.errors import DraftsmithError
+from draftsmith.decode.runtime.errors import DraftsmithError
 
 SUITES: tuple[str, ...] = ("code", "json", "summarize", "chat")
 """Built-in suite names; the first four ``code`` prompts are the default benchmark prompts."""

@@ -3,7 +3,7 @@
     .venv/bin/draftsmith export --draft runs/distill-smollm2/best --target smollm2-135m-instruct \
         --format all --gguf-type f16,q8_0 --out runs/export-smollm2 [--best-k 3] [--check-llama-cpp]
 
-    from distill.export import export
+    from draftsmith.distill.export import export
     summary = export("runs/distill-smollm2/best", "smollm2-135m-instruct", Path("runs/export-smollm2"))
 
 `out/` receives:
@@ -37,20 +37,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from decode import zoo
-from decode.errors import DraftsmithError
-from decode.io import atomic_write_json, atomic_write_text, read_json
-from decode.loading import Loaded, load
-from decode.machine import versions
-from decode.prompts import load_suite
-from decode.spec import DraftSpec
-from decode.textgen import prompt_ids
-from distill.export.gguf import GGUF_TOL, GGUF_TYPES, export_gguf, prepare_vocab
-from distill.export.hf import export_hf
-from distill.export.model_card import model_card, serving_lines
-from distill.train import merged_model
-from pairing.derive import resolve_candidate
-from pairing.policy import known_k
+from draftsmith.decode.runtime import zoo
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.runtime.io import atomic_write_json, atomic_write_text, read_json
+from draftsmith.decode.runtime.loading import Loaded, load
+from draftsmith.decode.runtime.machine import versions
+from draftsmith.decode.prompts import load_suite
+from draftsmith.decode.spec import DraftSpec
+from draftsmith.decode.textgen import prompt_ids
+from draftsmith.distill.export.gguf import GGUF_TOL, GGUF_TYPES, export_gguf, prepare_vocab
+from draftsmith.distill.export.hf import export_hf
+from draftsmith.distill.export.model_card import model_card, serving_lines
+from draftsmith.distill.train import merged_model
+from draftsmith.pairing.derive import resolve_candidate
+from draftsmith.pairing.policy import known_k
 
 EXPORT_FORMATS = ("hf", "gguf")
 PRUNED_NOT_EXPORTED = (
@@ -191,7 +191,7 @@ def _check_llama_cpp(t_gguf: Path, drafts: dict[str, Path], prompts: list[list[i
     """llama-server with each GGUF draft, between two runs of the target alone (before and after, so a machine
     that slows down or speeds up during the check shows): acceptance, tokens/s and the ratio to the target alone,
     and whether the greedy text equals the target's."""
-    from distill.export.llama_cpp import beside_target_alone
+    from draftsmith.distill.export.llama_cpp import beside_target_alone
 
     runs, baseline = beside_target_alone(t_gguf, {t: {"draft_gguf": path, "draft_max": k} for t, path in drafts.items()},
                                          prompts, 64, say=lambda m: _say(m, progress))
@@ -213,7 +213,7 @@ def predict_llama_cpp(tgt: Loaded, draft: Any, t_gguf: Path, draft_gguf: Path, k
     """llama-server's speedup at each K predicted from llama.cpp's own costs and our acceptance by depth, beside
     the measured one, and accepted / drafted in both engines (distill.export.llama_predict), on the first prompt
     of each domain (calibration: the second). `draft`: a Loaded standalone draft or an Eagle3Head."""
-    from distill.export.llama_predict import check, ours
+    from draftsmith.distill.export.llama_predict import check, ours
 
     suites = [load_suite(s) for s in ("code", "chat", "json", "summarize")][:n_prompts]
     _say(f"our acceptance by depth and our decoder's accepted / drafted at K = {list(ks)}", progress)
@@ -306,7 +306,7 @@ def export(draft: str, target: str, out: Path, cfg: ExportConfig | None = None, 
         summary["llama_cpp_prediction"] = predict_llama_cpp(tgt, d, t_gguf, served[types[0]], cfg.llama_cpp_ks,
                                                             n_prompts, warnings, progress)
         if cfg.llama_cpp_search:
-            from distill.export.llama_cpp import search_llama_cpp
+            from draftsmith.distill.export.llama_cpp import search_llama_cpp
 
             # the drafts the check served (the un-distilled one searched the same way), and for a zoo draft the
             # zoo's own (quantized) file, as users download it

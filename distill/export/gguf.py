@@ -2,7 +2,7 @@
 
     .venv/bin/draftsmith export --draft runs/distill-smollm2/best --target smollm2-135m-instruct --format gguf --out x
 
-    from distill.export.gguf import write_gguf, verify_gguf
+    from draftsmith.distill.export.gguf import write_gguf, verify_gguf
     summary = write_gguf(model, tokenizer, Path("x/draft-f16.gguf"), target_gguf=zoo.gguf_path("smollm2-135m-instruct"))
     check = verify_gguf(Path("x/draft-f16.gguf"), model, [ids])
 
@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from decode.errors import DraftsmithError
-from decode.io import atomic_path
-from pairing.compat import llama_cpp_rule, tokenizer_meta
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.runtime.io import atomic_path
+from draftsmith.pairing.compat import llama_cpp_rule, tokenizer_meta
 
 GGUF_TYPES = ("f32", "f16", "q8_0")  # the one list: recipes.config checks export.gguf_type against it
 # Max |logit diff| relative to the largest |logit|, and minimum argmax agreement, per GGUF type. Measured

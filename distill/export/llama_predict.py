@@ -156,7 +156,7 @@ def calibrate(target_gguf: Any, draft_gguf: Any, prompts: list[list[int]], ks: l
     """llama.cpp's costs on this machine: llama-bench for the target's K+1-token forwards (and a standalone
     draft's token), then llama-server on `prompts` (calibration prompts, never the measured ones) with the target
     alone and with the draft at each K of CALIBRATION_KS, to fit the rest of a round."""
-    from distill.export.llama_cpp import check_with_llama_cpp, find_llama_server, llama_bench
+    from draftsmith.distill.export.llama_cpp import check_with_llama_cpp, find_llama_server, llama_bench
 
     say = say or (lambda message: None)
     server = server or find_llama_server()
@@ -197,7 +197,7 @@ def check(target_gguf: Any, draft_gguf: Any, prompts: list[list[int]], calibrati
     put predicted beside measured, and accepted / drafted beside our decoder's (`decoder`: K -> (accepted,
     drafted)) and the `expected` one (K -> fraction). One thread throughout, as `check_with_llama_cpp` serves.
     Returns export.json's `llama_cpp_prediction`."""
-    from distill.export.llama_cpp import beside_target_alone, find_llama_server, server_version
+    from draftsmith.distill.export.llama_cpp import beside_target_alone, find_llama_server, server_version
 
     server = find_llama_server()
     ks = sorted(taus)
@@ -226,13 +226,13 @@ def ours(target: Any, draft: Any, prompts: list[Any], ks: list[int], *, n_predic
     checked against the continuation). Returns {"taus", "expected", "decoder", "greedy_equal", "prompt_ids"}."""
     import torch
 
-    from decode.head import Eagle3Head, HeadDraft
-    from decode.loading import eos_ids
-    from decode.runner import make_runner
-    from decode.speculative import KPolicy, generate
-    from pairing.acceptance import measure_acceptance, measure_head_acceptance
-    from pairing.depth import expected_round_counts
-    from pairing.reference import reference_continuations
+    from draftsmith.decode.head import Eagle3Head, HeadDraft
+    from draftsmith.decode.runtime.loading import eos_ids
+    from draftsmith.decode.runtime.runner import make_runner
+    from draftsmith.decode.speculative import KPolicy, generate
+    from draftsmith.pairing.acceptance import measure_acceptance, measure_head_acceptance
+    from draftsmith.pairing.depth import expected_round_counts
+    from draftsmith.pairing.reference import reference_continuations
 
     refs = reference_continuations(target, prompts, max_new_tokens=n_predict, progress=progress)
     head = isinstance(draft, Eagle3Head)

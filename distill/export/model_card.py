@@ -1,6 +1,6 @@
 """What an exported draft says about itself: the serving command lines and the model card (README.md).
 
-    from distill.export.model_card import model_card, serving_lines
+    from draftsmith.distill.export.model_card import model_card, serving_lines
     lines = serving_lines("/m/target", "/out/hf", "/m/t.gguf", "/out/draft-f16.gguf", k=3)
     text = model_card(summary)  # summary: the dict distill.export.export writes as export.json
 

@@ -1,9 +1,9 @@
 """speculators (vLLM's EAGLE-3 library) in a virtual environment of its own: the real reader of our speculators
 folders (tests/distill/export/test_speculators.py).
 
-    .venv/bin/python -m distill.export.speculators_env      # build it once (1.5-3 minutes), print its python
+    .venv/bin/python -m draftsmith.distill.export.speculators_env      # build it once (1.5-3 minutes), print its python
 
-    from distill.export.speculators_env import speculators_forward
+    from draftsmith.distill.export.speculators_env import speculators_forward
     versions = speculators_forward([(vllm_dir, out_file)], inputs_file, steps=3)   # see speculators_forward.py
 
 speculators 0.9.0 pins transformers <= 5.19 and datasets <= 5.1 (draftsmith runs 5.24 and 5.2) and lists torchvision
@@ -35,9 +35,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from decode import zoo
-from decode.errors import DraftsmithError
-from decode.io import atomic_dir, atomic_write_json
+from draftsmith.decode.runtime import zoo
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.runtime.io import atomic_dir, atomic_write_json
 
 VERSION = "0.9.0"
 TORCH = "torch==2.13.0"  # the CPU build on this machine's disk (scripts/setup.sh installs the same)
@@ -46,7 +46,7 @@ REQUIREMENTS = ("aiohttp", "click", "datasets>=4.0.0,<=5.1.0", "httpx", "hugging
                 "pydantic-settings>=2.0.0", "rich", "safetensors", "tqdm>=4.66.3,<=4.70.1", "transformers==5.19.0",
                 "typer>=0.12.0", f"hs-connectors=={VERSION}")
 SCRIPT = Path(__file__).with_name("speculators_forward.py")
-BUILD_COMMAND = ".venv/bin/python -m distill.export.speculators_env"
+BUILD_COMMAND = ".venv/bin/python -m draftsmith.distill.export.speculators_env"
 
 
 def env_dir() -> Path:

@@ -1,6 +1,6 @@
 """Training data for a draft head: the target's own text with its hidden states at the head's aux layers.
 
-    from distill.heads.data import HeadDataConfig, build_head_data, load_head_data
+    from draftsmith.distill.heads.data import HeadDataConfig, build_head_data, load_head_data
     build_head_data(load("smollm2-135m-instruct"), prompts, Path("runs/head/data"), HeadDataConfig(samples=8))
     data = load_head_data(Path("runs/head/data"))
 
@@ -29,14 +29,14 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from decode.batch import GEN_DTYPES, decode_batch, generate_batch, writer_model
-from decode.errors import DraftsmithError
-from decode.io import atomic_path, atomic_write_json, read_json
-from decode.lean import lean_supported
-from decode.loading import Loaded, eos_ids
-from decode.prompts import Prompt
-from decode.sampling import SamplingParams
-from decode.textgen import prompt_ids
+from draftsmith.decode.batch import GEN_DTYPES, decode_batch, generate_batch, writer_model
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.runtime.io import atomic_path, atomic_write_json, read_json
+from draftsmith.decode.runtime.lean import lean_supported
+from draftsmith.decode.runtime.loading import Loaded, eos_ids
+from draftsmith.decode.prompts import Prompt
+from draftsmith.decode.sampling import SamplingParams
+from draftsmith.decode.textgen import prompt_ids
 
 
 @dataclass

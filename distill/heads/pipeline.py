@@ -1,7 +1,7 @@
 """A draft head through the recipe line: data, held-out references and training (`run_head`). `draftsmith run`
 calls it (through `distill.kinds`) when a recipe says `distill.draft: head`; validation is `pairing.validate`.
 
-    from distill.heads.pipeline import HeadRunConfig, run_head
+    from draftsmith.distill.heads.pipeline import HeadRunConfig, run_head
     result = run_head("smollm2-135m-instruct", Path("runs/x/distill"), HeadRunConfig(train_minutes=12.5),
                       prompts="code,json,summarize,chat", eval_per_domain=4)
 
@@ -22,14 +22,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 
-from decode.batch import GEN_DTYPES
-from decode.errors import DraftsmithError
-from decode.io import atomic_write_json, read_json
-from decode.kernels import bf16_fast
-from decode.loading import load
-from decode.prompts import load_prompts
-from distill.heads.data import HeadDataConfig, build_head_data, generation_seconds, load_head_data
-from distill.heads.train import HeadTrainConfig, prompt_key, train_head
+from draftsmith.decode.batch import GEN_DTYPES
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.runtime.io import atomic_write_json, read_json
+from draftsmith.decode.runtime.kernels import bf16_fast
+from draftsmith.decode.runtime.loading import load
+from draftsmith.decode.prompts import load_prompts
+from draftsmith.distill.heads.data import HeadDataConfig, build_head_data, generation_seconds, load_head_data
+from draftsmith.distill.heads.train import HeadTrainConfig, prompt_key, train_head
 
 HEAD = "head"  # distill.draft's value that trains a head instead of distilling a standalone draft
 HEAD_RESULT = "head.json"
@@ -102,7 +102,7 @@ def aux_layers_for(n_layers: int) -> tuple[int, int, int]:
 
 def fast_dtype(requested: str, device: str, name: str = "dtype") -> str:
     """`requested`, unless it is bfloat16 on a CPU without a fast bfloat16 path (AVX2 alone: several times slower
-    than float32, `decode.kernels.bf16_fast`): float32 there, said in one line."""
+    than float32, `decode.runtime.kernels.bf16_fast`): float32 there, said in one line."""
     if requested == "bfloat16" and str(device).startswith("cpu") and not bf16_fast():
         print(f"head: {name} bfloat16 -> float32: this CPU has no fast bfloat16 path (AVX-512 BF16 / AMX)",
               file=sys.stderr)
@@ -127,7 +127,7 @@ def _build_data(target, cfg: HeadRunConfig, out: Path, train_p: list, held_p: li
     cap.spend("data", generation_seconds(data))
     folders, written, prompt_s = [out / "data"], None, 0.0
     if cfg.written_prompts and cap.has_time("prompts"):
-        from distill.prompt_gen import DOMAINS, generate_prompts
+        from draftsmith.distill.prompt_gen import DOMAINS, generate_prompts
 
         domains = [d for d in dict.fromkeys(p.domain for p in train_p) if d in DOMAINS] or list(DOMAINS)
         generate_prompts(target, cfg.written_prompts, domains, out / "prompts", temperature=cfg.temperature or 0.8,
@@ -151,7 +151,7 @@ def run_head(target_spec: str, out: Path, cfg: HeadRunConfig, *, prompts: str = 
              limit_per_domain: int | None = None, eval_per_domain: int = 4, device: str = "cpu",
              progress: bool = True) -> dict:
     """Data, held-out references and training into `out`; returns (and writes out/head.json) the result."""
-    from distill.pipeline import split_prompts
+    from draftsmith.distill.pipeline import split_prompts
 
     out = Path(out)
     target = load(target_spec, device=device)

@@ -1,7 +1,7 @@
 """Train an EAGLE-3 draft head on the target's own text and features (`distill.heads.data`), with the
 training-time test: the head is unrolled on its own outputs for `ttt_steps` depths, as decoding will run it.
 
-    from distill.heads.train import HeadTrainConfig, train_head
+    from draftsmith.distill.heads.train import HeadTrainConfig, train_head
     summary = train_head(target, load_head_data(data_dir), held_out_rows, Path("runs/head"), HeadTrainConfig())
 
 Depth 1 of entry e reads fc(features_e) and the embedding of token e+1; depth j >= 2 reads the head's own
@@ -38,13 +38,13 @@ import torch.nn.functional as F
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from decode.batch import GEN_DTYPES
-from decode.errors import DraftsmithError
-from decode.head import Eagle3Head, HeadConfig, save_head, ttt_hidden, vocab_map
-from decode.io import atomic_dir, atomic_write_json, read_json
-from decode.kernels import dense
-from decode.loading import Loaded
-from distill.vocab import count_tokens
+from draftsmith.decode.batch import GEN_DTYPES
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.head import Eagle3Head, HeadConfig, save_head, ttt_hidden, vocab_map
+from draftsmith.decode.runtime.io import atomic_dir, atomic_write_json, read_json
+from draftsmith.decode.runtime.kernels import dense
+from draftsmith.decode.runtime.loading import Loaded
+from draftsmith.distill.vocab import count_tokens
 
 
 @dataclass

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decode.batch import TargetVocab, decode_batch, generate_batch
-from decode.runner import make_runner
-from decode.sampling import SamplingParams, fit_vocab
-from decode.speculative import generate
+from draftsmith.decode.batch import TargetVocab, decode_batch, generate_batch
+from draftsmith.decode.runtime.runner import make_runner
+from draftsmith.decode.sampling import SamplingParams, fit_vocab
+from draftsmith.decode.speculative import generate
 from tests import helpers
 
 V, EOS = 12, 7  # a small vocabulary: sampled rows hit EOS at different steps
@@ -117,7 +117,7 @@ class _Clock:
 def test_a_deadline_cuts_each_row_short_without_changing_a_token(monkeypatch, capture) -> None:
     """At the deadline the rows still sampling stop: each is a prefix of its row without one (rows ended by EOS
     before stay whole), and with capture the features are still the teacher-forced ones of what was kept."""
-    import decode.batch as batch
+    import draftsmith.decode.batch as batch
 
     m = helpers.tiny_llama(4, V, eos_id=EOS, layers=3, dtype=torch.float64)
 
@@ -169,7 +169,7 @@ def test_samples_of_one_prompt_share_its_prefill_and_each_equals_its_decode_alon
 
 
 def test_bfloat16_one_token_attention_matches_a_float64_reference_and_ignores_columns_past_the_end() -> None:
-    from decode.batch import _attend
+    from draftsmith.decode.batch import _attend
 
     g = torch.Generator().manual_seed(0)
     B, H, Hkv, S, D, end = 5, 6, 2, 12, 16, 9

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from decode.bench import side_by_side
-from decode.runner import make_runner
-from decode.speculative import KPolicy, Stats, generate
+from draftsmith.decode.bench import side_by_side
+from draftsmith.decode.runtime.runner import make_runner
+from draftsmith.decode.speculative import KPolicy, Stats, generate
 from tests import helpers
 
 V = 40
@@ -69,8 +69,8 @@ def test_stats_are_the_merge_of_the_per_prompt_runs(results) -> None:
 def test_validate_drafts_is_one_typed_result_that_round_trips(target_model) -> None:
     """The one validation function: baseline first, greedy equality per draft, speedups from the same stats, and
     the JSON form reads back into the same result; a bad call is a one-line error."""
-    from decode.bench import Validation, validate_drafts
-    from decode.errors import DraftsmithError
+    from draftsmith.decode.bench import Validation, validate_drafts
+    from draftsmith.decode.runtime.errors import DraftsmithError
 
     target = make_runner(target_model, 64)
     wrong = make_runner(helpers.tiny_llama(2, V, eos_id=EOS, layers=1), 64)
@@ -102,8 +102,8 @@ def test_repeats_rotate_who_goes_first_and_report_the_median_and_range(target_mo
     repeat), every repeat's tokens are checked, and the speedup is the median of the repeats' ratios."""
     import statistics
 
-    import decode.bench as bench
-    from decode.bench import Validation, validate_drafts
+    import draftsmith.decode.bench as bench
+    from draftsmith.decode.bench import Validation, validate_drafts
 
     order, real = [], bench.generate
     monkeypatch.setattr(bench, "generate", lambda t, ids, **kw: order.append(kw.get("draft")) or real(t, ids, **kw))
@@ -132,8 +132,8 @@ def test_bench_repeats_rotate_the_first_mode_and_report_the_median_of_repeat_rat
     repeat is caught."""
     import statistics
 
-    from decode import bench
-    from decode.prompts import Prompt
+    from draftsmith.decode import bench
+    from draftsmith.decode.prompts import Prompt
 
     calls: list[tuple[int, str]] = []
     speed = {"target_only": [1.0, 1.0, 1.0], "speculative_k2": [2.0, 3.0, 10.0]}  # seconds per token by repeat
@@ -166,8 +166,8 @@ def test_bench_repeats_rotate_the_first_mode_and_report_the_median_of_repeat_rat
 def test_group_speedups_are_the_ratio_of_the_groups_own_timings(target_model) -> None:
     """Per-domain speedups: each repeat's tokens/s over the group's prompts only, checked against the raw
     per-prompt timings by hand; a group of every prompt gives the overall speedups; groups survive the JSON form."""
-    from decode.bench import Validation, validate_drafts
-    from decode.errors import DraftsmithError
+    from draftsmith.decode.bench import Validation, validate_drafts
+    from draftsmith.decode.runtime.errors import DraftsmithError
 
     target = make_runner(target_model, 64)
     drafts = {"same": make_runner(target_model, 64),
@@ -194,7 +194,7 @@ def test_group_speedups_are_the_ratio_of_the_groups_own_timings(target_model) ->
 
 
 def test_bench_modes_are_each_k_then_each_named_policy_once() -> None:
-    from decode.bench import spec_policies
+    from draftsmith.decode.bench import spec_policies
 
     modes = spec_policies([2, 4], ["K=4", "K=8 stop<0.6 siblings=2", "K=8  stop<0.6 siblings=2", "K=4 stop<0.5"])
     assert list(modes) == ["speculative_k2", "speculative_k4", "speculative K=8 stop<0.6 siblings=2",
@@ -204,7 +204,7 @@ def test_bench_modes_are_each_k_then_each_named_policy_once() -> None:
 
 def test_bench_plot_reads_one_repeat_and_many() -> None:
     """A one-repeat report's per-prompt rows carry no repeat number; the plot reads them as repeat 0."""
-    from decode.bench import bench_plot, mode_rates
+    from draftsmith.decode.bench import bench_plot, mode_rates
 
     one = {"per_prompt": [{"tokens": 8, "seconds": 2.0}, {"tokens": 8, "seconds": 6.0}]}
     two = {"per_prompt": [{"tokens": 8, "seconds": 2.0, "repeat": 1}, {"tokens": 8, "seconds": 4.0, "repeat": 0}]}

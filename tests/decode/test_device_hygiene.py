@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from decode import sampling
-from decode.speculative import lookup_q
+from draftsmith.decode import sampling
+from draftsmith.decode.speculative import lookup_q
 
 ROOT = Path(__file__).resolve().parents[2]
 MODULES = ["decode/sampling.py", "decode/speculative.py", "decode/lookup.py"]  # the decoder and its sampling math

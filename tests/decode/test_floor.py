@@ -10,10 +10,11 @@ import random
 import pytest
 import torch
 
-import decode.floor as fl
-from decode.lean import LeanLM
-from decode.runner import make_runner
-from decode.speculative import KPolicy, generate
+import draftsmith.decode.floor as fl
+import draftsmith.decode.runtime.plan as pl
+from draftsmith.decode.runtime.lean import LeanLM
+from draftsmith.decode.runtime.runner import make_runner
+from draftsmith.decode.speculative import KPolicy, generate
 from tests import helpers
 
 
@@ -36,7 +37,7 @@ def test_choose_rows_pads_to_the_fastest_count_at_or_above_and_ignores_noise() -
     rng = random.Random(0)
     for _ in range(200):
         times = {T: rng.uniform(0.5, 1.5) for T in range(1, rng.randint(2, 12))}
-        plan = fl.choose_rows(times, gain=0.9)
+        plan = pl.choose_rows(times, gain=0.9)
         for T, t in times.items():  # brute force: every candidate row count at or above T
             cands = [(times[r], r) for r in times if r >= T]
             best_t, best_r = min(cands)
@@ -44,8 +45,8 @@ def test_choose_rows_pads_to_the_fastest_count_at_or_above_and_ignores_noise() -
                 assert plan[T] == best_r
             else:
                 assert T not in plan
-    assert fl.choose_rows({1: 1.0, 2: 0.97}) == {}  # 3% is noise, not a reason to pad
-    assert fl.choose_rows({1: 1.0, 2: 1.2, 3: 0.8}) == {1: 3, 2: 3}
+    assert pl.choose_rows({1: 1.0, 2: 0.97}) == {}  # 3% is noise, not a reason to pad
+    assert pl.choose_rows({1: 1.0, 2: 1.2, 3: 0.8}) == {1: 3, 2: 3}
 
 
 def test_choose_kernels_takes_blas_only_where_clearly_faster() -> None:
@@ -53,18 +54,18 @@ def test_choose_kernels_takes_blas_only_where_clearly_faster() -> None:
     for _ in range(200):
         dnn = {T: rng.uniform(0.5, 1.5) for T in range(1, 9)}
         blas = {T: rng.uniform(0.5, 1.5) for T in range(1, rng.randint(2, 9))}  # BLAS timed on some counts
-        best, on_blas = fl.choose_kernels(dnn, blas, gain=0.9)
+        best, on_blas = pl.choose_kernels(dnn, blas, gain=0.9)
         for T, t in dnn.items():  # brute force
             faster = T in blas and blas[T] < 0.9 * t
             assert (T in on_blas) == faster and best[T] == (blas[T] if faster else t)
-    assert fl.choose_kernels({1: 1.0}, {1: 0.97}) == ({1: 1.0}, frozenset())  # 3% is noise
-    assert fl.choose_kernels({1: 1.0, 2: 1.0}, {}) == ({1: 1.0, 2: 1.0}, frozenset())  # no BLAS timing
+    assert pl.choose_kernels({1: 1.0}, {1: 0.97}) == ({1: 1.0}, frozenset())  # 3% is noise
+    assert pl.choose_kernels({1: 1.0, 2: 1.0}, {}) == ({1: 1.0, 2: 1.0}, frozenset())  # no BLAS timing
 
 
 def test_blas_rows_route_a_forward_through_blas_with_the_same_logits(monkeypatch) -> None:
     """A forward over a row count in `blas_rows` runs its Linears in BLAS (counted), not oneDNN, and gives the
     oneDNN forward's logits to float32 rounding; other row counts stay on oneDNN."""
-    import decode.kernels as kn
+    import draftsmith.decode.runtime.kernels as kn
 
     hf = tiny(6, dtype=torch.float32)
     if not kn.dnn_layout(hf.model.layers[0].mlp.up_proj.weight):
@@ -90,10 +91,10 @@ def test_blas_rows_route_a_forward_through_blas_with_the_same_logits(monkeypatch
 
 
 def test_native_rows_route_a_forward_through_the_native_kernel_with_close_logits(monkeypatch) -> None:
-    """A forward over a row count in `native_rows` runs its float32 Linears (and the LM head) on `decode.native`'s
+    """A forward over a row count in `native_rows` runs its float32 Linears (and the LM head) on `decode.runtime.native`'s
     kernel (counted), giving oneDNN's logits to float32 rounding; other row counts do not touch it; the plan also
     times it and lists the rows it wins in `native_rows` only (never in `blas_rows` too)."""
-    from decode import native
+    from draftsmith.decode.runtime import native
 
     kernels = native.kernels()
     if kernels is None:
@@ -117,16 +118,16 @@ def test_native_rows_route_a_forward_through_the_native_kernel_with_close_logits
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         pos += T
     runner = make_runner(tiny(7, dtype=torch.float32), 128)  # (not planned: a small model)
-    monkeypatch.setattr(fl, "PLAN_MIN_BYTES", 0)
-    monkeypatch.setattr(fl, "PLAN_ROWS", 3)
-    real_times = fl.forward_times
+    monkeypatch.setattr(pl, "PLAN_MIN_BYTES", 0)
+    monkeypatch.setattr(pl, "PLAN_ROWS", 3)
+    real_times = pl.forward_times
 
     def native_wins(*a, **k):  # the native plan timed at a hundredth of what it took: it wins
         times = real_times(*a, **k)
         return {**times, "native": {T: t / 100 for T, t in times["native"].items()}}
 
-    monkeypatch.setattr(fl, "forward_times", native_wins)
-    fl.plan_rows(runner, ("native-test", 7), 1, repeats=1)
+    monkeypatch.setattr(pl, "forward_times", native_wins)
+    pl.plan_rows(runner, ("native-test", 7), 1, repeats=1)
     assert runner.native_rows == frozenset({1, 2, 3}) and not runner.blas_rows & runner.native_rows
 
 
@@ -176,21 +177,21 @@ def test_speculative_decoding_through_padded_runners_stays_greedy_equal() -> Non
 
 def test_small_models_are_never_timed_and_a_plan_is_timed_once_per_model(monkeypatch) -> None:
     calls = []
-    real = fl.forward_times
-    monkeypatch.setattr(fl, "forward_times", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = pl.forward_times
+    monkeypatch.setattr(pl, "forward_times", lambda *a, **k: calls.append(1) or real(*a, **k))
     runner = make_runner(tiny(3, dtype=torch.float32), 128)
     assert runner.row_plan == {} and calls == []  # under PLAN_MIN_BYTES: nothing timed
-    monkeypatch.setattr(fl, "PLAN_MIN_BYTES", 0)
-    monkeypatch.setattr(fl, "PLAN_ROWS", 3)
-    plan = fl.plan_rows(runner, ("test-model", 3), 1, repeats=1)
+    monkeypatch.setattr(pl, "PLAN_MIN_BYTES", 0)
+    monkeypatch.setattr(pl, "PLAN_ROWS", 3)
+    plan = pl.plan_rows(runner, ("test-model", 3), 1, repeats=1)
     assert calls == [1, 1] and all(plan[T] > T for T in plan) and runner.row_plan == plan  # one plan, two rounds
     assert runner.blas_rows <= {1, 2, 3}
     other = make_runner(tiny(3, dtype=torch.float32), 128)  # make_runner's own key: timed once more
     assert len(calls) == 4
-    fl.plan_rows(other, ("test-model", 3), 1)  # the same key as before: no timing
+    pl.plan_rows(other, ("test-model", 3), 1)  # the same key as before: no timing
     assert len(calls) == 4 and other.row_plan == plan and other.blas_rows == runner.blas_rows
     monkeypatch.setenv("DRAFTSMITH_ROWS", "off")
-    assert fl.plan_rows(make_runner(tiny(4, dtype=torch.float32), 128), ("x",), 1) == {}
+    assert pl.plan_rows(make_runner(tiny(4, dtype=torch.float32), 128), ("x",), 1) == {}
 
 
 def test_the_plan_keeps_the_faster_of_two_rounds(monkeypatch) -> None:
@@ -198,25 +199,25 @@ def test_the_plan_keeps_the_faster_of_two_rounds(monkeypatch) -> None:
     each (plan, rows) keeps the faster of two rounds; the slow round alone would have padded 1 row to 3."""
     runner = make_runner(tiny(8, dtype=torch.float32), 128)  # a small model: not planned here
     rounds = [{"dnn": {1: 0.30, 2: 0.31, 3: 0.20}}, {"dnn": {1: 0.10, 2: 0.31, 3: 0.20}}]
-    monkeypatch.setattr(fl, "forward_times", lambda *a, **k: rounds.pop(0))
-    monkeypatch.setattr(fl, "PLAN_MIN_BYTES", 0)
-    monkeypatch.setattr(fl, "PLAN_ROWS", 3)
-    monkeypatch.setattr(fl.native, "kernels", lambda: None)
-    assert fl.plan_rows(runner, ("two-rounds", 8), 1, repeats=1) == {2: 3}  # 1 row stays: 0.10 s, not 0.30
+    monkeypatch.setattr(pl, "forward_times", lambda *a, **k: rounds.pop(0))
+    monkeypatch.setattr(pl, "PLAN_MIN_BYTES", 0)
+    monkeypatch.setattr(pl, "PLAN_ROWS", 3)
+    monkeypatch.setattr(pl.native, "kernels", lambda: None)
+    assert pl.plan_rows(runner, ("two-rounds", 8), 1, repeats=1) == {2: 3}  # 1 row stays: 0.10 s, not 0.30
     assert rounds == []  # both rounds timed
-    assert fl.choose_rows({1: 0.30, 2: 0.31, 3: 0.20}) == {1: 3, 2: 3}  # negative control: the first round alone
+    assert pl.choose_rows({1: 0.30, 2: 0.31, 3: 0.20}) == {1: 3, 2: 3}  # negative control: the first round alone
 
 
 def test_forward_times_interleaves_plans_and_keeps_the_runners_own() -> None:
     runner = LeanLM(tiny(5), 128)
     runner.row_plan = {1: 2}
-    times = fl.forward_times(runner, [1, 2, 3], repeats=2, warmup=0, plans={"a": {}, "b": {1: 3}})
+    times = pl.forward_times(runner, [1, 2, 3], repeats=2, warmup=0, plans={"a": {}, "b": {1: 3}})
     assert set(times) == {"a", "b"} and all(set(t) == {1, 2, 3} and min(t.values()) > 0 for t in times.values())
     assert runner.row_plan == {1: 2}
 
 
 def test_floor_verb_prints_the_table_and_writes_the_record(tmp_path, capsys) -> None:
-    from recipes.cli import main
+    from draftsmith.recipes.cli import main
 
     tok = helpers.word_tokenizer([f"w{i}" for i in range(40)], eos="</s>")
     folder = helpers.save_tiny(tmp_path / "m", tok, 0)
@@ -231,8 +232,8 @@ def test_floor_verb_prints_the_table_and_writes_the_record(tmp_path, capsys) -> 
 
 
 def test_floor_from_a_record_prints_its_table_and_draws_it_again_timing_nothing(tmp_path, capsys, monkeypatch) -> None:
-    import decode.floor
-    from recipes.cli import main
+    import draftsmith.decode.floor
+    from draftsmith.recipes.cli import main
 
     tok = helpers.word_tokenizer([f"w{i}" for i in range(40)], eos="</s>")
     folder = helpers.save_tiny(tmp_path / "m", tok, 0)
@@ -243,7 +244,7 @@ def test_floor_from_a_record_prints_its_table_and_draws_it_again_timing_nothing(
     def no_timing(*a, **k):
         raise AssertionError("--from times nothing")
 
-    monkeypatch.setattr(decode.floor, "floor_report", no_timing)
+    monkeypatch.setattr(draftsmith.decode.floor, "floor_report", no_timing)
     assert main(["floor", "--from", str(tmp_path / "f.json")]) == 0
     again = capsys.readouterr().out.splitlines()
     assert again[:-1] == first[:-2]  # the same table and goals; then only the plot is written

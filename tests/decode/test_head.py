@@ -9,12 +9,12 @@ import time
 import pytest
 import torch
 
-import decode.speculative
-from decode.head import Eagle3Head, HeadConfig, HeadDraft, default_aux_layers, load_head, save_head, vocab_map
-from decode.lean import LeanLM
-from decode.runner import make_runner
-from decode.sampling import SamplingParams, sample, to_probs, verify
-from decode.speculative import KPolicy, generate
+import draftsmith.decode.speculative
+from draftsmith.decode.head import Eagle3Head, HeadConfig, HeadDraft, default_aux_layers, load_head, save_head, vocab_map
+from draftsmith.decode.runtime.lean import LeanLM
+from draftsmith.decode.runtime.runner import make_runner
+from draftsmith.decode.sampling import SamplingParams, sample, to_probs, verify
+from draftsmith.decode.speculative import KPolicy, generate
 from tests import helpers
 from tests.decode.test_speculative import V as LAW_V, chi2_pvalue, sample_counts, target_sequence_law
 
@@ -341,7 +341,7 @@ def test_greedy_equals_target_greedy_for_every_k(seed: int, N: int | None) -> No
 def test_an_int8_head_stays_exact_accepts_about_as_often_and_leaves_the_head_alone() -> None:
     """HeadDraft(quantize="int8"): a quantised copy (the head and the target's embedding untouched), greedy output
     still the target's at every K, acceptance within a few tokens of the float32 head's."""
-    from decode.head import quantize_head_int8
+    from draftsmith.decode.head import quantize_head_int8
 
     hf = target_hf(9, mix=0.0).float()  # fbgemm's int8 is a float32 CPU kernel
     head = mimic_head(hf, N=40)
@@ -428,7 +428,7 @@ def test_negative_controls_fail_the_law_test(control, monkeypatch) -> None:
     params, n = SamplingParams(1.0), 1000
     hf, target, draft = law_pair(3)
     law = target_sequence_law(hf, [1, 3], params)
-    monkeypatch.setattr(decode.speculative, "verify", control)
+    monkeypatch.setattr(draftsmith.decode.speculative, "verify", control)
     assert chi2_pvalue(sample_counts(target, draft, [1, 3], params, 2, n, seed=0), law, n) < 1e-6
 
 

@@ -6,11 +6,11 @@ import random
 import pytest
 import torch
 
-from decode.errors import DraftsmithError
-from decode.lookup import continuation, copy_table
-from decode.runner import make_runner
-from decode.sampling import SamplingParams
-from decode.speculative import KPolicy, generate, parse_policy_label, policy_label
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.lookup import continuation, copy_table
+from draftsmith.decode.runtime.runner import make_runner
+from draftsmith.decode.sampling import SamplingParams
+from draftsmith.decode.speculative import KPolicy, generate, parse_policy_label, policy_label
 from tests.decode.test_speculative import chi2_pvalue, target_sequence_law, tiny_hf
 
 
@@ -159,7 +159,7 @@ def test_sampled_output_law_with_lookup(params: SamplingParams) -> None:
 def test_a_lookup_token_verified_as_if_drafted_uniformly_fails_the_law_test(monkeypatch) -> None:
     """Negative control: lookup tokens checked against a uniform law (as if drawn from it; they were not) bias
     the output, and the law test above rejects it."""
-    import decode.speculative as spec
+    import draftsmith.decode.speculative as spec
 
     monkeypatch.setattr(spec, "lookup_q", lambda tokens, V, like: list(like.new_full((len(tokens), V), 1.0 / V)))
     assert law_check(SamplingParams(1.0))[2] < 1e-6
@@ -169,7 +169,7 @@ def test_a_lookup_token_verified_as_if_drafted_uniformly_fails_the_law_test(monk
 def test_a_pruned_draft_with_context_ids_and_lookup_equals_the_target(quantize) -> None:
     """The recipe's kind of draft (pruned, context ids, int8) with lookup rounds: greedy equals the target's decode
     and the draft keeps reading what lookup rounds accepted (several tokens fed at once)."""
-    from decode.pruned import PrunedRunner
+    from draftsmith.decode.pruned import PrunedRunner
 
     V = 61
     t_hf = tiny_hf(4, vocab=V, dtype=torch.float32)
@@ -188,7 +188,7 @@ def test_a_pruned_draft_with_context_ids_and_lookup_equals_the_target(quantize) 
 
 
 def test_sampled_output_law_with_a_pruned_draft_and_lookup() -> None:
-    from decode.pruned import PrunedRunner
+    from draftsmith.decode.pruned import PrunedRunner
 
     params, n = SamplingParams(1.0), 3000
     t_hf, d_hf = tiny_hf(20, vocab=V, layers=1, scale=8.0), tiny_hf(21, vocab=V, layers=1, scale=8.0)
@@ -203,7 +203,7 @@ def test_sampled_output_law_with_a_pruned_draft_and_lookup() -> None:
 def test_a_head_with_lookup_tokens_equals_the_target(N) -> None:
     """A draft head reads the target's features of every accepted row, lookup tokens included: greedy equals the
     target's decode, lookup tokens are accepted, and the sampled law holds."""
-    from decode.head import HeadDraft
+    from draftsmith.decode.head import HeadDraft
     from tests.decode.test_head import mimic_head, random_head, target_hf
 
     hf = target_hf(0)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from decode.errors import DraftsmithError
-from decode.prompts import SUITES, Prompt, chat_messages, load_prompts, load_suite, suite_path
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.prompts import SUITES, Prompt, chat_messages, load_prompts, load_suite, suite_path
 
 
 def _norm(text: str) -> str:
@@ -289,7 +289,7 @@ def test_bad_limit(limit: int) -> None:
 
 
 def test_built_in_suites_have_a_disjoint_test_split() -> None:
-    from decode.prompts import SUITES, load_prompts, load_test_prompts, load_suite
+    from draftsmith.decode.prompts import SUITES, load_prompts, load_test_prompts, load_suite
 
     test = load_test_prompts(",".join(SUITES))
     sizes = {"code": 16, "chat": 16, "json": 8, "summarize": 8}  # the second split (t2), written 2026-12-06

@@ -10,13 +10,13 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-import decode.sampling
-from decode.errors import DraftsmithError
-from decode.head import vocab_map
-from decode.pruned import PrunedRunner, coverage_size, restrict_logits, seen_ids, vocab_ids
-from decode.runner import HFRunner, make_runner
-from decode.sampling import SamplingParams, accept_probability, residual, to_probs
-from decode.speculative import KPolicy, generate
+import draftsmith.decode.sampling
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.head import vocab_map
+from draftsmith.decode.pruned import PrunedRunner, coverage_size, restrict_logits, seen_ids, vocab_ids
+from draftsmith.decode.runtime.runner import HFRunner, make_runner
+from draftsmith.decode.sampling import SamplingParams, accept_probability, residual, to_probs
+from draftsmith.decode.speculative import KPolicy, generate
 from tests.decode.test_speculative import chi2_pvalue, sample_counts, target_sequence_law, tiny_hf
 
 # --- choosing N: coverage against brute force -------------------------------------------------------------------
@@ -338,5 +338,5 @@ def test_the_law_test_rejects_a_decoder_without_the_residual(monkeypatch, contex
     that over-weights the kept ids; the same test must reject it."""
     params, n = SamplingParams(1.0), 3000
     target, draft, prompt, law = law_setup(params, context)
-    monkeypatch.setattr(decode.sampling, "residual", lambda p, q: p)
+    monkeypatch.setattr(draftsmith.decode.sampling, "residual", lambda p, q: p)
     assert chi2_pvalue(sample_counts(target, draft, prompt, params, 2, n, seed=0), law, n) < 1e-6

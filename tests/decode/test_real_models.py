@@ -13,12 +13,12 @@ import copy
 import pytest
 import torch
 
-from decode import zoo
-from decode.loading import eos_ids, load
-from decode.prompts import load_suite
-from decode.runner import make_runner
-from decode.speculative import KPolicy, generate
-from decode.textgen import prompt_ids
+from draftsmith.decode.runtime import zoo
+from draftsmith.decode.runtime.loading import eos_ids, load
+from draftsmith.decode.prompts import load_suite
+from draftsmith.decode.runtime.runner import make_runner
+from draftsmith.decode.speculative import KPolicy, generate
+from draftsmith.decode.textgen import prompt_ids
 
 pytestmark = pytest.mark.integration
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decode.errors import DraftsmithError
-from decode.runner import make_runner
-from decode.speculative import KPolicy, RoundSettings, chain_round, generate, prefill, sibling_round
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.runtime.runner import make_runner
+from draftsmith.decode.speculative import KPolicy, RoundSettings, chain_round, generate, prefill, sibling_round
 from tests.decode.test_speculative import Disagree, tiny_hf
 
 PROMPT = [1, 5, 7, 9]

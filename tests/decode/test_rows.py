@@ -7,8 +7,8 @@ from pathlib import Path
 
 import datasets
 
-from decode.prompts import Prompt
-from decode.rows import append_rows, read_partial, save_rows
+from draftsmith.decode.prompts import Prompt
+from draftsmith.decode.rows import append_rows, read_partial, save_rows
 
 PROMPTS = [Prompt(id=str(i), domain="code", prompt=f"p{i}") for i in range(4)]
 FEATURES = datasets.Features({"id": datasets.Value("string"), "n": datasets.Value("int64")})

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from decode.sampling import (
+from draftsmith.decode.sampling import (
     SamplingParams,
     accept_probability,
     greedy_token,

@@ -7,12 +7,12 @@ import itertools
 import pytest
 import torch
 
-import decode.speculative
-from decode.head import HeadDraft
-from decode.lean import LeanLM
-from decode.runner import HFRunner, make_runner
-from decode.sampling import SamplingParams, candidate_acceptance, verify_candidates, verify_candidates_greedy
-from decode.speculative import KPolicy, RoundClock, generate
+import draftsmith.decode.speculative
+from draftsmith.decode.head import HeadDraft
+from draftsmith.decode.runtime.lean import LeanLM
+from draftsmith.decode.runtime.runner import HFRunner, make_runner
+from draftsmith.decode.sampling import SamplingParams, candidate_acceptance, verify_candidates, verify_candidates_greedy
+from draftsmith.decode.speculative import KPolicy, RoundClock, generate
 from tests.decode.test_head import law_pair, mimic_head, random_head, target_hf
 from tests.decode.test_speculative import Disagree, chi2_pvalue, target_sequence_law, tiny_hf
 
@@ -187,7 +187,7 @@ def test_a_sibling_check_that_always_accepts_fails_the_law_test(monkeypatch) -> 
     params, n = SamplingParams(1.0), 1000
     hf, target, draft = sibling_law_pair()
     law = target_sequence_law(hf, [1, 3], params)
-    monkeypatch.setattr(decode.speculative, "verify_candidates", lambda p, cands, g: (0, int(cands[0])))
+    monkeypatch.setattr(draftsmith.decode.speculative, "verify_candidates", lambda p, cands, g: (0, int(cands[0])))
     assert chi2_pvalue(sibling_counts(target, draft, params, n, 2)[0], law, n) < 1e-6
 
 
@@ -292,8 +292,8 @@ def test_a_child_check_that_always_accepts_fails_the_law_test(monkeypatch) -> No
     params, n = SamplingParams(1.0), 1000
     hf, target, draft = sibling_law_pair()
     law = target_sequence_law(hf, [1, 3], params)
-    honest = decode.speculative.verify_candidates
-    monkeypatch.setattr(decode.speculative, "verify_candidates",
+    honest = draftsmith.decode.speculative.verify_candidates
+    monkeypatch.setattr(draftsmith.decode.speculative, "verify_candidates",
                         lambda p, cands, g: (0, int(cands[0])) if cands.numel() == 1 else honest(p, cands, g))
     assert chi2_pvalue(sibling_counts(target, draft, params, n, 2, depth=2)[0], law, n) < 1e-6
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from decode.errors import DraftsmithError
-from decode.spec import DraftSpec, parse_layers, split_specs
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.spec import DraftSpec, parse_layers, split_specs
 
 ROOT = Path(__file__).resolve().parents[2]
 

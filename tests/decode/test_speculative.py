@@ -5,11 +5,11 @@ import itertools
 import pytest
 import torch
 
-from decode.errors import DraftsmithError
-from decode.lean import LeanLM
-from decode.runner import make_runner
-from decode.sampling import SamplingParams
-from decode.speculative import KPolicy, Stats, generate
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.runtime.lean import LeanLM
+from draftsmith.decode.runtime.runner import make_runner
+from draftsmith.decode.sampling import SamplingParams
+from draftsmith.decode.speculative import KPolicy, Stats, generate
 from tests import helpers
 
 
@@ -143,7 +143,7 @@ V, N_NEW = 4, 3
 
 def target_sequence_law(hf, prompt: list[int], params: SamplingParams) -> dict[tuple[int, ...], float]:
     """Exact probability of every length-3 continuation under the target, by enumeration."""
-    from decode.sampling import to_probs
+    from draftsmith.decode.sampling import to_probs
 
     law = {}
     for seq in itertools.product(range(V), repeat=N_NEW):

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from decode.errors import DraftsmithError
-from decode.pair import Pair
-from decode.runner import make_runner
-from decode.textgen import decode_text, prompt_ids
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.runtime.pair import Pair
+from draftsmith.decode.runtime.runner import make_runner
+from draftsmith.decode.textgen import decode_text, prompt_ids
 from tests import helpers
 
 

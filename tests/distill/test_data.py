@@ -10,15 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-import distill.data as data_mod
-from decode.errors import DraftsmithError
-from decode.loading import Loaded
-from decode.prompts import Prompt
-from decode.runner import make_runner
-from decode.sampling import SamplingParams
-from decode.speculative import generate
-from distill.data import draft_prompts, generate_batch, generate_data
-from pairing.reference import prompt_seed
+import draftsmith.distill.data as data_mod
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.runtime.loading import Loaded
+from draftsmith.decode.prompts import Prompt
+from draftsmith.decode.runtime.runner import make_runner
+from draftsmith.decode.sampling import SamplingParams
+from draftsmith.decode.speculative import generate
+from draftsmith.distill.data import draft_prompts, generate_batch, generate_data
+from draftsmith.pairing.reference import prompt_seed
 from tests import helpers
 
 WORDS = [f"w{i}" for i in range(40)]
@@ -229,7 +229,7 @@ def test_plain_and_speculative_sampled_folders_are_not_mixed(pair, tmp_path) -> 
 def test_a_data_folder_is_read_back_for_its_target_only(pair, tmp_path) -> None:
     import datasets
 
-    from distill.data import load_data_folder, training_rows
+    from draftsmith.distill.data import load_data_folder, training_rows
 
     target, draft = pair
     ds = generate_data(target, draft, PROMPTS, tmp_path / "d", max_new_tokens=4, temperature=0.0, progress=False)

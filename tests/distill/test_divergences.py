@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from decode.sampling import SamplingParams, to_probs
-from distill.divergences import (
+from draftsmith.decode.sampling import SamplingParams, to_probs
+from draftsmith.distill.divergences import (
     DIVERGENCES,
     LOG_FLOOR,
     VocabMismatchError,
@@ -17,7 +17,7 @@ from distill.divergences import (
     token_mean,
     topk_teacher_logits,
 )
-from pairing import acceptance
+from draftsmith.pairing import acceptance
 
 F64 = torch.float64
 B, T, V = 2, 3, 7

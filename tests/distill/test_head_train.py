@@ -8,13 +8,13 @@ import json
 import pytest
 import torch
 
-from decode.head import HeadDraft, load_head
-from decode.loading import Loaded
-from distill.heads.data import HeadDataConfig, build_head_data, load_head_data, target_features
-from decode.attention import grouped_attention
-from decode.head import ttt_logits, ttt_mask
-from decode.kernels import dense
-from distill.heads.train import HeadTrainConfig, soft_cross_entropy, train_head
+from draftsmith.decode.head import HeadDraft, load_head
+from draftsmith.decode.runtime.loading import Loaded
+from draftsmith.distill.heads.data import HeadDataConfig, build_head_data, load_head_data, target_features
+from draftsmith.decode.runtime.attention import grouped_attention
+from draftsmith.decode.head import ttt_logits, ttt_mask
+from draftsmith.decode.runtime.kernels import dense
+from draftsmith.distill.heads.train import HeadTrainConfig, soft_cross_entropy, train_head
 from tests import helpers
 from tests.decode.test_head import random_head, target_hf
 
@@ -113,8 +113,8 @@ def test_unrolled_logits_equal_the_decoders_at_every_entry_and_depth(N) -> None:
 
 def _word_target(tmp_path):
     """A tiny target over a word vocabulary, 6 prompts and a small data config (2 samples, batches of 4)."""
-    from decode.loading import load
-    from decode.prompts import Prompt
+    from draftsmith.decode.runtime.loading import load
+    from draftsmith.decode.prompts import Prompt
 
     words = "the a of to and in is it that for on with as was be by this are or at from code data".split()
     tok = helpers.word_tokenizer(["[UNK]", "<s>", "</s>", *words], eos="</s>", bos="<s>")
@@ -135,7 +135,7 @@ def test_head_data_resumes_and_training_lowers_the_loss(tmp_path) -> None:
     again = load_head_data(tmp_path / "data")
     assert all(torch.equal(a["tokens"], b["tokens"]) and torch.equal(a["features"], b["features"])
                for a, b in zip(rows, again))
-    import distill.heads.data as hd
+    import draftsmith.distill.heads.data as hd
 
     with pytest.MonkeyPatch.context() as mp:  # the second pass the lean runner saves gives the same rows
         mp.setattr(hd, "lean_supported", lambda config: (False, "test"))
@@ -145,7 +145,7 @@ def test_head_data_resumes_and_training_lowers_the_loss(tmp_path) -> None:
         assert a["prompt_len"] == b["prompt_len"]
         torch.testing.assert_close(a["features"].float(), b["features"].float(), rtol=2e-3, atol=2e-3)
         torch.testing.assert_close(a["final"].float(), b["final"].float(), rtol=2e-3, atol=2e-3)
-    from decode.errors import DraftsmithError
+    from draftsmith.decode.runtime.errors import DraftsmithError
 
     with pytest.raises(DraftsmithError, match="aux layers"):
         build_head_data(target, prompts, tmp_path / "bad", HeadDataConfig(aux_layers=(1, 2, 4)), progress=False)
@@ -184,7 +184,7 @@ def test_head_data_resumes_and_training_lowers_the_loss(tmp_path) -> None:
     assert 0.0 < summary["draft_vocab_coverage"] <= 1.0
 
     # a time budget: after 10 timed steps the cosine is fitted to the steps that fit, and a resume follows it
-    import distill.heads.train as ht
+    import draftsmith.distill.heads.train as ht
 
     class Clock:  # every reading of the clock is one second later
         t = 0.0
@@ -205,7 +205,7 @@ def test_head_data_resumes_and_training_lowers_the_loss(tmp_path) -> None:
 
 
 def test_a_repeated_prompt_is_trained_on_once_and_its_loss_is_the_full_rows_tail() -> None:
-    from distill.heads.train import _loss_starts, _row_loss
+    from draftsmith.distill.heads.train import _loss_starts, _row_loss
 
     hf = target_hf(3, layers=4)
     head = random_head(hf, N=40, seed=2, scale=4.0)
@@ -233,7 +233,7 @@ def test_a_repeated_prompt_is_trained_on_once_and_its_loss_is_the_full_rows_tail
 
 
 def test_rows_unrolled_together_give_each_rows_own_loss_and_agreement() -> None:
-    from distill.heads.train import _batch_loss, _bucketed, _row_loss
+    from draftsmith.distill.heads.train import _batch_loss, _bucketed, _row_loss
 
     hf = target_hf(3, layers=4)
     head = random_head(hf, N=40, seed=3, scale=4.0)
@@ -264,8 +264,8 @@ def test_rows_unrolled_together_give_each_rows_own_loss_and_agreement() -> None:
 def test_a_head_run_trains_on_prompts_the_target_wrote_within_the_budget(tmp_path) -> None:
     """`written_prompts`: the target writes requests of its own (in a bfloat16 copy here) and answers them; the
     head trains on them beside the recipe's prompts, for what `budget_minutes` leaves after the data."""
-    from decode.errors import DraftsmithError
-    from distill.heads.pipeline import HeadRunConfig, run_head
+    from draftsmith.decode.runtime.errors import DraftsmithError
+    from draftsmith.distill.heads.pipeline import HeadRunConfig, run_head
     from tests.distill.test_prompt_gen import EOS, TOKENS, chat_tokenizer
 
     folder = helpers.save_tiny(tmp_path / "target", chat_tokenizer(), 0, vocab_size=EOS + 1, eos_id=EOS, layers=8,
@@ -308,7 +308,7 @@ def test_a_data_budget_cuts_answers_short_and_skips_what_it_cannot_pay_for(tmp_p
 
 
 def test_the_data_cap_shares_what_is_left_by_weight_in_order() -> None:
-    from distill.heads.pipeline import DataCap
+    from draftsmith.distill.heads.pipeline import DataCap
 
     cap = DataCap(100.0, {"data": 0.5, "prompts": 0.25, "written": 0.25}, spent=20.0)
     assert cap.allow("data") == pytest.approx(40.0)  # (100 - 20) * 0.5
@@ -323,7 +323,7 @@ def test_the_data_cap_shares_what_is_left_by_weight_in_order() -> None:
 
 
 def load_prompts_folder(path):
-    from decode.prompts import load_prompts
+    from draftsmith.decode.prompts import load_prompts
 
     return load_prompts(path)
 
@@ -331,7 +331,7 @@ def load_prompts_folder(path):
 
 
 def test_thin_rows_keeps_every_sth_prompt_and_at_most_n_rows_each() -> None:
-    from distill.heads.pipeline import thin_rows
+    from draftsmith.distill.heads.pipeline import thin_rows
 
     rows = [{"tokens": torch.tensor([p, 9, s]), "prompt_len": 1, "tag": (p, s)} for p in (1, 2, 3, 4) for s in (5, 6, 7)]
     rows = rows[::2] + rows[1::2]  # prompts interleaved: first appearance decides the order
@@ -347,7 +347,7 @@ def test_bfloat16_falls_back_to_float32_on_a_cpu_without_a_fast_path(monkeypatch
     """A recipe's gen_dtype / train_dtype bfloat16 runs in bfloat16 only where the CPU has a fast path (AVX-512
     BF16, AMX): with AVX2 alone bfloat16 matmuls are several times slower than float32 (the quickstart's data
     generation stalled), so float32 there, said in one line."""
-    from distill.heads import pipeline
+    from draftsmith.distill.heads import pipeline
 
     monkeypatch.setattr(pipeline, "bf16_fast", lambda: False)
     assert pipeline.fast_dtype("bfloat16", "cpu", "gen_dtype") == "float32"

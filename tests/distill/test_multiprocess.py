@@ -28,8 +28,8 @@ CONFIG = dict(loss="fkl", steps=3, batch_size=2, grad_accum=2, lr=1e-2, warmup_s
 
 def run(folder: Path, name: str, teacher: str, batch_size: int) -> dict:
     """One training run on the models and data in `folder` (what each launched process does, and the reference)."""
-    from decode.loading import load
-    from distill.train import TrainConfig, train
+    from draftsmith.decode.runtime.loading import load
+    from draftsmith.distill.train import TrainConfig, train
 
     target, draft = load(folder / "target"), load(folder / "draft")
     data = datasets.load_from_disk(str(folder / "data"))
@@ -40,7 +40,7 @@ def run(folder: Path, name: str, teacher: str, batch_size: int) -> dict:
 
 
 def main(folder: str) -> None:
-    import distill.teacher_cache as tc
+    import draftsmith.distill.teacher_cache as tc
     from accelerate import PartialState
 
     torch.set_num_threads(1)
@@ -61,9 +61,9 @@ def _free_port() -> int:
 
 def _tiny_folders(folder: Path) -> None:
     """Target and draft saved as HF folders (each process loads them), training data and held-out references."""
-    from decode.loading import load
-    from decode.prompts import Prompt
-    from pairing.reference import reference_continuations
+    from draftsmith.decode.runtime.loading import load
+    from draftsmith.decode.prompts import Prompt
+    from draftsmith.pairing.reference import reference_continuations
     from tests import helpers
 
     words = [f"w{i}" for i in range(40)]

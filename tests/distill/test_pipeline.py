@@ -2,9 +2,9 @@
 
 import pytest
 
-from decode.errors import DraftsmithError
-from decode.prompts import Prompt, load_prompts
-from distill.pipeline import split_prompts
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.prompts import Prompt, load_prompts
+from draftsmith.distill.pipeline import split_prompts
 
 
 def test_split_holds_out_the_first_n_of_every_domain() -> None:
@@ -43,8 +43,8 @@ def test_a_diverging_short_run_skips_its_steps_says_so_and_keeps_the_earlier_bes
     the run ends normally, and distill.json says how many were skipped and which draft was kept."""
     import json
 
-    from distill.pipeline import DistillConfig, run_distill
-    from distill.train import TrainConfig
+    from draftsmith.distill.pipeline import DistillConfig, run_distill
+    from draftsmith.distill.train import TrainConfig
 
     target, prompts = _tiny_target_and_prompts(tmp_path, 4)
     cfg = DistillConfig(draft=f"derive:{target}:keep=1", max_new_tokens=4, eval_per_domain=1, gen_batch_size=4,
@@ -62,11 +62,11 @@ def test_a_diverging_short_run_skips_its_steps_says_so_and_keeps_the_earlier_bes
 def test_distill_trains_on_a_data_folder_made_before(tmp_path) -> None:
     """`data_dir`: the rows of a gen-data folder are trained on as they are (none generated); the held-out prompts
     still come from `prompts`."""
-    from distill.data import generate_data
-    from distill.pipeline import DistillConfig, run_distill
-    from distill.train import TrainConfig
-    from decode.loading import load
-    from decode.prompts import Prompt
+    from draftsmith.distill.data import generate_data
+    from draftsmith.distill.pipeline import DistillConfig, run_distill
+    from draftsmith.distill.train import TrainConfig
+    from draftsmith.decode.runtime.loading import load
+    from draftsmith.decode.prompts import Prompt
 
     target, prompts = _tiny_target_and_prompts(tmp_path, 2)
     t = load(str(target))

@@ -13,16 +13,16 @@ import numpy as np
 import pytest
 import torch
 
-import distill.prompt_gen as pg
-from decode.batch import generate_batch
-from decode.errors import DraftsmithError
-from decode.io import read_json
-from decode.loading import Loaded
-from decode.prompts import load_prompts
-from decode.sampling import SamplingParams
-from distill.prompt_gen import (NearDuplicates, generate_prompts, jaccard, minhash_signature, normalize, pre_query,
+import draftsmith.distill.prompt_gen as pg
+from draftsmith.decode.batch import generate_batch
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.runtime.io import read_json
+from draftsmith.decode.runtime.loading import Loaded
+from draftsmith.decode.prompts import load_prompts
+from draftsmith.decode.sampling import SamplingParams
+from draftsmith.distill.prompt_gen import (NearDuplicates, generate_prompts, jaccard, minhash_signature, normalize, pre_query,
                                 shingles)
-from pairing.reference import prompt_seed
+from draftsmith.pairing.reference import prompt_seed
 from tests import helpers
 
 WORDS = [f"w{i}" for i in range(40)]

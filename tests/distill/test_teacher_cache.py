@@ -13,10 +13,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import distill.teacher_cache as tc
-from decode.errors import DraftsmithError
-from distill.teacher_cache import build_teacher_cache
-from distill.train import TrainConfig, train
+import draftsmith.distill.teacher_cache as tc
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.distill.teacher_cache import build_teacher_cache
+from draftsmith.distill.train import TrainConfig, train
 from tests.distill.test_data import EOS, tiny_loaded
 
 V = EOS + 1
@@ -162,7 +162,7 @@ def test_stale_cache_is_rebuilt_and_an_interrupted_build_resumes(pair, tmp_path,
 
 
 def test_default_place_is_next_to_the_data(pair, tmp_path) -> None:
-    import distill.train as train_mod
+    import draftsmith.distill.train as train_mod
 
     rows = _rows(3)
     folder = tmp_path / "data"
@@ -181,8 +181,8 @@ def test_default_place_is_next_to_the_data(pair, tmp_path) -> None:
 def test_top_k_kept_while_generating_is_the_cache_training_finds(pair, tmp_path, shards) -> None:
     """gen-data with topk: the target's top-k of every row it decodes in a batch is kept as it decodes; written as
     the cache, it sits where build_teacher_cache looks (nothing left to compute) and equals the teacher-forced one."""
-    from distill.data import captured_topk, generate_data, training_rows
-    from distill.teacher_cache import write_teacher_cache
+    from draftsmith.distill.data import captured_topk, generate_data, training_rows
+    from draftsmith.distill.teacher_cache import write_teacher_cache
     from tests.distill.test_data import make_prompts
 
     target, draft = pair

@@ -13,10 +13,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-import distill.train as train_mod
-from decode.errors import DraftsmithError
-from distill.train import TrainConfig, lr_factor, student_from_checkpoint, train
-from pairing.reference import reference_continuations
+import draftsmith.distill.train as train_mod
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.distill.train import TrainConfig, lr_factor, student_from_checkpoint, train
+from draftsmith.pairing.reference import reference_continuations
 from tests.distill.test_data import EOS, make_prompts, tiny_loaded
 
 
@@ -81,8 +81,8 @@ def test_training_lowers_the_divergence_and_raises_alpha(setup, tmp_path) -> Non
     best = AutoModelForCausalLM.from_pretrained(tmp_path / "best")
     marker = json.loads((tmp_path / "best" / train_mod.MARKER).read_text())
     assert marker["step"] == summary["best_step"] and (tmp_path / "best" / "tokenizer.json").is_file()
-    from decode.loading import Loaded
-    from pairing.acceptance import measure_acceptance
+    from draftsmith.decode.runtime.loading import Loaded
+    from draftsmith.pairing.acceptance import measure_acceptance
 
     [a] = measure_acceptance(target, [Loaded(best, draft.tokenizer, tmp_path / "best", "best")], refs, progress=False)
     assert a.alpha == pytest.approx(summary["alpha_after"])
@@ -215,8 +215,8 @@ def test_on_policy_rows_are_resampled_from_the_student_and_a_resume_trains_on_th
     """refresh_every=2: after steps 2 and 4 the draft's rows are resampled from the student of that step (checked
     against a sample from the checkpointed student); a run that crashes after its step-2 checkpoint resumes with
     the resampled rows and ends with the uninterrupted run's weights."""
-    from distill.data import training_rows
-    from distill.train import onpolicy_rows, refresh_onpolicy
+    from draftsmith.distill.data import training_rows
+    from draftsmith.distill.train import onpolicy_rows, refresh_onpolicy
 
     target, draft, refs = setup
     data = refs.add_column("source", ["draft", "target"] * (len(refs) // 2))

@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from decode.errors import DraftsmithError
-from decode.loading import load
-from decode.prompts import Prompt, load_prompts
-from distill.data import generate_data
-from distill.heads.data import HeadDataConfig, build_head_data, load_head_data
-from distill.vocab import count_tokens, data_texts, make_vocab
-from pairing.prune import read_vocab
-from pairing.reference import reference_continuations
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.runtime.loading import load
+from draftsmith.decode.prompts import Prompt, load_prompts
+from draftsmith.distill.data import generate_data
+from draftsmith.distill.heads.data import HeadDataConfig, build_head_data, load_head_data
+from draftsmith.distill.vocab import count_tokens, data_texts, make_vocab
+from draftsmith.pairing.prune import read_vocab
+from draftsmith.pairing.reference import reference_continuations
 from tests import helpers
 from tests.distill.test_data import PROMPTS, pair  # noqa: F401 (a fixture)
 

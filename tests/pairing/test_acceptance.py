@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from decode.loading import Loaded
-from decode.sampling import SamplingParams, to_probs
-from pairing.acceptance import THROUGH_TEXT, TOKEN_LEVEL, Acceptance, _TextRow, beta, expected_tau, measure_acceptance
+from draftsmith.decode.runtime.loading import Loaded
+from draftsmith.decode.sampling import SamplingParams, to_probs
+from draftsmith.pairing.acceptance import THROUGH_TEXT, TOKEN_LEVEL, Acceptance, _TextRow, beta, expected_tau, measure_acceptance
 from tests import helpers
 
 WORDS = [f"w{i}" for i in range(48)]
@@ -168,8 +168,8 @@ def renumbered(model, tokenizer_perm: list[int]):
 
 
 def test_through_text_matches_token_level_for_a_renumbered_vocabulary(tmp_path) -> None:
-    from decode.prompts import Prompt
-    from pairing.reference import reference_continuations
+    from draftsmith.decode.prompts import Prompt
+    from draftsmith.pairing.reference import reference_continuations
 
     target = loaded(tiny(0), "t")
     prompts = [Prompt(str(i), "chat" if i % 2 else "code", " ".join(WORDS[3 * i : 3 * i + 2 + i])) for i in range(6)]
@@ -208,8 +208,8 @@ def greedy_refs(target, prompts: list[list[int]], budget: int) -> datasets.Datas
     """The target's own greedy continuations (what `reference_continuations` stores), budget recorded."""
     import json
 
-    from decode.runner import make_runner
-    from decode.speculative import generate
+    from draftsmith.decode.runtime.runner import make_runner
+    from draftsmith.decode.speculative import generate
 
     run = make_runner(target, 64)
     rows = []
@@ -223,7 +223,7 @@ def greedy_refs(target, prompts: list[list[int]], budget: int) -> datasets.Datas
 
 def decoded_tokens_per_round(t_run, d_run, prompts: list[list[int]], refs, budget: int, K: int) -> float:
     """Tokens per target forward of the decoder over `prompts` at plain K, each output checked against `refs`."""
-    from decode.speculative import KPolicy, generate
+    from draftsmith.decode.speculative import KPolicy, generate
 
     forwards = tokens = 0
     for ids, ref in zip(prompts, refs):
@@ -234,8 +234,8 @@ def decoded_tokens_per_round(t_run, d_run, prompts: list[list[int]], refs, budge
 
 
 def test_rows_predict_the_decoders_rounds_exactly_at_temperature_zero() -> None:
-    from decode.runner import make_runner
-    from decode.speculative import KPolicy, generate
+    from draftsmith.decode.runtime.runner import make_runner
+    from draftsmith.decode.speculative import KPolicy, generate
 
     target, draft = tiny(0), tiny(0, layers=1)  # the draft: the target's first layer, so it half agrees
     draft.load_state_dict(target.state_dict(), strict=False)
@@ -265,10 +265,10 @@ def test_head_matrices_predict_the_decoders_rounds_exactly_at_temperature_zero()
     matrices from `measure_head_acceptance` walk to exactly the decoder's number of rounds at every K."""
     import json
 
-    from decode.head import HeadDraft
-    from decode.runner import make_runner
-    from decode.speculative import KPolicy, generate
-    from pairing.acceptance import HEAD, measure_head_acceptance
+    from draftsmith.decode.head import HeadDraft
+    from draftsmith.decode.runtime.runner import make_runner
+    from draftsmith.decode.speculative import KPolicy, generate
+    from draftsmith.pairing.acceptance import HEAD, measure_head_acceptance
     from tests.decode.test_head import mimic_head, target_hf
 
     hf = target_hf(3, mix=0.3)
@@ -305,8 +305,8 @@ def test_a_quantised_drafts_rows_read_through_its_runner_predict_its_rounds(quan
     rows walk to exactly the decoder's rounds with it at every K. Int4 weights disagree with the float model's
     argmax somewhere on these rows, so its float rows (the negative control) do not predict its rounds; int8's
     per-row weights rarely flip one on a model this small (the leaderboard test's self-draft catches them)."""
-    from decode.quant import int4_ok
-    from decode.runner import make_runner
+    from draftsmith.decode.runtime.quant import int4_ok
+    from draftsmith.decode.runtime.runner import make_runner
 
     if quant == "int4" and not int4_ok():
         pytest.skip("no int4 kernel on this CPU (AVX-512BW or AVX2)")

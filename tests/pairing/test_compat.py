@@ -12,9 +12,9 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
-from decode.errors import DraftsmithError
-from decode.loading import Loaded
-from pairing.compat import check_pair, llama_cpp_rule, loaded_meta, same_tokenizer, tokenizer_meta
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.runtime.loading import Loaded
+from draftsmith.pairing.compat import check_pair, llama_cpp_rule, loaded_meta, same_tokenizer, tokenizer_meta
 from tests import helpers
 
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>", "<sep>"]  # ids 0..4: below llama.cpp's check start
@@ -192,7 +192,7 @@ def test_check_pair_extra_real_tokens_is_cross():
 
 
 def test_check_pair_unknown_vocab_type_leaves_llama_cpp_unevaluated(monkeypatch):
-    import pairing.compat as compat
+    import draftsmith.pairing.compat as compat
 
     monkeypatch.setattr(compat, "_hf_vocab_type", lambda tokenizer: None)
     tok = make_tokenizer(words())

@@ -8,9 +8,9 @@ import time
 import pytest
 import torch
 
-from decode.runner import make_runner
-from pairing.cost import CostModel, expected_tau, measure_cost, predicted_speedup, speedup_curve
-from pairing.policy import choose_policy, taus_from_alpha
+from draftsmith.decode.runtime.runner import make_runner
+from draftsmith.pairing.cost import CostModel, expected_tau, measure_cost, predicted_speedup, speedup_curve
+from draftsmith.pairing.policy import choose_policy, taus_from_alpha
 from tests import helpers
 
 KS = range(1, 17)
@@ -213,7 +213,7 @@ def test_measure_cost_rejects_what_does_not_fit() -> None:
 
 
 def test_decoder_speedup_by_hand() -> None:
-    from pairing.cost import decoder_speedup
+    from draftsmith.pairing.cost import decoder_speedup
 
     # alone: 0.1 s prefill + 10 tokens * 0.02 s = 0.3 s; with the draft: 0.12 + 10 / 2.5 * 0.03 = 0.24 s
     assert decoder_speedup(2.5, 3, 10, target_token_s=0.02, target_prefill_s=0.1, spec_prefill_s=0.12,
@@ -255,14 +255,14 @@ def test_calibrated_prediction_matches_a_decode_dominated_by_known_times(monkeyp
     machine cannot move the numbers); the draft is the target itself (every draft accepted). The calibration
     reads those times back, and its prediction at another K and another length matches the decoder's
     measured speedup."""
-    import decode.bench
-    import decode.speculative
-    import pairing.cost
-    from decode.bench import validate_drafts
-    from pairing.cost import calibrate_decoder
+    import draftsmith.decode.bench
+    import draftsmith.decode.speculative
+    import draftsmith.pairing.cost
+    from draftsmith.decode.bench import validate_drafts
+    from draftsmith.pairing.cost import calibrate_decoder
 
     clock = VirtualClock()
-    for module in (decode.bench, decode.speculative, pairing.cost):
+    for module in (draftsmith.decode.bench, draftsmith.decode.speculative, draftsmith.pairing.cost):
         monkeypatch.setattr(module, "time", clock)
     hf = tiny_hf(0)
     target, draft = Ticking(make_runner(hf, 128), clock, 0.012), Ticking(make_runner(hf, 128), clock, 0.003)
@@ -311,12 +311,12 @@ class Stalling(Ticking):
 def test_one_stalled_forward_does_not_set_the_calibrated_round(monkeypatch, stalled) -> None:
     """One forward 30x slower than the rest (draft step 3 ms, target 12 ms) leaves every per-round time the
     calibration reads where the other rounds put it; a mean over the rounds would not (checked)."""
-    import decode.speculative
-    import pairing.cost
-    from pairing.cost import calibrate_decoder
+    import draftsmith.decode.speculative
+    import draftsmith.pairing.cost
+    from draftsmith.pairing.cost import calibrate_decoder
 
     clock = VirtualClock()
-    for module in (decode.speculative, pairing.cost):
+    for module in (draftsmith.decode.speculative, draftsmith.pairing.cost):
         monkeypatch.setattr(module, "time", clock)
     hf = tiny_hf(0)
     slow = {"draft": (0, 6), "target": (9, 0)}[stalled]  # which call of each runner stalls (0: none)
@@ -330,7 +330,7 @@ def test_one_stalled_forward_does_not_set_the_calibrated_round(monkeypatch, stal
 
 
 def test_a_walks_speedup_is_its_rounds_time_by_hand() -> None:
-    from pairing.cost import DecoderCost, decoder_speedup
+    from draftsmith.pairing.cost import DecoderCost, decoder_speedup
 
     dc = DecoderCost(target_token_s=0.05, target_prefill_s=0.1, spec_prefill_s=0.11, draft_step_s=0.004,
                      other_s=0.001, verify_s={1: 0.052, 2: 0.054, 3: 0.07}, calibration_k=1,
@@ -351,7 +351,7 @@ def test_a_walks_speedup_is_its_rounds_time_by_hand() -> None:
 
 
 def _calibrated(token: float, verify: dict[int, float], step: float, prefill: float = 0.1, extra: float = 0.01):
-    from pairing.cost import DecoderCost
+    from draftsmith.pairing.cost import DecoderCost
 
     return DecoderCost(target_token_s=token, target_prefill_s=prefill, spec_prefill_s=prefill + extra,
                        draft_step_s=step, other_s=0.001, verify_s=verify, calibration_k=2, calibration_seconds=1.0,
@@ -359,7 +359,7 @@ def _calibrated(token: float, verify: dict[int, float], step: float, prefill: fl
 
 
 def test_a_shared_target_clock_is_the_median_of_the_target_side_and_keeps_each_drafts() -> None:
-    from pairing.cost import shared_target_clock
+    from draftsmith.pairing.cost import shared_target_clock
 
     costs = [_calibrated(0.14, {1: 0.15, 2: 0.16, 3: 0.18}, 0.015),
              _calibrated(0.17, {1: 0.21, 2: 0.21, 3: 0.22}, 0.014, prefill=0.2, extra=0.03),  # a slow window
@@ -377,7 +377,7 @@ def test_a_slow_calibration_window_no_longer_ranks_a_faster_draft_below() -> Non
     """The same target's verify timed 30% slower in one draft's window (as the EPYC timed 0.206 s against
     0.157-0.164 s in the others, its one-token step unchanged): alone, that prices the draft with the cheaper step
     below the others; with the target's side shared, the cheaper step ranks first (the negative control: unshared)."""
-    from pairing.cost import shared_target_clock
+    from draftsmith.pairing.cost import shared_target_clock
 
     fast_window = _calibrated(0.14, {2: 0.16}, 0.018)
     slow_window = _calibrated(0.14, {2: 0.16 * 1.3}, 0.015)  # the cheaper draft, timed in a slow window

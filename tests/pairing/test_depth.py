@@ -8,13 +8,13 @@ import random
 import pytest
 import torch
 
-from pairing.cost import CostModel, expected_tau, speedup_curve
-from pairing.depth import (
+from draftsmith.pairing.cost import CostModel, expected_tau, speedup_curve
+from draftsmith.pairing.depth import (
     depth_rates, depth_rates_censored, depth_rates_from_rounds, depth_survival, expected_round_counts, expected_rounds,
     expected_tau_from_depth_rates, expected_tau_from_runs, gated_walk, predicted_speedup_from_depth, round_matrix,
     speedup_curve_from_depth, tokens_per_round,
 )
-from pairing.policy import choose_policy, taus_from_alpha, taus_from_rates
+from draftsmith.pairing.policy import choose_policy, taus_from_alpha, taus_from_rates
 
 KS = range(1, 17)
 
@@ -439,7 +439,7 @@ def test_gated_walk_by_hand():
 
 
 def test_sibling_walk_by_hand():
-    from pairing.depth import round_walk
+    from draftsmith.pairing.depth import round_walk
 
     hits = torch.tensor([[1, 1, 0, 1, 1, 1], [1, 0, 1, 1, 0, 1]], dtype=torch.float64)
     tops = torch.tensor([[0.9, 0.1, 0.9, 0.2, 0.9, 0.9], [0.5, 0.5, 0.5, 0.5, 0.5, 0.5]], dtype=torch.float64)
@@ -482,8 +482,8 @@ def test_gated_walk_refuses_bad_input():
 def test_round_walk_with_lookup_by_hand_and_its_errors() -> None:
     """A round of 2 hits reads the copy table at n + 2: 3 proposed, 2 matched -> 5 tokens emitted (2 drafts, 2 lookup,
     the bonus) and 5 tokens drafted; a miss keeps the lookup rows' cost and nothing of them."""
-    from pairing.depth import round_walk
-    from pairing.validate import ValidateConfig
+    from draftsmith.pairing.depth import round_walk
+    from draftsmith.pairing.validate import ValidateConfig
 
     T = 10
     hits, tops = torch.ones(2, T, dtype=torch.float64), torch.ones(2, T, dtype=torch.float64)
@@ -501,7 +501,7 @@ def test_round_walk_with_lookup_by_hand_and_its_errors() -> None:
 
 def test_a_recorded_policy_reads_back_as_the_same_policy() -> None:
     """race.json records each draft's policy (`KPolicy.to_dict`); validate serves it from there (`KPolicy.from_dict`)."""
-    from decode.speculative import KPolicy
+    from draftsmith.decode.speculative import KPolicy
     for p in [KPolicy(k=8, confidence=0.7, siblings=2, lookup=4), KPolicy(k=3), KPolicy(k=20, k_max=20),
               KPolicy(k=6, confidence=0.6, siblings=3, sibling_depth=2)]:
         back = KPolicy.from_dict(p.to_dict())

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from decode.errors import DraftsmithError
-from decode.loading import load
-from pairing import derive as derive_mod
-from pairing.derive import derive, parse_derive_spec, resolve_candidate
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.runtime.loading import load
+from draftsmith.pairing import derive as derive_mod
+from draftsmith.pairing.derive import derive, parse_derive_spec, resolve_candidate
 from tests import helpers
 
 VOCAB = 100
@@ -123,7 +123,7 @@ def test_keep_takes_the_first_layers_and_resolve_candidate_caches(tmp_path: Path
     assert path.parent == tmp_path / "cache" / "derived" and path.name.endswith("-layers0-1")
     assert json.loads((path / "draftsmith_derived.json").read_text())["layers"] == [0, 1]
     # the same layers named another way hit the same cached folder, without loading anything
-    monkeypatch.setattr("decode.loading.load", lambda *a, **k: pytest.fail("derived again"))
+    monkeypatch.setattr("draftsmith.decode.runtime.loading.load", lambda *a, **k: pytest.fail("derived again"))
     assert resolve_candidate(f"derive:{src}:layers=0-1") == str(path)
 
 

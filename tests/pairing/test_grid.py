@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from decode.errors import DraftsmithError
-from decode.head import save_head
-from decode.loading import load
-from pairing.grid import GridConfig, parse_policy_label, policy_grid, policy_label, run_grid
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.head import save_head
+from draftsmith.decode.runtime.loading import load
+from draftsmith.pairing.grid import GridConfig, parse_policy_label, policy_grid, policy_label, run_grid
 from tests import helpers
 from tests.decode.test_head import mimic_head
 

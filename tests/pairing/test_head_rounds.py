@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decode.head import HeadDraft
+from draftsmith.decode.head import HeadDraft
 from tests.decode.test_head import random_head, target_hf
 
 
@@ -17,10 +17,10 @@ def test_walking_depth_records_gives_the_decoders_own_rounds(K, threshold, sibli
     """At temperature 0 the walk over the head's teacher-forced records is the decoder's count: the same number
     of tokens, the same drafts and draft steps in every round (stopping early, sibling rounds and their children
     included), the same tau."""
-    from decode.runner import make_runner
-    from decode.speculative import KPolicy, RoundClock, generate
-    from pairing.head_rounds import depth_records
-    from pairing.depth import round_walk
+    from draftsmith.decode.runtime.runner import make_runner
+    from draftsmith.decode.speculative import KPolicy, RoundClock, generate
+    from draftsmith.pairing.head_rounds import depth_records
+    from draftsmith.pairing.depth import round_walk
     from tests.decode.test_head import mimic_head
 
     hf = target_hf(5, mix=0.0)  # a bigram target, which the mimic head often agrees with
@@ -47,7 +47,7 @@ def test_walking_depth_records_gives_the_decoders_own_rounds(K, threshold, sibli
 
 
 def test_depth_records_refuse_rows_without_rounds() -> None:
-    from pairing.head_rounds import depth_records
+    from draftsmith.pairing.head_rounds import depth_records
 
     hf = target_hf(3, layers=4)
     head = random_head(hf, N=40, seed=4, scale=4.0)
@@ -76,10 +76,10 @@ def test_walking_a_standalone_drafts_records_gives_the_decoders_tokens_and_round
     """`standalone_records`: at temperature 0 the walk yields the decoder's tokens in the decoder's number of
     rounds, each round the same kind (sibling or chain); a chain round drafts what the decoder drafts up to its
     first miss (past it only the predicted count of drafts, the cost, may differ)."""
-    from decode.runner import make_runner
-    from decode.speculative import KPolicy, RoundClock, generate
-    from pairing.depth import round_walk
-    from pairing.head_rounds import standalone_records
+    from draftsmith.decode.runtime.runner import make_runner
+    from draftsmith.decode.speculative import KPolicy, RoundClock, generate
+    from draftsmith.pairing.depth import round_walk
+    from draftsmith.pairing.head_rounds import standalone_records
 
     hf = target_hf(5, mix=0.3)
     target, draft = make_runner(hf, 128), make_runner(_noisy_copy(hf, 1, 0.15), 128)
@@ -107,11 +107,11 @@ def test_the_walk_of_a_pruned_draft_with_context_ids_is_the_decoders(K, threshol
     """The same for a draft pruned to ids the target mostly does not write, with context ids: the walk's one
     teacher-forced forward proposes, row by row, what the decoder's draft steps propose (the kept ids and the ones
     read so far), so it yields the decoder's tokens in the decoder's rounds."""
-    from decode.pruned import PrunedRunner
-    from decode.runner import make_runner
-    from decode.speculative import KPolicy, RoundClock, generate
-    from pairing.depth import round_walk
-    from pairing.head_rounds import standalone_records
+    from draftsmith.decode.pruned import PrunedRunner
+    from draftsmith.decode.runtime.runner import make_runner
+    from draftsmith.decode.speculative import KPolicy, RoundClock, generate
+    from draftsmith.pairing.depth import round_walk
+    from draftsmith.pairing.head_rounds import standalone_records
 
     hf = target_hf(5, mix=0.3)
     target = make_runner(hf, 128)
@@ -134,11 +134,11 @@ def test_the_walk_of_a_pruned_draft_with_context_ids_is_the_decoders(K, threshol
 def test_the_walk_with_lookup_tokens_is_the_decoders(K, threshold, siblings, lookup) -> None:
     """Lookup rounds (`KPolicy.lookup`) walked on `copy_table`s: the decoder's tokens in the decoder's rounds, and
     lookup tokens accepted in both."""
-    from decode.lookup import copy_table
-    from decode.runner import make_runner
-    from decode.speculative import KPolicy, RoundClock, generate
-    from pairing.depth import round_walk
-    from pairing.head_rounds import standalone_records
+    from draftsmith.decode.lookup import copy_table
+    from draftsmith.decode.runtime.runner import make_runner
+    from draftsmith.decode.speculative import KPolicy, RoundClock, generate
+    from draftsmith.pairing.depth import round_walk
+    from draftsmith.pairing.head_rounds import standalone_records
 
     hf = target_hf(5, mix=0.3)
     target, draft = make_runner(hf, 256), make_runner(_noisy_copy(hf, 1, 0.05), 256)
@@ -163,7 +163,7 @@ def test_the_walk_with_lookup_tokens_is_the_decoders(K, threshold, siblings, loo
 def test_standalone_records_by_hand() -> None:
     """Depth j of the round from new token n reads the draft's row at P + n + j - 2; ranks count the ids the draft
     prefers to the target's token."""
-    from pairing.head_rounds import standalone_records
+    from draftsmith.pairing.head_rounds import standalone_records
 
     class Scripted:  # row i of its logits puts all weight on guesses[i], and a little on id 3
         vocab_size = 5

@@ -6,10 +6,10 @@ import statistics
 
 import pytest
 
-from decode.bench import Validation, _merge
-from decode.errors import DraftsmithError
-from decode.speculative import Stats
-from pairing.ladder import Rung, ladder, waterfall
+from draftsmith.decode.bench import Validation, _merge
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.speculative import Stats
+from draftsmith.pairing.ladder import Rung, ladder, waterfall
 
 GROUPS = ["code", "code", "chat"]
 # seconds per prompt (10 tokens each) for each decoder in each of 3 repeats: the target 1 s a prompt; each rung

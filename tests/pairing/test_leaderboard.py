@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pairing.leaderboard import PairConfig, run_pair, split_candidates
+from draftsmith.pairing.leaderboard import PairConfig, run_pair, split_candidates
 from tests import helpers
 
 WORDS = "the a of to and in is it that for on with as was be by this are or at from code data list sort print".split()
@@ -89,7 +89,7 @@ def test_split_candidates_keeps_derive_layer_lists() -> None:
 def save_random_head(folder: Path, target: Path) -> Path:
     from transformers import AutoModelForCausalLM
 
-    from decode.head import Eagle3Head, HeadConfig, save_head
+    from draftsmith.decode.head import Eagle3Head, HeadConfig, save_head
 
     hf = AutoModelForCausalLM.from_pretrained(target)
     torch.manual_seed(0)
@@ -144,7 +144,7 @@ def test_a_cross_tokenizer_draft_is_measured_in_transformers(setup, tmp_path: Pa
 
 @pytest.mark.parametrize("spec", ["head:/nonexistent/head", "head:{other}"])
 def test_a_bad_head_is_one_line(setup, tmp_path: Path, spec: str) -> None:
-    from decode.errors import DraftsmithError
+    from draftsmith.decode.runtime.errors import DraftsmithError
 
     target, other, prompts = setup
     cfg = PairConfig(candidates=[spec.format(other=other)], prompts_per_domain=1, max_new_tokens=4)
@@ -156,7 +156,7 @@ def test_a_bad_head_is_one_line(setup, tmp_path: Path, spec: str) -> None:
     (1.2, 0.95, "slower than the target alone"), (1.5, 1.2, "25% off"), (0.8, 1.0, "20% off"),
     (1.3, 1.2, None), (0.9, 0.85, None), (1.2, None, None)])
 def test_a_prediction_that_misleads_carries_a_caveat(predicted, measured, needle) -> None:
-    from pairing.leaderboard import prediction_caveat
+    from draftsmith.pairing.leaderboard import prediction_caveat
 
     why = prediction_caveat(predicted, measured)
     assert (why is None) == (needle is None) and (needle is None or needle in why)

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from decode.errors import DraftsmithError
-from decode.loading import load
-from decode.pruned import PrunedRunner
-from decode.spec import DraftSpec
-from pairing.derive import resolve_candidate
-from pairing.prune import build_vocab, draft_runner, load_model_draft, parse_prune_spec, read_vocab
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.runtime.loading import load
+from draftsmith.decode.pruned import PrunedRunner
+from draftsmith.decode.spec import DraftSpec
+from draftsmith.pairing.derive import resolve_candidate
+from draftsmith.pairing.prune import build_vocab, draft_runner, load_model_draft, parse_prune_spec, read_vocab
 from tests import helpers
 from tests.pairing.test_leaderboard import WORDS, save_tiny, setup  # noqa: F401 (a fixture)
 
@@ -174,7 +174,7 @@ def test_load_model_draft_refuses_what_cannot_prune(setup, tmp_path: Path) -> No
 
 
 def test_validate_opens_a_pruned_spec_as_the_decoder_runs_it(setup, tmp_path: Path) -> None:
-    from pairing.validate import open_draft
+    from draftsmith.pairing.validate import open_draft
 
     target_dir, other, _ = setup
     f = vocab_file(tmp_path / "v.json", vocab_size=len(WORDS) + 3, ids=[2, 5, 7], n=3)
@@ -193,10 +193,10 @@ def test_a_pruned_candidate_ranks_beside_its_whole_model(setup, tmp_path: Path, 
     (with context ids: or read before, in the prompt or the continuation), so its alpha is the share of such
     tokens in the references (the whole copy's is 1). Both validate greedy-equal; the row says what was kept and
     that llama.cpp cannot run it pruned."""
-    from decode.prompts import load_prompts
-    from distill.vocab import count_tokens
-    from pairing.leaderboard import PairConfig, run_pair
-    from pairing.reference import reference_continuations
+    from draftsmith.decode.prompts import load_prompts
+    from draftsmith.distill.vocab import count_tokens
+    from draftsmith.pairing.leaderboard import PairConfig, run_pair
+    from draftsmith.pairing.reference import reference_continuations
 
     target_dir, other, prompts = setup
     target = load(target_dir)
@@ -241,8 +241,8 @@ def test_resolve_candidate_refuses_an_int4_spec_in_one_line() -> None:
 def test_an_int4_spec_loads_its_model_and_runs_int4_where_it_can(tmp_path: Path, monkeypatch) -> None:
     """`int4:MODEL` and `prune:int4:MODEL:vocab=FILE` load MODEL and run it int4 (int8 where the rows do not fit
     draftsmith's int4 kernel: a model 32 wide), whatever the caller's own quantisation; a plain spec is unchanged."""
-    from decode.quant import Int4Linear, int4_chunk
-    from pairing.prune import spec_quant
+    from draftsmith.decode.runtime.quant import Int4Linear, int4_chunk
+    from draftsmith.pairing.prune import spec_quant
     from tests.pairing.test_leaderboard import save_tiny as save
     from tests.pairing.test_leaderboard import tiny_tokenizer
 
@@ -269,8 +269,8 @@ def test_an_int4_candidate_ranks_with_the_alpha_of_its_int4_weights(setup, tmp_p
     """The target drafting for itself: whole and float it agrees everywhere (alpha 1); as `int4:` its ranking reads
     the int4 weights it decodes with, which disagree somewhere (alpha < 1; the decoder agrees: its validated
     rounds emit fewer than K + 1 tokens). Its head unscaled, so that its argmax has near ties to flip."""
-    from decode.quant import int4_chunk
-    from pairing.leaderboard import PairConfig, run_pair
+    from draftsmith.decode.runtime.quant import int4_chunk
+    from draftsmith.pairing.leaderboard import PairConfig, run_pair
     from tests.pairing.test_leaderboard import tiny_tokenizer
 
     if not int4_chunk():
@@ -290,8 +290,8 @@ def test_an_int4_candidate_ranks_with_the_alpha_of_its_int4_weights(setup, tmp_p
 
 
 def test_a_calibrated_int4_spec_names_its_file_pruned_or_not(tmp_path) -> None:
-    from decode.quant import write_calib
-    from pairing.prune import spec_calib, spec_quant
+    from draftsmith.decode.runtime.quant import write_calib
+    from draftsmith.pairing.prune import spec_calib, spec_quant
 
     path = write_calib(tmp_path / "calib.json", [[1, 2, 3]])
     for spec in (f"int4:m:calib={path}", f"prune:int4:m:calib={path}:vocab=kept.json"):

@@ -7,14 +7,14 @@ from pathlib import Path
 import pytest
 import torch
 
-import pairing.reference as reference
-from decode.errors import DraftsmithError
-from decode.loading import Loaded
-from decode.prompts import Prompt
-from decode.runner import make_runner
-from decode.sampling import SamplingParams
-from decode.speculative import generate
-from pairing.reference import prompt_seed, reference_continuations, reference_key
+import draftsmith.pairing.reference as reference
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.runtime.loading import Loaded
+from draftsmith.decode.prompts import Prompt
+from draftsmith.decode.runtime.runner import make_runner
+from draftsmith.decode.sampling import SamplingParams
+from draftsmith.decode.speculative import generate
+from draftsmith.pairing.reference import prompt_seed, reference_continuations, reference_key
 from tests import helpers
 
 WORDS = [f"w{i}" for i in range(48)]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from decode.spec import DraftSpec
+from draftsmith.decode.spec import DraftSpec
 
 DRAFTSMITH = Path(sys.executable).parent / "draftsmith"
 
@@ -103,7 +103,7 @@ def tiny_pair(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Path
 
 
 def decode(capsys, *args: str) -> tuple[int, str, str]:
-    from recipes.cli import main
+    from draftsmith.recipes.cli import main
 
     code = main(["decode", "--no-chat", "--prompt", "sort the list of data", "--max-new-tokens", "12", *args])
     out, err = capsys.readouterr()
@@ -122,7 +122,7 @@ def one_line_error(capsys, *args: str) -> str:
                                                    "--sibling-depth", "2")])
 def test_decode_with_a_head_equals_the_target_alone(tiny_pair, capsys, monkeypatch, how: str,
                                                    policy: tuple[str, ...]) -> None:
-    from decode.head import HeadDraft
+    from draftsmith.decode.head import HeadDraft
 
     real, sibling_steps = HeadDraft.forward_siblings, []
     monkeypatch.setattr(HeadDraft, "forward_siblings", lambda self, *a: sibling_steps.append(1) or real(self, *a))
@@ -158,7 +158,7 @@ def test_decode_a_head_that_does_not_fit_the_target_is_one_line(tiny_pair, capsy
 def test_vocab_then_decode_with_the_pruned_draft_equals_the_target_alone(tiny_pair, capsys, tmp_path: Path) -> None:
     """`draftsmith vocab` on the target's own continuations, then `decode --draft prune:DRAFT:vocab=FILE`: the
     target's own tokens, int8 and not."""
-    from recipes.cli import main
+    from draftsmith.recipes.cli import main
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p, "domain": "code"}) + "\n"
@@ -200,7 +200,7 @@ def test_vocab_then_decode_with_the_pruned_draft_equals_the_target_alone(tiny_pa
     assert r["per_mode"][best]["vs_hf_assisted"]["median"] == pytest.approx(r["speedup_vs_hf_assisted"])
     assert len(r["modes"]["target_only"]["per_prompt"]) == 4
     # the plot beside the report draws each mode's rate per repeat, and its ratios as the report defines them
-    from decode.bench import mode_rates
+    from draftsmith.decode.bench import mode_rates
 
     assert report.with_suffix(".png").read_bytes().startswith(b"\x89PNG")
     rates = {m: mode_rates(r["modes"][m]) for m in (best, "target_only")}
@@ -224,7 +224,7 @@ def test_decode_with_a_bad_kept_vocabulary_is_one_line(tiny_pair, capsys, tmp_pa
 
 
 def test_export_refuses_a_pruned_draft_with_the_reason(capsys, tmp_path: Path) -> None:
-    from recipes.cli import main
+    from draftsmith.recipes.cli import main
 
     code = main(["export", "--draft", "prune:m:vocab=kept.json", "--target", "t", "--out", str(tmp_path / "x")])
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
@@ -234,7 +234,7 @@ def test_export_refuses_a_pruned_draft_with_the_reason(capsys, tmp_path: Path) -
 
 def test_grid_times_a_head_at_every_policy_in_one_run(tiny_pair, capsys, tmp_path: Path) -> None:
     """`draftsmith grid` (what scripts/head_run.py's bench did): every policy beside the target alone, one run."""
-    from recipes.cli import main
+    from draftsmith.recipes.cli import main
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "sort the list of data", "domain": "code"}) + "\n")
@@ -274,8 +274,8 @@ def test_decode_siblings_on_a_target_the_generic_runner_serves_is_one_line(tmp_p
 
 
 def test_models_llama_cpp_builds_the_engine_once_and_prints_where(monkeypatch, capsys, tmp_path: Path) -> None:
-    import distill.export.llama_cpp as lc
-    from recipes.cli import main
+    import draftsmith.distill.export.llama_cpp as lc
+    from draftsmith.recipes.cli import main
 
     calls = []
     monkeypatch.setattr(lc, "find_llama_server", lambda **kw: calls.append("server") or tmp_path / "llama-server")

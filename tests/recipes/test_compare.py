@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from decode.errors import DraftsmithError
-from recipes.compare import merge_runs, write_merged
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.recipes.compare import merge_runs, write_merged
 from tests.helpers import write_run_folder
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from decode.errors import DraftsmithError
-from recipes.config import Recipe, apply_override, dump_recipe, load_recipe, recipe_from_dict
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.recipes.config import Recipe, apply_override, dump_recipe, load_recipe, recipe_from_dict
 
 SHIPPED = sorted((Path(__file__).resolve().parents[2] / "recipes").glob("*.yaml"))
 DRAFTSMITH = Path(sys.executable).parent / "draftsmith"
@@ -136,3 +136,14 @@ def test_a_recipe_takes_every_spec_the_cli_takes(tmp_path: Path) -> None:
         recipe_from_dict({**MINIMAL, "target": "int4:smollm2-135m-instruct"})
     with pytest.raises(DraftsmithError, match="distill.draft: distillation trains a whole model"):
         recipe_from_dict({**MINIMAL, "distill": {"draft": "int4:smollm2-135m-instruct"}})
+
+
+def test_a_built_in_recipe_runs_by_name_from_any_folder(tmp_path, monkeypatch) -> None:
+    from draftsmith.recipes.config import built_in_recipes, recipe_path
+
+    monkeypatch.chdir(tmp_path)  # an installed draftsmith, no checkout: `draftsmith run quickstart`
+    assert "quickstart" in built_in_recipes()
+    assert load_recipe("quickstart", check_models=False).name == "quickstart"
+    assert recipe_path("mine.yaml") == Path("mine.yaml")  # a file name stays a file name (its own error if absent)
+    with pytest.raises(DraftsmithError, match="nor a built-in recipe .*quickstart"):
+        load_recipe("quickstrat", check_models=False)

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from decode.errors import DraftsmithError
-from recipes.runner import run_lock
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.recipes.runner import run_lock
 
 DRAFTSMITH = Path(sys.executable).parent / "draftsmith"
 

@@ -6,14 +6,14 @@ import dataclasses
 
 import pytest
 
-from decode.bench import BenchConfig
-from decode.errors import DraftsmithError
-from distill.export import ExportConfig
-from distill.pipeline import DistillConfig
-from pairing.leaderboard import PairConfig
-from recipes.cli import GEN_DATA_SETTINGS, build_parser
-from recipes.config import Recipe, build, recipe_from_dict
-from recipes.options import field_help, leaf_fields, options_to_config
+from draftsmith.decode.bench import BenchConfig
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.distill.export import ExportConfig
+from draftsmith.distill.pipeline import DistillConfig
+from draftsmith.pairing.leaderboard import PairConfig
+from draftsmith.recipes.cli import GEN_DATA_SETTINGS, build_parser
+from draftsmith.recipes.config import Recipe, build, recipe_from_dict
+from draftsmith.recipes.options import field_help, leaf_fields, options_to_config
 
 TARGET = "smollm2-135m-instruct"
 DERIVED = f"derive:{TARGET}:keep=2"
@@ -124,7 +124,7 @@ def test_every_setting_is_described_once_in_its_class() -> None:
 def test_a_list_option_given_twice_keeps_both() -> None:
     """`--policy A --policy B` times both policies (a second flag used to replace the first without a word);
     comma lists and repeated flags mix."""
-    from pairing.grid import GridConfig
+    from draftsmith.pairing.grid import GridConfig
 
     args = parse("grid", "--target", TARGET, "--draft", DERIVED, "--k", "1", "--k", "2,3",
                  "--policy", "K=6 stop<0.6 siblings=2", "--policy", "K=6 stop<0.6 siblings=2 lookup=4")

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from decode.errors import DraftsmithError
-from recipes.report import write_report
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.recipes.report import write_report
 from tests.helpers import write_run_folder
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -57,8 +57,8 @@ def test_a_corrupt_result_is_a_one_line_error_naming_the_file(tmp_path: Path) ->
 def test_validation_section_reads_the_typed_result(tmp_path: Path) -> None:
     """validate/bench.json as the validate stage writes it (decode.bench.Validation plus K and cost): the section
     shows every decoder's tok/s, its ratio to the target alone, tau and greedy equality from those fields."""
-    from decode.bench import Validation
-    from decode.speculative import Stats
+    from draftsmith.decode.bench import Validation
+    from draftsmith.decode.speculative import Stats
 
     val = Validation(3, ["code-0", "chat-0"], 16, "cpu", {
         "target_only": Stats({1: 32}, 0, 0, 32, 0.1, 4.0),
@@ -83,9 +83,9 @@ def test_validation_section_reads_the_typed_result(tmp_path: Path) -> None:
 def test_validation_section_splits_speedups_by_domain(tmp_path: Path) -> None:
     """With per-prompt timings (domains given), the section adds each domain's speedups and each repeat's
     distilled-over-un-distilled ratio, overall and per domain, worked out by hand below."""
-    from decode.bench import Validation
-    from decode.speculative import Stats
-    from pairing.validate import after_vs_before
+    from draftsmith.decode.bench import Validation
+    from draftsmith.decode.speculative import Stats
+    from draftsmith.pairing.validate import after_vs_before
 
     def st(tokens: int, seconds: float) -> Stats:
         return Stats({1: tokens}, 0, 0, tokens, 0.0, seconds)
@@ -112,8 +112,8 @@ def test_validation_section_splits_speedups_by_domain(tmp_path: Path) -> None:
 def test_fastest_validation_names_its_two_drafts(tmp_path: Path) -> None:
     """A fastest-draft run whose pick is the whole model (at its own policy) names both drafts by their labels,
     not as a pruned and a whole draft."""
-    from decode.bench import Validation
-    from decode.speculative import Stats
+    from draftsmith.decode.bench import Validation
+    from draftsmith.decode.speculative import Stats
 
     def st(tokens: int, seconds: float) -> Stats:
         return Stats({1: tokens}, 0, 0, tokens, 0.0, seconds)
@@ -149,7 +149,7 @@ def test_report_puts_our_decoder_beside_llama_cpp(tmp_path: Path) -> None:
                                    "llama_cpp_target_only": {"tokens_per_s": 10.0, "runs_tokens_per_s": [10.0, 10.0]},
                                    "best_k": 3, "best_k_source": "given", "serving": {}})
     (run / "validate" / "bench.json").unlink()  # the validation section needs a full result; this one is partial
-    from recipes.report import side_by_side
+    from draftsmith.recipes.report import side_by_side
 
     rows = side_by_side({"k": 2, "speedup_vs_target_only": {"draft_before": 1.1, "draft_after": 1.4}},
                         {"llama_cpp": {"q8_0": lc}, "llama_cpp_before": {**lc, "speedup_vs_target_only": 0.7}})
@@ -163,7 +163,7 @@ def test_report_puts_our_decoder_beside_llama_cpp(tmp_path: Path) -> None:
 
 
 def test_a_head_paragraph_names_the_rows_the_target_wrote_and_the_bfloat16_parts() -> None:
-    from recipes.report import _dtypes, _written
+    from draftsmith.recipes.report import _dtypes, _written
 
     h = {"config": {"written_samples": 2}, "written_data": {"rows": 8, "tokens": 900, "new_tokens": 500,
                                                             "generate_tokens_per_s": 41.2}}
@@ -174,7 +174,7 @@ def test_a_head_paragraph_names_the_rows_the_target_wrote_and_the_bfloat16_parts
     assert _dtypes({"gen_dtype": "bfloat16", "train_dtype": "bfloat16"}) == (
         " (data written and training's matmuls in bfloat16)")
     assert _dtypes({}) == ""
-    from recipes.report import _data_cap
+    from draftsmith.recipes.report import _data_cap
 
     assert _data_cap({}) == "" == _data_cap({"data_cap": {"seconds": 294.0, "left_out": [], "cut_shards": 0,
                                                           "skipped_shards": 0}})
@@ -223,7 +223,7 @@ def test_a_paying_draft_gets_where_and_how_to_serve_it(tmp_path: Path) -> None:
 
 
 def test_report_shows_llama_cpp_predicted_beside_measured(tmp_path: Path) -> None:
-    from distill.export.llama_predict import EngineCost, curve, parity_row, verdict
+    from draftsmith.distill.export.llama_predict import EngineCost, curve, parity_row, verdict
 
     cost = EngineCost(target_token_s=0.1, verify_s={1: 0.12, 2: 0.13}, draft_step_s=0.05, rest_s=0.03)
     rows = curve(cost, {1: 1.8, 2: 2.4}, {1: 0.85, 2: 0.8})
@@ -244,10 +244,10 @@ def test_a_ladder_renders_as_a_table_and_a_waterfall_and_the_verdict_names_what_
     """The fastest kind's bench.json carries a ladder: the report shows each rung over the one above and over the
     target alone with its prediction, draws ladder.png, and the verdict compares the pick with the stock at its
     walked policy, naming the steps between them."""
-    from decode.bench import Validation
-    from decode.speculative import Stats
-    from pairing.ladder import Rung, ladder
-    from pairing.validate import after_vs_before
+    from draftsmith.decode.bench import Validation
+    from draftsmith.decode.speculative import Stats
+    from draftsmith.pairing.ladder import Rung, ladder
+    from draftsmith.pairing.validate import after_vs_before
 
     def st(seconds: float) -> Stats:
         return Stats({1: 32}, 0, 0, 32, 0.0, seconds)

@@ -18,8 +18,8 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from decode.quant import int4_chunk
-from decode.spec import DraftSpec
+from draftsmith.decode.runtime.quant import int4_chunk
+from draftsmith.decode.spec import DraftSpec
 from tests import helpers
 
 DRAFTSMITH = Path(sys.executable).parent / "draftsmith"
@@ -181,7 +181,7 @@ def test_gen_data_on_two_processes_equals_one_process(world: dict) -> None:
     r = draftsmith(world, *common, "--out", str(one), env=one_thread)
     assert r.returncode == 0, r.stderr[-2000:]
     launch = [str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2",
-              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "recipes.cli"]
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "draftsmith.recipes.cli"]
     r = subprocess.run([*launch, *common, "--out", str(two)], capture_output=True, text=True, timeout=900,
                        env=one_thread)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -213,8 +213,8 @@ def test_gen_data_cli_writes_a_resumable_dataset_with_the_flags_it_was_given(wor
     assert stats["rows"] == 4 and stats["tokens_per_s"] > 0 and "tokens/s at batch 3" in r.stdout
     assert "teacher top-4 cache" in r.stdout and len(list((out / "teacher-topk").glob("*/done.json"))) == 1
     ds = datasets.load_from_disk(str(out / "dataset"))
-    from distill.data import training_rows
-    from distill.teacher_cache import TeacherTopK
+    from draftsmith.distill.data import training_rows
+    from draftsmith.distill.teacher_cache import TeacherTopK
 
     cache = TeacherTopK(next((out / "teacher-topk").glob("*/done.json")).parent, 10**6)
     assert len(cache) == len(training_rows(ds)) and cache.k == 4  # the cache training on this data will find
@@ -465,7 +465,7 @@ def test_a_stage_process_asks_to_end_with_its_parent() -> None:
     code = ("import ctypes, signal, sys\n"
             "libc = ctypes.CDLL(None)\n"
             "if sys.argv[1] == 'ask':\n"
-            "    from recipes.runner import _end_with_parent\n"
+            "    from draftsmith.recipes.runner import _end_with_parent\n"
             "    _end_with_parent()\n"
             "sig = ctypes.c_int(-1)\n"
             "libc.prctl(2, ctypes.byref(sig), 0, 0, 0)  # PR_GET_PDEATHSIG\n"

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from decode.errors import DraftsmithError
-from recipes import runner
-from recipes.config import recipe_from_dict
-from recipes.runner import RunFolder, run_recipe, run_stage_fresh
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.recipes import runner
+from draftsmith.recipes.config import recipe_from_dict
+from draftsmith.recipes.runner import RunFolder, run_recipe, run_stage_fresh
 
 
 def _pid_stage(recipe, run: RunFolder) -> dict:  # module level: a spawned process imports it by name

@@ -64,7 +64,7 @@ def test_linear_bench(world: dict, tmp_path: Path) -> None:
 
 
 def test_native_bench(world: dict, tmp_path: Path) -> None:
-    from decode import native
+    from draftsmith.decode.runtime import native
 
     if native.kernels() is None:
         pytest.skip(f"no native kernels here: {native.why_not()}")
@@ -75,7 +75,7 @@ def test_native_bench(world: dict, tmp_path: Path) -> None:
 
 
 def test_draft_agreement(world: dict, tmp_path: Path) -> None:
-    from decode.quant import int4_ok
+    from draftsmith.decode.runtime.quant import int4_ok
 
     variants = ["float", "int8", "int8 fbgemm prefill"] + (["int4", "int4 fbgemm prefill"] if int4_ok() else [])
     run_script(world, "draft_agreement.py", "--target", world["target"], "--draft", world["target"], "--prompts",
@@ -87,7 +87,7 @@ def test_draft_agreement(world: dict, tmp_path: Path) -> None:
 
 
 def test_gptq_agreement(world: dict, tmp_path: Path) -> None:
-    from decode.quant import int4_ok
+    from draftsmith.decode.runtime.quant import int4_ok
 
     if not int4_ok():
         pytest.skip("no int4 kernel here")
@@ -100,7 +100,7 @@ def test_gptq_agreement(world: dict, tmp_path: Path) -> None:
 
 
 def test_q4_prefetch(world: dict, tmp_path: Path) -> None:
-    from decode.quant import int4_ok
+    from draftsmith.decode.runtime.quant import int4_ok
 
     if not int4_ok():
         pytest.skip("no int4 kernel here")

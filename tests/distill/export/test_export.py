@@ -19,11 +19,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
 
-import distill.export.gguf as gx
-from decode.errors import DraftsmithError
-from decode.prompts import load_suite
-from distill.export import GGUF_TOL, ExportConfig, choose_k, export, load_draft, provenance
-from distill.export.gguf import logits_diff, permute_qk, tensor_type, unpermute_qk, verify_gguf, write_gguf
+import draftsmith.distill.export.gguf as gx
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.prompts import load_suite
+from draftsmith.distill.export import GGUF_TOL, ExportConfig, choose_k, export, load_draft, provenance
+from draftsmith.distill.export.gguf import logits_diff, permute_qk, tensor_type, unpermute_qk, verify_gguf, write_gguf
 
 SPECIALS = ["<unk>", "<s>", "</s>"]
 VOCAB = 300
@@ -254,7 +254,7 @@ def test_llama_cpp_check_compares_each_draft_with_the_target_alone_before_and_af
                                                                                     monkeypatch) -> None:
     """The orchestration around llama-server (the real engine runs in tests/distill/export/test_llama_cpp.py): the
     target alone is served before and after the drafts, the ratio uses their mean, text is compared."""
-    import distill.export.llama_cpp as lc
+    import draftsmith.distill.export.llama_cpp as lc
 
     calls = []
 
@@ -273,7 +273,7 @@ def test_llama_cpp_check_compares_each_draft_with_the_target_alone_before_and_af
                 "server_version": "fake", "command": "llama-server ..."}
 
     monkeypatch.setattr(lc, "check_with_llama_cpp", fake_server)
-    import distill.export as ex  # the prediction beside it: test_llama_cpp_prediction_orchestration below
+    import draftsmith.distill.export as ex  # the prediction beside it: test_llama_cpp_prediction_orchestration below
     monkeypatch.setattr(ex, "predict_llama_cpp", lambda *a, **kw: None)
     out = tmp_path / "out"
     s = export(str(world["llama_draft"]), str(world["llama_target"]), out,
@@ -313,9 +313,9 @@ def test_llama_cpp_prediction_orchestration(world, tmp_path: Path, monkeypatch) 
     """predict_llama_cpp around a fake llama-server and llama-bench (the real ones: test_llama_cpp.py): our
     acceptance and decoder run for real on the served prompts, calibration runs on other prompts, every K is
     predicted and served, and a llama.cpp acceptance far from our decoder's is flagged."""
-    import distill.export.llama_cpp as lc
-    from decode.loading import load
-    from distill.export import predict_llama_cpp
+    import draftsmith.distill.export.llama_cpp as lc
+    from draftsmith.decode.runtime.loading import load
+    from draftsmith.distill.export import predict_llama_cpp
 
     calls = []
 

@@ -11,12 +11,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
-from decode.errors import DraftsmithError
-from decode.head import Eagle3Head, HeadConfig, HeadDraft, rope_tables, vocab_map
-from decode.kv_cache import KVCache
-from decode.runner import make_runner
-from decode.speculative import KPolicy, generate
-from distill.export.heads import (check_llama_cpp_input_contract, check_sglang_contract, check_speculators_contract,
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.head import Eagle3Head, HeadConfig, HeadDraft, rope_tables, vocab_map
+from draftsmith.decode.runtime.kv_cache import KVCache
+from draftsmith.decode.runtime.runner import make_runner
+from draftsmith.decode.speculative import KPolicy, generate
+from draftsmith.distill.export.heads import (check_llama_cpp_input_contract, check_sglang_contract, check_speculators_contract,
                                   export_llama_cpp_input, export_sglang, export_speculators, refuse_pairing)
 from tests import helpers
 
@@ -287,12 +287,12 @@ def test_k_must_be_positive(setup, tmp_path) -> None:
 def test_export_head_writes_both_checked_folders_and_the_serving_lines(tmp_path) -> None:
     """`draftsmith export-head`'s function: a saved head and an HF target folder -> vllm/ and sglang/ (each passes
     its contract), export.json with EAGLE-3 serving lines at K; a head for another target writes nothing."""
-    from decode.head import save_head
-    from distill.export.heads import export_head
+    from draftsmith.decode.head import save_head
+    from draftsmith.distill.export.heads import export_head
 
     tok = helpers.word_tokenizer(["[UNK]", "<s>", "</s>", *[f"w{i}" for i in range(V - 3)]], eos="</s>", bos="<s>")
     folder = helpers.save_tiny(tmp_path / "target", tok, 0, vocab_size=V, eos_id=2, bos_id=1, layers=L)
-    from decode.loading import load
+    from draftsmith.decode.runtime.loading import load
 
     hf = load(str(folder)).model
     save_head(make_head(hf), tmp_path / "head")

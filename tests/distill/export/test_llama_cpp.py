@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import distill.export.llama_cpp as lc
-from decode import zoo
-from decode.errors import DraftsmithError
+import draftsmith.distill.export.llama_cpp as lc
+from draftsmith.decode.runtime import zoo
+from draftsmith.decode.runtime.errors import DraftsmithError
 
 NAME = "smollm2-135m-instruct"
 
@@ -102,9 +102,9 @@ def _llama_cpp_available() -> bool:
 @pytest.mark.skipif(not _llama_cpp_available(), reason="llama.cpp not built: `.venv/bin/draftsmith models llama-cpp` builds it once (about "
                            "25 min, cached in ~/.cache/draftsmith/llama-cpp); then this test runs")
 def test_llama_server_accepts_an_exported_draft(tmp_path: Path) -> None:
-    from decode.loading import load
-    from decode.textgen import prompt_ids
-    from distill.export.gguf import write_gguf
+    from draftsmith.decode.runtime.loading import load
+    from draftsmith.decode.textgen import prompt_ids
+    from draftsmith.distill.export.gguf import write_gguf
 
     zoo.pull(NAME, progress=False)
     torch.set_num_threads(2)
@@ -133,9 +133,9 @@ def test_llama_cpp_speedup_is_predicted_beside_measured(tmp_path: Path) -> None:
     """The real engine through distill.export.predict_llama_cpp: SmolLM2 with a Q8_0 copy of itself as the draft.
     Every K gets a prediction from llama.cpp's own costs and a measurement; both engines accept the copy's drafts
     alike (no parity flag); our decoder stays exact."""
-    from decode.loading import load
-    from distill.export import predict_llama_cpp
-    from distill.export.gguf import write_gguf
+    from draftsmith.decode.runtime.loading import load
+    from draftsmith.distill.export import predict_llama_cpp
+    from draftsmith.distill.export.gguf import write_gguf
 
     zoo.pull(NAME, progress=False)
     torch.set_num_threads(2)
@@ -179,9 +179,9 @@ def test_a_head_converts_to_an_eagle3_gguf_with_llama_cpps_converter(tmp_path: P
     import subprocess
     import sys
 
-    from decode.head import Eagle3Head, HeadConfig, vocab_map
-    from decode.loading import load
-    from distill.export.heads import export_llama_cpp_input
+    from draftsmith.decode.head import Eagle3Head, HeadConfig, vocab_map
+    from draftsmith.decode.runtime.loading import load
+    from draftsmith.distill.export.heads import export_llama_cpp_input
 
     t = load("smollm2-135m-instruct")
     torch.manual_seed(0)

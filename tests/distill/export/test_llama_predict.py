@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from distill.export.llama_predict import (PARITY_GAP, EngineCost, curve, fit_rest, parity_row, rounds_of,
+from draftsmith.distill.export.llama_predict import (PARITY_GAP, EngineCost, curve, fit_rest, parity_row, rounds_of,
                                           seconds_per_round, verdict)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from distill.export.model_card import model_card, serving_lines
+from draftsmith.distill.export.model_card import model_card, serving_lines
 
 
 def test_serving_lines_carry_k_and_paths() -> None:

@@ -5,7 +5,7 @@ next-token predictions at depth 1 and at the unrolled depths 2 and 3, where the 
     .venv/bin/python -m pytest tests/distill/export/test_speculators.py -q
 
 speculators runs in an environment of its own (its pins conflict with ours), built by the first run
-(`.venv/bin/python -m distill.export.speculators_env`: 1.5-3 minutes and 1.5 GB, from PyPI, then reused from
+(`.venv/bin/python -m draftsmith.distill.export.speculators_env`: 1.5-3 minutes and 1.5 GB, from PyPI, then reused from
 `<cache>/envs/speculators-0.9.0`); later runs take 15-60 s (2 cores). Without the network the first run FAILS with
 pip's one-line reason: this test never skips. Inside that environment every module of speculators imports on the
 CPU except `speculators.losses.fused` (triton); this test uses `Eagle3DraftModel` / `Eagle3SpeculatorConfig`
@@ -37,10 +37,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from decode.errors import DraftsmithError
-from decode.head import Eagle3Head, HeadConfig, HeadDraft, ttt_logits, vocab_map
-from distill.export.heads import export_speculators
-from distill.export.speculators_env import speculators_forward, speculators_python
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.head import Eagle3Head, HeadConfig, HeadDraft, ttt_logits, vocab_map
+from draftsmith.distill.export.heads import export_speculators
+from draftsmith.distill.export.speculators_env import speculators_forward, speculators_python
 from tests import helpers
 
 V, L, AUX, STEPS = 61, 4, (3, 1, 2), 3

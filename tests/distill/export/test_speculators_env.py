@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-import distill.export.speculators_env as se
-from decode.errors import DraftsmithError
+import draftsmith.distill.export.speculators_env as se
+from draftsmith.decode.runtime.errors import DraftsmithError
 
 
 @pytest.fixture()

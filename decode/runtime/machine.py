@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from decode.allocator import allocator_setting
+from draftsmith.decode.runtime.allocator import allocator_setting
 
 
 def machine_info() -> dict:

@@ -5,13 +5,13 @@ float32 (float64 for float64 models); `keep=n > 0` returns only the last n rows 
 The KV cache then holds positions [0, pos+T); calling forward again with a smaller `pos` rolls the
 cache back to that prefix: nothing before `pos` is recomputed.
 
-- `decode.lean.LeanLM`: the lean runner for Llama-family models (Llama, Qwen2, Mistral): a preallocated KV
+- `decode.runtime.lean.LeanLM`: the lean runner for Llama-family models (Llama, Qwen2, Mistral): a preallocated KV
   cache over the HF model's own weights, and tree verification for sibling rounds.
 - `HFRunner` (here): the generic runner, any Hugging Face causal LM (Gemma3 and the rest) with HF's own
   DynamicCache, cropped on rollback.
 
 `make_runner` picks the lean one where it applies. `quantize="int8"` gives a draft with dynamically quantised int8
-Linear weights (`decode.quant`).
+Linear weights (`decode.runtime.quant`).
 
 `runner.capture_layers = (i, j, k)` (both runners; a draft head's aux layers) makes every forward also keep
 `runner.last_hidden` (T, 3H): the residual stream entering those layers (HF's `output_hidden_states[i]`) for
@@ -20,15 +20,13 @@ the T positions it computed, concatenated in that order; `()` (the default) keep
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import Tensor
 
-from decode.allocator import release_freed_memory
-from decode.floor import plan_rows
-from decode.lean import LeanLM, lean_supported
-from decode.quant import Calibration, quantize_int4, quantize_int8
+if TYPE_CHECKING:
+    from draftsmith.decode.runtime.quant import Calibration
 
 
 class Runner(Protocol):
@@ -78,7 +76,13 @@ class HFRunner:
 def make_runner(hf_model, max_seq_len: int, *, lean: bool | None = None, quantize: str | None = None,
                 calib: Calibration | None = None) -> Runner:
     """The fastest exact runner for `hf_model` (lean when the architecture allows, else HF's own); `calib` (int4
-    only) rounds the int4 weights by GPTQ on those sequences (`decode.quant.quantize_int4`)."""
+    only) rounds the int4 weights by GPTQ on those sequences (`decode.runtime.quant.quantize_int4`)."""
+    # imported here, not at the top: the decoder needs only `Runner`, and importing it must not load the kernels
+    from draftsmith.decode.runtime.allocator import release_freed_memory
+    from draftsmith.decode.runtime.lean import LeanLM, lean_supported
+    from draftsmith.decode.runtime.plan import plan_rows
+    from draftsmith.decode.runtime.quant import quantize_int4, quantize_int8
+
     supported, why = lean_supported(hf_model.config)
     if lean is None:
         lean = supported
@@ -97,7 +101,7 @@ def make_runner(hf_model, max_seq_len: int, *, lean: bool | None = None, quantiz
         raise ValueError(f"unknown quantisation {quantize!r} (choose int8, int4 or none)")
     if quantize not in (None, "none"):
         release_freed_memory()  # the float copy it quantised, freed, would otherwise stay in the process's heap
-    if lean:  # pad few-row forwards to the row count this machine runs fastest (`decode.floor.plan_rows`)
+    if lean:  # pad few-row forwards to the row count this machine runs fastest (`decode.runtime.plan.plan_rows`)
         nbytes = sum(p.numel() * p.element_size() for p in hf_model.parameters())
         plan_rows(runner, (hf_model.config.name_or_path, hf_model.config.num_hidden_layers, nbytes, quantize), nbytes)
     return runner

@@ -1,8 +1,8 @@
 """`LeanLM`: the lean runner, a re-implementation of the Llama / Qwen2 / Mistral block (the architectures of the
 zoo's SmolLM2 and Qwen2.5-Coder) over the Hugging Face model's own weights (shared, not copied).
 
-A preallocated KV cache (`decode.kv_cache`), no per-step allocation of masks or cache objects, each Linear on
-`decode.kernels.linear` (a matmul layout that suits the few-row verify step). On a 2-core CPU a small model's
+A preallocated KV cache (`decode.runtime.kv_cache`), no per-step allocation of masks or cache objects, each Linear on
+`decode.runtime.kernels.linear` (a matmul layout that suits the few-row verify step). On a 2-core CPU a small model's
 step is dominated by per-layer overhead, which is what this removes. Besides the runner's `forward` it verifies
 trees (`forward_tree`, `keep_path`: sibling rounds) and has a fixed-shape `forward_static` (CUDA graphs /
 torch.compile). `lean_supported` says which configs it runs exactly; `lean_parts` gives its layers to the
@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from decode.attention import rms_norm, rotate_half
-from decode.kernels import blas, dnn_layout, dnn_usable, linear, native_kernels
-from decode.kv_cache import KVCache
-from decode.native import MAX_ROWS
+from draftsmith.decode.runtime.attention import rms_norm, rotate_half
+from draftsmith.decode.runtime.kernels import blas, dnn_layout, dnn_usable, linear, native_kernels
+from draftsmith.decode.runtime.kv_cache import KVCache
+from draftsmith.decode.runtime.native import MAX_ROWS
 
 LEAN_ARCHITECTURES = ("llama", "qwen2", "mistral")
 
@@ -124,11 +124,11 @@ class LeanLM(nn.Module):
 
     capture_layers: tuple[int, ...] = ()
     last_hidden: Tensor | None = None  # (T, len(capture_layers) * d) of the last forward
-    row_plan: dict[int, int] = {}  # T -> rows a forward over T rows runs at (padded): `decode.floor.plan_rows`
+    row_plan: dict[int, int] = {}  # T -> rows a forward over T rows runs at (padded): `decode.runtime.plan.plan_rows`
     blas_rows: frozenset[int] = frozenset()  # forwards over these row counts run BLAS, not oneDNN: the same plan
-    native_rows: frozenset[int] = frozenset()  # ... and these draftsmith's own kernel (`decode.native`), first
+    native_rows: frozenset[int] = frozenset()  # ... and these draftsmith's own kernel (`decode.runtime.native`), first
     native_many: bool = False  # forwards over more than 12 rows (a prefill) on it too: an int8 draft's
-    # (`decode.quant.quantize_int8`; fbgemm quantises a whole prompt's inputs with one scale)
+    # (`decode.runtime.quant.quantize_int8`; fbgemm quantises a whole prompt's inputs with one scale)
 
     def __init__(self, hf_model, max_seq_len: int, *, fast_head: bool = True) -> None:
         super().__init__()
@@ -146,7 +146,7 @@ class LeanLM(nn.Module):
         # one-row steps (plain decoding, draft steps) read the head faster as a (d, V) copy on CPUs:
         # the largest single matrix, worth its extra memory; multi-row verify steps use the shared one.
         # It is a snapshot: build a new runner after changing the model's weights.
-        # (not needed where oneDNN's prepacked kernel serves one row as well: `decode.kernels.linear`)
+        # (not needed where oneDNN's prepacked kernel serves one row as well: `decode.runtime.kernels.linear`)
         cpu_head = fast_head and device.type == "cpu" and not dnn_layout(self.lm_head.weight)
         self.head_t = self.lm_head.weight.detach().t().contiguous() if cpu_head else None
         self.register_buffer("cos", cos, persistent=False)  # (S, D)
@@ -161,7 +161,7 @@ class LeanLM(nn.Module):
     def forward(self, tokens: Tensor, pos: int, keep: int = 0) -> Tensor:
         """tokens (T,) at positions [pos, pos+T) -> logits (T, V), or the last `keep` rows.
 
-        Where `row_plan` says a forward over more rows is faster on this machine (`decode.floor.plan_rows`), the
+        Where `row_plan` says a forward over more rows is faster on this machine (`decode.runtime.plan.plan_rows`), the
         tokens are padded with copies of the last one up to that many rows and the extra rows dropped: they come
         after the real ones (causal: no real row sees them) and their cache slots lie past pos+T, which the next
         forward overwrites."""

@@ -4,9 +4,9 @@
 (`dnn_usable`: the CPU, float32 or bfloat16, outside autograd and torch.compile), else in the faster of two BLAS
 layouts on this machine, timed once per (weight shape, rows). `dense(x, weight)` is the same kernel for a bare
 weight (a head's training labels). DRAFTSMITH_LINEAR=auto|xw|wx|dnn fixes a layout. Inside `native_kernels()` a
-float32 or int8 Linear over 1-12 rows runs draftsmith's own kernel (`decode.native`). Inside `blas()` the plain
+float32 or int8 Linear over 1-12 rows runs draftsmith's own kernel (`decode.runtime.native`). Inside `blas()` the plain
 BLAS layout (x @ W^T) runs instead of oneDNN: a runner's forward over a row count its plan gives to BLAS
-(`decode.floor.plan_rows`; on the Intel Xeon of docs/results/floor.md the Qwen2.5-Coder-1.5B one-row step ran
+(`decode.runtime.plan.plan_rows`; on the Intel Xeon of docs/results/floor.md the Qwen2.5-Coder-1.5B one-row step ran
 240.0 ms against oneDNN's 267.9).
 """
 
@@ -23,14 +23,14 @@ import torch.ao.nn.quantized.dynamic
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from decode import native
+from draftsmith.decode.runtime import native
 
 LAYOUTS = ("auto", "xw", "wx", "dnn")
 _CHOICE: dict[tuple, bool] = {}  # (dtype, weight shape, rows, no bias) -> compute as W @ x^T (CPU only)
 _PACKED: dict[int, tuple[weakref.ref, int, Tensor]] = {}  # id(weight) -> (the weight, its version, packed copy)
 DYNAMIC_INT8 = torch.ao.nn.quantized.dynamic.Linear
 _BLAS = [False]  # inside `blas()`: Linears take the plain BLAS layout, not oneDNN
-_NATIVE = [False]  # inside `native_kernels()`: float32 / int8 Linears over 1-12 rows take `decode.native`'s kernel
+_NATIVE = [False]  # inside `native_kernels()`: float32 / int8 Linears over 1-12 rows take `decode.runtime.native`'s kernel
 
 
 @contextlib.contextmanager
@@ -46,9 +46,9 @@ def blas():
 @contextlib.contextmanager
 def native_kernels():
     """Within: every float32 `linear` over 1-12 rows outside autograd, and every int8 draft Linear (torch's dynamic
-    quantised one) over any rows, runs `decode.native`'s kernel where it is built (it reads a weight at close to the
+    quantised one) over any rows, runs `decode.runtime.native`'s kernel where it is built (it reads a weight at close to the
     machine's bandwidth, where oneDNN's, MKL's and fbgemm's one-row kernels do not): a runner's forward over a row
-    count its plan gives to it (`decode.floor.plan_rows`), and an int8 draft's prefill (`LeanLM.native_many`)."""
+    count its plan gives to it (`decode.runtime.plan.plan_rows`), and an int8 draft's prefill (`LeanLM.native_many`)."""
     before, _NATIVE[0] = _NATIVE[0], True
     try:
         yield
@@ -153,7 +153,7 @@ def linear(x: Tensor, layer: nn.Module) -> Tensor:
     row) and which streams the weight faster even for one row. Otherwise the faster of two BLAS layouts on this machine
     (`_weight_first`); DRAFTSMITH_LINEAR=xw|wx|dnn fixes one. Inside `native_kernels()`, 1-12 rows of a float32
     Linear or of the int8 draft's quantised one run on draftsmith's own kernel where it is built
-    (`decode.native`). Other layer types (the int8 Linear elsewhere: fbgemm) run as they are."""
+    (`decode.runtime.native`). Other layer types (the int8 Linear elsewhere: fbgemm) run as they are."""
     if type(layer) is not nn.Linear:
         if _NATIVE[0] and type(layer) is DYNAMIC_INT8 and x.dim() == 2:  # any rows: a draft's prefill too
             return _native_int8(x, layer)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from decode.quant import draft_quant
-from decode.runner import make_runner
+from draftsmith.decode.runtime.quant import draft_quant
+from draftsmith.decode.runtime.runner import make_runner
 from tests import helpers
 
 
@@ -25,8 +25,8 @@ def test_int8_runner_fuses_projections_and_computes_the_same_bits() -> None:
     same runner quantised unfused, for a prompt, one-row steps and a multi-row forward."""
     import copy
 
-    from decode.lean import LeanLM
-    from decode.quant import quantize_int8, quantize_linears_int8
+    from draftsmith.decode.runtime.lean import LeanLM
+    from draftsmith.decode.runtime.quant import quantize_int8, quantize_linears_int8
 
     model = helpers.tiny_llama(3, 300, layers=2, hidden=64, heads=4, kv_heads=2, arch="qwen2")
     assert model.model.layers[0].self_attn.q_proj.bias is not None  # biases are stacked too
@@ -47,8 +47,8 @@ def test_int8_runner_fuses_projections_and_computes_the_same_bits() -> None:
 def test_a_quantised_runner_reads_the_hf_models_embedding_and_quantises_a_tied_head_from_a_copy() -> None:
     """The quantised copy shares the input embedding with the HF model (read only; a Qwen 0.5B's is 545 MB) and
     quantises its own copy of a tied LM head: the HF model's weights are left as they were."""
-    from decode.lean import LeanLM
-    from decode.quant import quantize_int8
+    from draftsmith.decode.runtime.lean import LeanLM
+    from draftsmith.decode.runtime.quant import quantize_int8
 
     model = helpers.tiny_llama(3, 300, layers=2, hidden=64, heads=4, kv_heads=2, arch="qwen2")
     model.lm_head.weight = model.model.embed_tokens.weight  # tied, as the Qwen 0.5B's

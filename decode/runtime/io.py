@@ -1,6 +1,6 @@
 """Files that are never half-written, and results read back with one error style.
 
-    from decode.io import atomic_write_json, read_json
+    from draftsmith.decode.runtime.io import atomic_write_json, read_json
     atomic_write_json(out / "bench.json", result)          # readers see the old file or the new one, never half
     board = read_json(out / "leaderboard.json", missing_ok=True)   # None if absent; corrupt -> one-line error
 
@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from decode.errors import DraftsmithError
+from draftsmith.decode.runtime.errors import DraftsmithError
 
 
 @contextlib.contextmanager

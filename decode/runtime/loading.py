@@ -1,6 +1,6 @@
 """Turn whatever the user names as a model into a loaded Hugging Face model and tokenizer.
 
-    from decode.loading import load
+    from draftsmith.decode.runtime.loading import load
     m = load("qwen2.5-coder-0.5b-instruct")   # zoo name (pulled on first use)
     m = load("path/to/hf_folder")             # a folder with config.json
     m = load("path/to/model.gguf")            # a GGUF file (converted once, cached)
@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from decode import zoo
-from decode.errors import DraftsmithError
-from decode.gguf_check import check_gguf
+from draftsmith.decode.runtime import zoo
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.runtime.gguf_check import check_gguf
 
 _KEY_BYTES = 1 << 20  # the first MiB holds the header and metadata, which name the model
 

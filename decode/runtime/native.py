@@ -1,4 +1,4 @@
-"""draftsmith's own few-row CPU kernels (decode/csrc/dsk.c): a Linear over 1..12 rows (more: a draft's prefill, a
+"""draftsmith's own few-row CPU kernels (decode/runtime/csrc/dsk.c): a Linear over 1..12 rows (more: a draft's prefill, a
 block of output rows at a time over every 12 of them, its weights read once) whose weight is int8 with a
 float scale per output row (the int8 draft's), int4 in groups of 32 with a float16 scale and minimum each (the int4
 draft's, `q4_linear`: its inputs quantised to int8 a row for integer dot products), or float32, streamed once at
@@ -116,7 +116,7 @@ class Kernels:
     def q4_linear(self, x: Tensor, packed: Tensor, sm: Tensor, bias: Tensor | None = None, *,
                   n: int | None = None) -> Tensor:
         """x (T, K) float32 @ W^T + bias for T >= 1 rows, W (n, K) int4 in groups of GROUP along K, as
-        `decode.quant.pack_int4` lays it out: `packed` (Np, K / 2) uint8 and `sm` (Np, K / GROUP, 2) float16 (each
+        `decode.runtime.quant.pack_int4` lays it out: `packed` (Np, K / 2) uint8 and `sm` (Np, K / GROUP, 2) float16 (each
         group's scale and minimum, w = q * scale + min), its rows RB at a time (Np: n rounded up to RB; `n`
         defaults to Np). Each row of x is quantised to int8 (one scale: max |x| / 127) for integer dot products."""
         T, K = x.shape
@@ -151,7 +151,7 @@ def kernels() -> Kernels | None:
     if cc is None:
         _WHY.append("no C compiler (gcc) found")
         return None
-    from decode.zoo import cache_dir
+    from draftsmith.decode.runtime.zoo import cache_dir
 
     key = hashlib.sha256(SOURCE.read_bytes() + cc.encode() + _cpu_flags().encode()).hexdigest()[:16]
     lib_path = cache_dir() / "native" / f"dsk-{key}.so"
@@ -185,9 +185,9 @@ def tune_q4_ahead() -> int:
     import json
     import time
 
-    from decode.errors import DraftsmithError
-    from decode.io import atomic_write_json, read_json
-    from decode.zoo import cache_dir
+    from draftsmith.decode.runtime.errors import DraftsmithError
+    from draftsmith.decode.runtime.io import atomic_write_json, read_json
+    from draftsmith.decode.runtime.zoo import cache_dir
 
     k = kernels()
     if k is None or not k.q4_chunk:

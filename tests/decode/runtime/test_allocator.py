@@ -4,14 +4,14 @@ import sys
 
 import pytest
 
-from decode import allocator
-from decode.errors import DraftsmithError
+from draftsmith.decode.runtime import allocator
+from draftsmith.decode.runtime.errors import DraftsmithError
 
 # a child process frees a 64 MiB tensor and reports whether its resident memory stayed (kept for reuse) or went
 # back to the OS (glibc munmaps a block that size unless told otherwise)
 CHILD = """
 import os, torch
-from decode.allocator import keep_freed_memory
+from draftsmith.decode.runtime.allocator import keep_freed_memory
 setting = keep_freed_memory()
 page = os.sysconf("SC_PAGE_SIZE")
 rss = lambda: int(open("/proc/self/statm").read().split()[1]) * page
@@ -19,7 +19,7 @@ x = torch.ones(16 << 20)  # 64 MiB, touched
 before = rss()
 del x
 if os.environ.get("RELEASE"):
-    from decode.allocator import release_freed_memory
+    from draftsmith.decode.runtime.allocator import release_freed_memory
     release_freed_memory()
 print(setting, "|", (before - rss()) >> 20)
 """

@@ -1,4 +1,4 @@
-"""Int4 drafts (`decode.quant.pack_int4`, `Int4Linear`, `decode.native`'s int4 kernel): the packing against float64
+"""Int4 drafts (`decode.runtime.quant.pack_int4`, `Int4Linear`, `decode.runtime.native`'s int4 kernel): the packing against float64
 brute force, the kernel against a float64 reference of what it computes (int8 inputs, int4 groups), a row's bits
 independent of the rows beside it, and the decoder exact with an int4 draft (greedy, pruned or whole)."""
 
@@ -8,12 +8,12 @@ import pytest
 import torch
 from torch import nn
 
-from decode.pruned import PrunedRunner
-from decode.quant import (GROUP, Int4Linear, deinterleave_int4, draft_quant, int4_chunk, int4_ok, pack_int4,
+from draftsmith.decode.pruned import PrunedRunner
+from draftsmith.decode.runtime.quant import (GROUP, Int4Linear, deinterleave_int4, draft_quant, int4_chunk, int4_ok, pack_int4,
                           quantize_groups, unpack_int4)
-from decode.runner import make_runner
-from decode.spec import DraftSpec
-from decode.speculative import KPolicy, generate
+from draftsmith.decode.runtime.runner import make_runner
+from draftsmith.decode.spec import DraftSpec
+from draftsmith.decode.speculative import KPolicy, generate
 from tests import helpers
 
 CHUNK = int4_chunk()

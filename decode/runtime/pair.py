@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from decode.errors import DraftsmithError
-from decode.loading import Loaded, load
-from decode.quant import draft_quant as _draft_quant
-from decode.runner import Runner, make_runner
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.runtime.loading import Loaded, load
+from draftsmith.decode.runtime.quant import draft_quant as _draft_quant
+from draftsmith.decode.runtime.runner import Runner, make_runner
 
 
 def check_vocab(target: Loaded, draft: Loaded) -> None:
@@ -36,7 +36,7 @@ def load_pair(
     device: str = "cpu",
 ) -> Pair:
     """Load target (as is, float32 on CPU) and draft (int8 weights by default where it can: see
-    `decode.quant.draft_quant`), with their runners."""
+    `decode.runtime.quant.draft_quant`), with their runners."""
     t = load(target, device=device)
     d = load(draft, device=device) if draft else None
     if d is not None:

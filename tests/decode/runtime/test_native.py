@@ -1,4 +1,4 @@
-"""`decode.native`: draftsmith's own few-row kernels (int8 rows with per-row scales, float32) against float64
+"""`decode.runtime.native`: draftsmith's own few-row kernels (int8 rows with per-row scales, float32) against float64
 brute force, the int8 draft's route onto them, and the fall-back when they cannot be built."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from decode import native
-from decode.kernels import linear, native_kernels
-from decode.quant import quantize_int8, quantize_linears_int8
-from decode.runner import make_runner
+from draftsmith.decode.runtime import native
+from draftsmith.decode.runtime.kernels import linear, native_kernels
+from draftsmith.decode.runtime.quant import quantize_int8, quantize_linears_int8
+from draftsmith.decode.runtime.runner import make_runner
 from tests import helpers
 
 KERNELS = native.kernels()
@@ -160,7 +160,7 @@ def test_the_int4_prefetch_distance_is_timed_once_saved_and_never_changes_a_bit(
     """`tune_q4_ahead`: a choice among `Q4_AHEAD_CHOICES` saved beside the library and read back (a damaged file is
     timed again), DRAFTSMITH_Q4_AHEAD fixes it (a bad value is refused); the kernel's output is the same bits at
     every distance (prefetching moves no result)."""
-    from decode.quant import pack_int4
+    from draftsmith.decode.runtime.quant import pack_int4
 
     k, before = KERNELS, KERNELS.q4_ahead()
     try:

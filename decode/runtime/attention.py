@@ -1,5 +1,5 @@
 """The rest of a Llama block's arithmetic, shared by the lean runner, the batched decoder and the draft head:
-RMSNorm, RoPE's half rotation and grouped-query attention (the Linear layers are `decode.kernels`)."""
+RMSNorm, RoPE's half rotation and grouped-query attention (the Linear layers are `decode.runtime.kernels`)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Int8 drafts: dynamically quantised int8 Linear weights, one scale per output channel (fbgemm, a CPU kernel).
 
 Cheaper draft steps; exactness is untouched since the target verifies. A lean runner's few-row steps run these
-weights on draftsmith's own kernel where its row plan found that faster (`decode.native`, `LeanLM.native_rows`).
+weights on draftsmith's own kernel where its row plan found that faster (`decode.runtime.native`, `LeanLM.native_rows`).
 `draft_quant(model)` is the one rule for which drafts take it (on the CPU, float32, an architecture the lean runner
 runs); `quantize_int8(runner)` gives a lean runner's int8 copy (`make_runner(..., quantize="int8")`; the copy stacks
 each layer's q, k, v and its gate, up projections into one Linear each first: fewer calls a step, the same bits),
@@ -10,7 +10,7 @@ each layer's q, k, v and its gate, up projections into one Linear each first: fe
 Int4 drafts (`quantize="int4"`, a draft spec `int4:MODEL`): every Linear's weight in groups of 32 along its input,
 each group with its own scale and minimum (w = q * scale + min, q in 0..15, the pair fitted to the group by least
 squares; both float16: 0.625 bytes a weight, 0.625x an int8 draft's reads), run on draftsmith's own kernel
-(`decode.native`: int8 inputs, integer dot products); only where that kernel is built (`int4_ok`).
+(`decode.runtime.native`: int8 inputs, integer dot products); only where that kernel is built (`int4_ok`).
 
 Calibrated int4 (`int4:MODEL:calib=FILE`, FILE from `write_calib`: token sequences, e.g. the target's own answers):
 the same format, its nibbles chosen by GPTQ (`gptq_groups`): each column's rounding error is spread over the columns
@@ -30,13 +30,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from decode import native
-from decode.errors import DraftsmithError
-from decode.io import atomic_path, atomic_write_json
-from decode.lean import lean_supported
+from draftsmith.decode.runtime import native
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.runtime.io import atomic_path, atomic_write_json
+from draftsmith.decode.runtime.lean import lean_supported
 
 if TYPE_CHECKING:
-    from decode.runner import Runner
+    from draftsmith.decode.runtime.runner import Runner
 
 
 def quantize_int8(runner: Runner) -> Runner:
@@ -189,7 +189,7 @@ def deinterleave_int4(packed: Tensor, sm: Tensor, n: int) -> tuple[Tensor, Tenso
 
 def pack_int4(weight: Tensor, refine: int = 4, hessian: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """A float weight (N, K), K % GROUP == 0 -> the int4 kernel's (packed, sm) (`interleave_int4` of
-    `quantize_groups`, or of `gptq_groups` given the inputs' `hessian`; `decode.native.Kernels.q4_linear`)."""
+    `quantize_groups`, or of `gptq_groups` given the inputs' `hessian`; `decode.runtime.native.Kernels.q4_linear`)."""
     if weight.shape[1] % GROUP:
         raise ValueError(f"int4 weights need a row length divisible by {GROUP}, got {weight.shape[1]}")
     return interleave_int4(*(quantize_groups(weight, refine) if hessian is None else gptq_groups(weight, hessian)))
@@ -404,7 +404,7 @@ def read_calib(path: str | Path) -> Calibration:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise DraftsmithError(f"{path}: no such calibration file (write one with decode.quant.write_calib)") from None
+        raise DraftsmithError(f"{path}: no such calibration file (write one with decode.runtime.quant.write_calib)") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise DraftsmithError(f"{path}: not a calibration file ({type(e).__name__}: {e})") from None
     seqs = data.get("sequences") if isinstance(data, dict) else None
@@ -427,7 +427,7 @@ def _fingerprint(linears: dict[str, nn.Linear]) -> str:
 
 
 class _Recording(nn.Module):
-    """A Linear that hands its inputs to `record` as it runs (`decode.kernels.linear` calls any other layer type)."""
+    """A Linear that hands its inputs to `record` as it runs (`decode.runtime.kernels.linear` calls any other layer type)."""
 
     def __init__(self, linear: nn.Linear, record) -> None:
         super().__init__()
@@ -485,7 +485,7 @@ def calibrated_int4(runner: nn.Module, places: list[tuple[nn.Module, str, str]],
     0.5B on ~2,000 tokens: about a minute on 2 cores) and saved for the next runner."""
     from safetensors.torch import load_file, save_file
 
-    from decode.zoo import cache_dir
+    from draftsmith.decode.runtime.zoo import cache_dir
 
     linears = {name: getattr(parent, child_name) for parent, child_name, name in places}
     key = hashlib.sha256(f"{GPTQ_VERSION}:{GPTQ_DAMP}:{CALIB_MAX_TOKENS}:{_fingerprint(linears)}:{calib.key}"

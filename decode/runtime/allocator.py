@@ -17,7 +17,7 @@ import ctypes
 import ctypes.util
 import os
 
-from decode.errors import DraftsmithError
+from draftsmith.decode.runtime.errors import DraftsmithError
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
 KEEP_BYTES = 1 << 30  # blocks below 1 GiB come from the heap; freed heap above 2 GiB goes back to the OS

@@ -8,8 +8,8 @@ import sys
 import torch
 import transformers
 
-from decode.allocator import allocator_setting
-from decode.machine import machine_info, versions
+from draftsmith.decode.runtime.allocator import allocator_setting
+from draftsmith.decode.runtime.machine import machine_info, versions
 
 
 def test_machine_info_and_versions_say_where_a_number_was_measured() -> None:

@@ -8,7 +8,7 @@ import torch
 
 
 def test_both_linear_layouts_give_the_same_numbers_and_a_bad_setting_is_refused(monkeypatch) -> None:
-    import decode.kernels as dk
+    import draftsmith.decode.runtime.kernels as dk
 
     layer = torch.nn.Linear(320, 256, bias=True).double()  # large enough (>= 2^16 weights) to be timed on auto
     x = torch.randn(3, 320, dtype=torch.float64)
@@ -22,7 +22,7 @@ def test_both_linear_layouts_give_the_same_numbers_and_a_bad_setting_is_refused(
 
 
 def test_onednn_layout_matches_plain_follows_weight_changes_and_stays_out_of_autograd(monkeypatch) -> None:
-    import decode.kernels as dk
+    import draftsmith.decode.runtime.kernels as dk
 
     if not torch.backends.mkldnn.is_available():
         pytest.skip("this torch build has no oneDNN")
@@ -52,7 +52,7 @@ def test_onednn_layout_matches_plain_follows_weight_changes_and_stays_out_of_aut
 def test_bfloat16_linears_run_on_every_cpu_and_take_onednn_only_where_it_has_a_bf16_path(monkeypatch) -> None:
     """oneDNN refuses bfloat16 weights on a CPU with AVX2 alone ("bf16 path needs ... avx512"): there a bfloat16
     Linear runs in BLAS; where it has the path, on oneDNN. Either way the numbers are the layer's."""
-    import decode.kernels as dk
+    import draftsmith.decode.runtime.kernels as dk
 
     monkeypatch.setenv("DRAFTSMITH_LINEAR", "auto")
     layer = torch.nn.Linear(96, 80, bias=False).to(torch.bfloat16)

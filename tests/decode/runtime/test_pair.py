@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from decode.errors import DraftsmithError
-from decode.pair import check_vocab
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.runtime.pair import check_vocab
 from tests import helpers
 from tests.decode.test_textgen import WORDS
 

@@ -1,7 +1,7 @@
 """Loading: GGUF validation, resolving zoo names / HF folders / .gguf files, and load().
 
-    .venv/bin/python -m pytest tests/decode/test_loading.py -q
-    .venv/bin/python -m pytest tests/decode/test_loading.py -q -m integration   # real SmolLM2 pull
+    .venv/bin/python -m pytest tests/decode/runtime/test_loading.py -q
+    .venv/bin/python -m pytest tests/decode/runtime/test_loading.py -q -m integration   # real SmolLM2 pull
 
 The unit tests build tiny models in tmp_path (a random Llama folder, a hand-written GGUF) and
 never touch the real cache.
@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-from decode import loading, zoo
-from decode.errors import DraftsmithError
-from decode.gguf_check import check_gguf, gguf_chat_template
-from decode.loading import eos_ids
+from draftsmith.decode.runtime import loading, zoo
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.runtime.gguf_check import check_gguf, gguf_chat_template
+from draftsmith.decode.runtime.loading import eos_ids
 from tests import helpers
 
 CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"

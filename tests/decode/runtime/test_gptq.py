@@ -1,4 +1,4 @@
-"""Calibrated int4 drafts (`decode.quant.gptq_groups`, `int4:MODEL:calib=FILE`): GPTQ against a float64 brute force
+"""Calibrated int4 drafts (`decode.runtime.quant.gptq_groups`, `int4:MODEL:calib=FILE`): GPTQ against a float64 brute force
 of the sequential update it stands for, its identity case (no inputs' correlation: plain rounding), a lower output
 error than plain rounding on correlated inputs (with a negative control), the calibration file's errors, the
 calibrated runner cached and exact in the decoder."""
@@ -10,13 +10,13 @@ import json
 import pytest
 import torch
 
-from decode.errors import DraftsmithError
-from decode.quant import GROUP, Int4Linear, deinterleave_int4, gptq_groups, quantize_groups, read_calib, write_calib
-from decode.runner import make_runner
-from decode.spec import DraftSpec
-from decode.speculative import KPolicy, generate
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.runtime.quant import GROUP, Int4Linear, deinterleave_int4, gptq_groups, quantize_groups, read_calib, write_calib
+from draftsmith.decode.runtime.runner import make_runner
+from draftsmith.decode.spec import DraftSpec
+from draftsmith.decode.speculative import KPolicy, generate
 from tests import helpers
-from tests.decode.test_int4 import needs_int4
+from tests.decode.runtime.test_int4 import needs_int4
 
 
 def brute_gptq(weight: torch.Tensor, hessian: torch.Tensor, damp: float = 0.01):

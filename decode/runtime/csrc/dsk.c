@@ -5,7 +5,7 @@
  * already loaded. Every output is one vector accumulator summed over K in order and reduced the same way whatever
  * T is, so a row's result does not
  * depend on the rows beside it (bit for bit). T rows share each weight vector loaded (T multiply-adds a weight:
- * past 8 rows the multiply-adds, not the reads, set the pace). decode/native.py compiles it on first use (gcc -O3
+ * past 8 rows the multiply-adds, not the reads, set the pace). decode/runtime/native.py compiles it on first use (gcc -O3
  * -march=native) and calls it through ctypes. K must be a multiple of LANES. Built for AVX-512F or AVX2 + FMA;
  * anything else gets no kernels. */
 #include <stddef.h>
@@ -163,7 +163,7 @@ static inline vf vicvt(vi v) { return _mm256_cvtepi32_ps(v); }
 #ifndef AHEAD4
 #define AHEAD4 1024 /* bytes ahead of the block's stream to prefetch, until dsk_set_q4_ahead sets another */
 #endif
-static int ahead4 = AHEAD4; /* decode/native.py times a few distances once per machine and sets the fastest */
+static int ahead4 = AHEAD4; /* decode/runtime/native.py times a few distances once per machine and sets the fastest */
 /* The integer dot product of 4 unsigned nibbles by 4 signed int8 inputs a lane, added to acc. */
 #if LANES == 16
 static inline vi q4dot(vi acc, vi w, vi x) {
@@ -337,7 +337,7 @@ static void q4_many(const int8_t *xq, const float *xg, const float *sx, const ui
         }
 }
 
-/* w: ceil(N / 16) blocks of 16 rows (`BLOCK4`'s layout; decode.quant.pack_int4), N the rows written. Scratch for
+/* w: ceil(N / 16) blocks of 16 rows (`BLOCK4`'s layout; decode.runtime.quant.pack_int4), N the rows written. Scratch for
  * the int8 inputs: xq (T, K) int8, xg (T, K / GROUP) group sums, sx (T) scales; returns 0 or -1. */
 int dsk_q4_linear(const float *x, const uint8_t *w, const uint16_t *sm, const float *b, float *y, int T, int N, int K) {
     if (T < 1 || K % GROUP || K % LANES) return -1;

@@ -1,6 +1,6 @@
 """The zoo: registry, cache paths, assemble/verify, disk-space errors, pull idempotence.
 
-    .venv/bin/python -m pytest tests/decode/test_zoo.py -q
+    .venv/bin/python -m pytest tests/decode/runtime/test_zoo.py -q
 
 No test here downloads anything: wheels are small zips written in tmp_path and pip is faked.
 """
@@ -18,8 +18,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from decode import zoo
-from decode.errors import DraftsmithError
+from draftsmith.decode.runtime import zoo
+from draftsmith.decode.runtime.errors import DraftsmithError
 
 CHUNKS = [b"GGUF" + b"a" * 1000, b"b" * 777, b"c" * 5]
 

@@ -1,6 +1,6 @@
 """Read the key metadata of a GGUF file, or say in one line why it is not a usable one.
 
-    from decode.gguf_check import check_gguf
+    from draftsmith.decode.runtime.gguf_check import check_gguf
     check_gguf("model.gguf")  # {'architecture': 'llama', 'n_vocab': 49152, ...}
 
 A GGUF file is a header (magic, version, counts), key/value metadata, tensor descriptions, then
@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from decode.errors import DraftsmithError
+from draftsmith.decode.runtime.errors import DraftsmithError
 
 GGUF_MAGIC = b"GGUF"
 _HEADER_BYTES = 24  # magic (4) + version (4) + tensor count (8) + key/value count (8)

