@@ -32,6 +32,7 @@ from pathlib import Path
 
 from draftsmith.decode.runtime.allocator import keep_freed_memory
 from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.runtime.settings import RuntimeSettings, configure
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -733,10 +734,46 @@ def _one_line(e: BaseException) -> str:
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
+ENVIRONMENT = {  # variable -> the runtime setting it maps onto (`settings_from_env`)
+    "DRAFTSMITH_LINEAR": "linear", "DRAFTSMITH_NATIVE": "native", "DRAFTSMITH_Q4_AHEAD": "q4_ahead",
+    "DRAFTSMITH_ROWS": "rows", "DRAFTSMITH_MALLOC": "malloc", "DRAFTSMITH_THREADS": "threads", "CC": "compiler",
+}
+_SWITCH = {"on": True, "auto": True, "off": False}
+
+
+def settings_from_env(environ) -> RuntimeSettings:
+    """The runtime settings a `draftsmith` command runs under: the defaults, changed by the variables of
+    `ENVIRONMENT` that are set (DRAFTSMITH_NATIVE and DRAFTSMITH_ROWS take on|auto|off; DRAFTSMITH_Q4_AHEAD and
+    DRAFTSMITH_THREADS a count). The only place the runtime's environment is read."""
+    values: dict = {}
+    for var, name in ENVIRONMENT.items():
+        raw = environ.get(var)
+        if raw is None or raw == "":
+            continue
+        if name in ("native", "rows"):
+            if raw not in _SWITCH:
+                raise DraftsmithError(f"{var} must be on, auto or off, got {raw!r}")
+            values[name] = _SWITCH[raw]
+        elif name in ("q4_ahead", "threads"):
+            if not raw.isdigit():
+                raise DraftsmithError(f"{var} must be a whole number, got {raw!r}")
+            values[name] = int(raw)
+        else:
+            values[name] = raw
+        try:
+            RuntimeSettings(**{name: values[name]})
+        except DraftsmithError as e:
+            raise DraftsmithError(f"{var}: {e}") from None
+    return RuntimeSettings(**values)
+
+
 def main(argv: list[str] | None = None) -> int:
+    import os
+
     args = build_parser().parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
     try:
+        configure(settings_from_env(os.environ))
         keep_freed_memory()  # large tensors reuse freed memory instead of page-faulting it in again
         return func(args)
     except DraftsmithError as e:

@@ -40,7 +40,8 @@ from typing import Any
 
 import torch
 
-from draftsmith.decode.runtime.allocator import allocator_setting, keep_freed_memory, release_freed_memory
+from draftsmith.decode.runtime.allocator import keep_freed_memory, release_freed_memory
+from draftsmith.decode.runtime.settings import RuntimeSettings, configure, current
 from draftsmith.decode.runtime.errors import DraftsmithError
 from draftsmith.decode.runtime.io import atomic_write_json, read_json
 from draftsmith.distill.kinds import RunContext, kind_for
@@ -180,11 +181,12 @@ STAGE_FUNCS: dict[str, Callable[[Recipe, RunFolder], dict]] = {
 FRESH_PROCESS_STAGES = ("validate",)  # they time decoders: after another stage, in a process of their own
 
 
-def _stage_in_child(func: Callable[[Recipe, RunFolder], dict], recipe: Recipe, out: str, keep_memory: bool) -> dict:
-    """A stage's body in a spawned process (the allocator set as in the parent), ended with its parent."""
+def _stage_in_child(func: Callable[[Recipe, RunFolder], dict], recipe: Recipe, out: str, settings: dict) -> dict:
+    """A stage's body in a spawned process under the parent's runtime settings (the allocator set as in the
+    parent), ended with its parent."""
     _end_with_parent()
-    if keep_memory:
-        keep_freed_memory()
+    configure(RuntimeSettings.from_dict(settings))
+    keep_freed_memory()
     return func(recipe, RunFolder(Path(out)))
 
 
@@ -208,7 +210,7 @@ def run_stage_fresh(func: Callable[[Recipe, RunFolder], dict], recipe: Recipe, r
     release_freed_memory()  # what earlier stages freed goes back to the OS, not held beside the child's
     pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
     try:
-        return pool.submit(_stage_in_child, func, recipe, str(run.out), allocator_setting() != "system").result()
+        return pool.submit(_stage_in_child, func, recipe, str(run.out), current().to_dict()).result()
     except BrokenProcessPool as e:
         raise DraftsmithError(f"{func.__name__}: its process ended without a result (killed? out of memory?)") from e
     finally:

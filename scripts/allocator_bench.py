@@ -28,12 +28,15 @@ from pathlib import Path
 def one(args: argparse.Namespace) -> dict:
     """In this process: data, then training; tokens per second of each."""
     from draftsmith.decode.runtime.allocator import keep_freed_memory
+    from draftsmith.decode.runtime.settings import configure
+    from draftsmith.recipes.cli import settings_from_env
     from draftsmith.decode.runtime.loading import load
     from draftsmith.decode.prompts import load_prompts
     from draftsmith.distill.heads.data import HeadDataConfig, build_head_data, load_head_data
     from draftsmith.distill.heads.pipeline import aux_layers_for
     from draftsmith.distill.heads.train import HeadTrainConfig, train_head
 
+    configure(settings_from_env(os.environ))  # DRAFTSMITH_MALLOC, as the parent set it for this process
     setting = keep_freed_memory()
     target = load(args.target)
     aux = aux_layers_for(target.model.config.num_hidden_layers)

@@ -3,7 +3,7 @@
     .venv/bin/python scripts/linear_bench.py --out docs/linear-bench    # -> docs/linear-bench/bench.json
 
 The lean runner of `--target` first reads a `--context`-token prompt; then, per repeat and per layout
-(DRAFTSMITH_LINEAR=dnn, xw, wx, in turn), it times forwards of T = 1..`--max-rows` tokens at that position (the
+(`RuntimeSettings.linear` = dnn, xw, wx, in turn), it times forwards of T = 1..`--max-rows` tokens at that position (the
 verify step of a round drafting T - 1 tokens; T = 1 is a plain decoding step), rolling the cache back each
 time. Reports the median of every (layout, T), v(T) = its ratio to the same layout's one-row step, and each
 layout's one-row step against the dnn one; with the machine and the versions. Smoke run on a tiny model folder:
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ import torch
 
 from draftsmith.decode.runtime.io import atomic_write_json
 from draftsmith.decode.runtime.loading import load
+from draftsmith.decode.runtime.settings import configure, current
 from draftsmith.decode.runtime.machine import machine_info, versions
 from draftsmith.decode.runtime.runner import make_runner
 
@@ -45,16 +45,16 @@ def main() -> None:
     prompt = torch.randint(0, vocab, (args.context,), generator=g)
     rows = range(1, args.max_rows + 1)
     times: dict[str, dict[int, list[float]]] = {lay: {T: [] for T in rows} for lay in LAYOUTS}
-    before = os.environ.get("DRAFTSMITH_LINEAR")
+    base = current()
     try:
         runners = {}
         for lay in LAYOUTS:  # each made under its layout: the BLAS ones keep their (d, V) output-head copy
-            os.environ["DRAFTSMITH_LINEAR"] = lay
+            configure(base.but(linear=lay))
             runners[lay] = make_runner(target.model, args.context + args.max_rows + 8)
             runners[lay].forward(prompt, 0)
         for _ in range(args.repeats):
             for lay in LAYOUTS:
-                os.environ["DRAFTSMITH_LINEAR"] = lay
+                configure(base.but(linear=lay))
                 runner = runners[lay]
                 for T in rows:
                     tokens = torch.randint(0, vocab, (T,), generator=g)
@@ -64,10 +64,7 @@ def main() -> None:
                         runner.forward(tokens, args.context)
                         times[lay][T].append(time.perf_counter() - t0)
     finally:
-        if before is None:
-            os.environ.pop("DRAFTSMITH_LINEAR", None)
-        else:
-            os.environ["DRAFTSMITH_LINEAR"] = before
+        configure(base)
     med = {lay: {T: statistics.median(ts) for T, ts in per.items()} for lay, per in times.items()}
     result = {
         "target": target.name, "context": args.context, "repeats": args.repeats, "reps": args.reps,

@@ -7,7 +7,7 @@ memory in again: a (1000, 8192) float32 logits block is 32 MiB, and training a h
 Intel Xeon here (README, "How the decoder stays exact and fast"): 1.09x the tokens per second when a head trains,
 no gain when the target writes head data. The cost: the process keeps its peak memory until it exits.
 
-`DRAFTSMITH_MALLOC=system` leaves the allocator as it is; where the C library is not glibc, nothing changes.
+`RuntimeSettings(malloc="system")` (the CLI: DRAFTSMITH_MALLOC=system) leaves the allocator as it is; where the C library is not glibc, nothing changes.
 `allocator_setting()` says which holds (benchmarks record it beside the machine).
 """
 
@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
 
-from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.runtime.settings import current
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
 KEEP_BYTES = 1 << 30  # blocks below 1 GiB come from the heap; freed heap above 2 GiB goes back to the OS
@@ -36,10 +35,7 @@ def _glibc():
 
 def keep_freed_memory() -> str:
     """Raise glibc's mmap and trim thresholds for this process, once; returns `allocator_setting()`."""
-    choice = os.environ.get("DRAFTSMITH_MALLOC", "keep")
-    if choice not in ("keep", "system"):
-        raise DraftsmithError(f"DRAFTSMITH_MALLOC must be keep or system, got {choice!r}")
-    if choice == "keep" and _state["setting"] == "system":
+    if current().malloc == "keep" and _state["setting"] == "system":
         libc = _glibc()
         if libc is not None and libc.mallopt(M_MMAP_THRESHOLD, KEEP_BYTES) == 1:
             libc.mallopt(M_TRIM_THRESHOLD, 2 * KEEP_BYTES)

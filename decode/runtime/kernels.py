@@ -3,7 +3,7 @@
 `linear(x, layer)` runs an nn.Linear on oneDNN's kernel over a prepacked copy of its weight where that applies
 (`dnn_usable`: the CPU, float32 or bfloat16, outside autograd and torch.compile), else in the faster of two BLAS
 layouts on this machine, timed once per (weight shape, rows). `dense(x, weight)` is the same kernel for a bare
-weight (a head's training labels). DRAFTSMITH_LINEAR=auto|xw|wx|dnn fixes a layout. Inside `native_kernels()` a
+weight (a head's training labels). `RuntimeSettings.linear` (auto|xw|wx|dnn) fixes a layout. Inside `native_kernels()` a
 float32 or int8 Linear over 1-12 rows runs draftsmith's own kernel (`decode.runtime.native`). Inside `blas()` the plain
 BLAS layout (x @ W^T) runs instead of oneDNN: a runner's forward over a row count its plan gives to BLAS
 (`decode.runtime.plan.plan_rows`; on the Intel Xeon of docs/results/floor.md the Qwen2.5-Coder-1.5B one-row step ran
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import time
 import weakref
 
@@ -24,8 +23,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from draftsmith.decode.runtime import native
+from draftsmith.decode.runtime.settings import current
 
-LAYOUTS = ("auto", "xw", "wx", "dnn")
 _CHOICE: dict[tuple, bool] = {}  # (dtype, weight shape, rows, no bias) -> compute as W @ x^T (CPU only)
 _PACKED: dict[int, tuple[weakref.ref, int, Tensor]] = {}  # id(weight) -> (the weight, its version, packed copy)
 DYNAMIC_INT8 = torch.ao.nn.quantized.dynamic.Linear
@@ -57,10 +56,7 @@ def native_kernels():
 
 
 def _layout_setting() -> str:
-    value = os.environ.get("DRAFTSMITH_LINEAR", "auto")
-    if value not in LAYOUTS:
-        raise ValueError(f"DRAFTSMITH_LINEAR must be one of {', '.join(LAYOUTS)}, got {value!r}")
-    return value
+    return current().linear
 
 
 def best_time(fn, reps: int = 5) -> float:
@@ -76,8 +72,8 @@ def best_time(fn, reps: int = 5) -> float:
 
 def dnn_usable(weight: Tensor) -> bool:
     """Whether a Linear with this weight runs on oneDNN's prepacked kernel (`linear`): on the CPU, in float32 or
-    bfloat16, outside autograd and torch.compile, where the build has oneDNN, unless DRAFTSMITH_LINEAR names
-    another layout."""
+    bfloat16, outside autograd and torch.compile, where the build has oneDNN, unless `RuntimeSettings.linear`
+    names another layout."""
     return (dnn_layout(weight) and not _BLAS[0] and not torch.is_grad_enabled()
             and not torch.compiler.is_compiling())
 
@@ -151,7 +147,7 @@ def linear(x: Tensor, layer: nn.Module) -> Tensor:
     """A Linear layer at inference. On the CPU in float32 or bfloat16 (`dnn_usable`): oneDNN's kernel over a
     prepacked copy of the weight, whose cost hardly grows from 1 to 8 rows (MKL's sgemm on few rows is 1.3-2x one
     row) and which streams the weight faster even for one row. Otherwise the faster of two BLAS layouts on this machine
-    (`_weight_first`); DRAFTSMITH_LINEAR=xw|wx|dnn fixes one. Inside `native_kernels()`, 1-12 rows of a float32
+    (`_weight_first`); `RuntimeSettings.linear` = xw|wx|dnn fixes one. Inside `native_kernels()`, 1-12 rows of a float32
     Linear or of the int8 draft's quantised one run on draftsmith's own kernel where it is built
     (`decode.runtime.native`). Other layer types (the int8 Linear elsewhere: fbgemm) run as they are."""
     if type(layer) is not nn.Linear:

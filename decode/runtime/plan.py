@@ -5,21 +5,27 @@
 
 A cached forward over T rows can run faster padded to T' > T rows, or on BLAS or the native kernel rather than
 oneDNN, depending on the machine; `plan_rows` times each way once (`forward_times`) and gives the runner its
-`row_plan`, `blas_rows` and `native_rows`. `draftsmith floor` (`decode.floor`) shows the result beside the memory
+`row_plan`, `blas_rows` and `native_rows`, saved in the cache (`<cache>/plans/*.json`) so a later process on the
+same machine times nothing. `draftsmith floor` (`decode.floor`) shows the result beside the memory
 floor and compute roof.
 """
 
 from __future__ import annotations
 
-import os
+import hashlib
+import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from draftsmith.decode.runtime import native
+from draftsmith.decode.runtime.io import atomic_write_json
 from draftsmith.decode.runtime.kernels import DYNAMIC_INT8, dnn_layout
+from draftsmith.decode.runtime.machine import machine_info
+from draftsmith.decode.runtime.settings import current
 
 COST_CONTEXT = 64  # tokens of context when timing a forward: pair and validate (pairing.cost) time here too
 PLAN_ROWS = 12  # row counts planned: verify steps up to K = 11
@@ -93,21 +99,26 @@ def choose_rows(times: dict[int, float], *, gain: float = 0.95) -> dict[int, int
     return plan
 
 
-def plan_rows(runner, key: tuple, nbytes: int, *, repeats: int = 3) -> dict[int, int]:
+def plan_rows(runner, key: tuple, nbytes: int, *, repeats: int = 3, store: Path | None = None) -> dict[int, int]:
     """Give a lean runner on the CPU its `row_plan`, `blas_rows` and `native_rows`: cached forwards over
-    1..PLAN_ROWS rows timed once per process and model (`key`), on oneDNN's kernels and (where the runner has float
+    1..PLAN_ROWS rows timed once per model (`key`) and machine, kept for the process and, with `store` (a folder:
+    `make_runner` passes `<cache>/plans`), saved there as JSON a person can read (`saved_plan`) and reused by
+    every later process on this machine under the same settings, so no forward is timed again. Timed on oneDNN's kernels and (where the runner has float
     Linears on them) on BLAS and, over 1..12 rows of float32 or int8 Linears, on `decode.runtime.native`'s kernel,
     interleaved; each row count runs on the fastest kernels (`choose_kernels`, BLAS then native), then at the
     fastest count at or above it (`choose_rows`). On the AMD EPYC here the float32 Qwen2.5-Coder-1.5B's one-row step ran 228.6 ms
     planned against 277.9 unpadded; on the Intel Xeon it ran 240.0 ms on BLAS against oneDNN's 267.9
-    (docs/results/floor.md). Models under PLAN_MIN_BYTES of weights (`nbytes`, as loaded) and DRAFTSMITH_ROWS=off
-    get no plan (every forward at its own row count, on oneDNN)."""
-    if (os.environ.get("DRAFTSMITH_ROWS", "auto") == "off" or not hasattr(runner, "row_plan")
+    (docs/results/floor.md). Models under PLAN_MIN_BYTES of weights (`nbytes`, as loaded) and
+    `RuntimeSettings(rows=False)` get no plan (every forward at its own row count, on oneDNN)."""
+    if (not current().rows or not hasattr(runner, "row_plan")
             or runner.max_seq_len < COST_CONTEXT + PLAN_ROWS or runner.cos.device.type != "cpu"):
         return {}
     if nbytes < PLAN_MIN_BYTES:
         return {}
-    if key not in _PLANS:
+    path = store / f"{_plan_key(key)}.json" if store is not None else None
+    if key not in _PLANS and path is not None:
+        _PLANS[key] = saved_plan(path)
+    if _PLANS.get(key) is None:
         runner.row_plan, runner.blas_rows, runner.native_rows = {}, frozenset(), frozenset()
         rows = list(range(1, PLAN_ROWS + 1))
         on_dnn = any(type(m) is nn.Linear and dnn_layout(m.weight) for m in runner.modules())
@@ -126,9 +137,40 @@ def plan_rows(runner, key: tuple, nbytes: int, *, repeats: int = 3) -> dict[int,
         best, on_blas = choose_kernels(times["dnn"], times.get("blas", {}))
         best, on_native_rows = choose_kernels(best, times.get("native", {}))  # the same rule against that choice
         _PLANS[key] = (choose_rows(best), on_blas - on_native_rows, on_native_rows)
+        if path is not None:
+            _save_plan(path, key, _PLANS[key], times)
     plan, runner.blas_rows, runner.native_rows = _PLANS[key]
     runner.row_plan = dict(plan)
     return runner.row_plan
+
+
+def _plan_key(key: tuple) -> str:
+    """The file name of a plan: the model (`key`), this machine (CPU, vector instructions, cores, threads), torch's
+    version, the settings it ran under and whether the native kernel was there."""
+    machine = (repr(key), machine_info(), torch.__version__,
+               json.dumps(current().to_dict(), sort_keys=True), native.kernels() is not None)
+    return hashlib.sha256(repr(machine).encode()).hexdigest()[:16]
+
+
+def saved_plan(path: Path) -> tuple[dict[int, int], frozenset[int], frozenset[int]] | None:
+    """A plan `plan_rows` saved (row plan, BLAS rows, native rows), or None where there is none or it is damaged
+    (then it is timed again and replaced)."""
+    try:
+        d = json.loads(path.read_text())
+        return ({int(t): int(r) for t, r in d["row_plan"].items()}, frozenset(d["blas_rows"]),
+                frozenset(d["native_rows"]))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def _save_plan(path: Path, key: tuple, plan: tuple, times: dict) -> None:
+    try:
+        atomic_write_json(path, {"model": repr(key), "row_plan": {str(t): r for t, r in plan[0].items()},
+                                 "blas_rows": sorted(plan[1]), "native_rows": sorted(plan[2]),
+                                 "seconds": {name: {str(t): v for t, v in by.items()} for name, by in times.items()},
+                                 "settings": current().to_dict(), "torch": torch.__version__})
+    except OSError:  # a read-only cache: the plan holds for this process
+        pass
 
 
 def choose_kernels(dnn: dict[int, float], blas: dict[int, float], *,

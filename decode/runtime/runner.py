@@ -103,5 +103,8 @@ def make_runner(hf_model, max_seq_len: int, *, lean: bool | None = None, quantiz
         release_freed_memory()  # the float copy it quantised, freed, would otherwise stay in the process's heap
     if lean:  # pad few-row forwards to the row count this machine runs fastest (`decode.runtime.plan.plan_rows`)
         nbytes = sum(p.numel() * p.element_size() for p in hf_model.parameters())
-        plan_rows(runner, (hf_model.config.name_or_path, hf_model.config.num_hidden_layers, nbytes, quantize), nbytes)
+        from draftsmith.decode.runtime.zoo import cache_dir
+
+        key = (hf_model.config.name_or_path, hf_model.config.num_hidden_layers, nbytes, quantize)
+        plan_rows(runner, key, nbytes, store=cache_dir() / "plans")
     return runner

@@ -14,6 +14,7 @@ import draftsmith.decode.floor as fl
 import draftsmith.decode.runtime.plan as pl
 from draftsmith.decode.runtime.lean import LeanLM
 from draftsmith.decode.runtime.runner import make_runner
+from draftsmith.decode.runtime.settings import RuntimeSettings, using
 from draftsmith.decode.speculative import KPolicy, generate
 from tests import helpers
 
@@ -175,7 +176,9 @@ def test_speculative_decoding_through_padded_runners_stays_greedy_equal() -> Non
         assert generate(target, [1, 5, 7], draft=draft, max_new_tokens=30, policy=KPolicy(k=k)).tokens == ref
 
 
-def test_small_models_are_never_timed_and_a_plan_is_timed_once_per_model(monkeypatch) -> None:
+def test_small_models_are_never_timed_and_a_plan_is_timed_once_per_model(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path))  # make_runner saves its plans in the cache
+    monkeypatch.setattr(pl, "_PLANS", {})
     calls = []
     real = pl.forward_times
     monkeypatch.setattr(pl, "forward_times", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -190,8 +193,39 @@ def test_small_models_are_never_timed_and_a_plan_is_timed_once_per_model(monkeyp
     assert len(calls) == 4
     pl.plan_rows(other, ("test-model", 3), 1)  # the same key as before: no timing
     assert len(calls) == 4 and other.row_plan == plan and other.blas_rows == runner.blas_rows
-    monkeypatch.setenv("DRAFTSMITH_ROWS", "off")
-    assert pl.plan_rows(make_runner(tiny(4, dtype=torch.float32), 128), ("x",), 1) == {}
+    with using(RuntimeSettings(rows=False)):
+        assert pl.plan_rows(make_runner(tiny(4, dtype=torch.float32), 128), ("x",), 1) == {}
+
+
+def test_a_saved_plan_is_read_back_by_a_later_process_and_nothing_is_timed(monkeypatch, tmp_path) -> None:
+    """The plan goes to a JSON file a person can read; a later process (here: the in-process plans forgotten)
+    on the same machine and settings reads it and times nothing; other settings are another file; a damaged file
+    is timed again and replaced."""
+    monkeypatch.setattr(pl, "PLAN_MIN_BYTES", 0)
+    monkeypatch.setattr(pl, "PLAN_ROWS", 3)
+    monkeypatch.setattr(pl, "_PLANS", {})
+    calls = []
+    monkeypatch.setattr(pl, "forward_times", lambda runner, rows, **k: calls.append(1) or {
+        name: {T: (0.5 if T == 3 else 1.0) for T in rows} for name in k["plans"]})
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))  # make_runner's own plan goes there
+    runner = make_runner(tiny(3, dtype=torch.float32), 128)
+    assert len(list((tmp_path / "cache" / "plans").glob("*.json"))) == 1
+    calls.clear()
+    key, tmp_path = ("saved-test", 3), tmp_path / "plans"
+    assert pl.plan_rows(runner, key, 1, repeats=1, store=tmp_path) == {1: 3, 2: 3} and len(calls) == 2
+    (saved,) = tmp_path.glob("*.json")
+    record = json.loads(saved.read_text())
+    assert record["row_plan"] == {"1": 3, "2": 3} and record["settings"]["rows"] is True
+    monkeypatch.setattr(pl, "_PLANS", {})  # a new process
+    assert pl.plan_rows(runner, key, 1, repeats=1, store=tmp_path) == {1: 3, 2: 3} and len(calls) == 2
+    monkeypatch.setattr(pl, "_PLANS", {})
+    with using(RuntimeSettings(linear="xw")):  # other settings: not that plan
+        pl.plan_rows(runner, key, 1, repeats=1, store=tmp_path)
+    assert len(calls) == 4 and len(list(tmp_path.glob("*.json"))) == 2
+    monkeypatch.setattr(pl, "_PLANS", {})
+    saved.write_text("{not json")
+    assert pl.plan_rows(runner, key, 1, repeats=1, store=tmp_path) == {1: 3, 2: 3} and len(calls) == 6
+    assert json.loads(saved.read_text())["row_plan"] == {"1": 3, "2": 3}
 
 
 def test_the_plan_keeps_the_faster_of_two_rounds(monkeypatch) -> None:

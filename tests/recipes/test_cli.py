@@ -55,7 +55,7 @@ def test_a_bad_allocator_setting_is_one_line_exit_2(tmp_path: Path, monkeypatch)
     monkeypatch.setenv("DRAFTSMITH_MALLOC", "jemalloc")
     r = run("models", "list", env_cache=tmp_path / "cache")
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
-    assert r.stderr.startswith("draftsmith: error: DRAFTSMITH_MALLOC must be keep or system")
+    assert r.stderr.startswith("draftsmith: error: DRAFTSMITH_MALLOC: malloc must be keep or system")
 
 
 def test_corrupt_and_truncated_gguf_are_one_line_errors(tmp_path: Path) -> None:

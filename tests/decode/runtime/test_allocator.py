@@ -6,12 +6,16 @@ import pytest
 
 from draftsmith.decode.runtime import allocator
 from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.runtime.settings import RuntimeSettings, using
 
 # a child process frees a 64 MiB tensor and reports whether its resident memory stayed (kept for reuse) or went
 # back to the OS (glibc munmaps a block that size unless told otherwise)
 CHILD = """
 import os, torch
 from draftsmith.decode.runtime.allocator import keep_freed_memory
+from draftsmith.decode.runtime.settings import configure
+from draftsmith.recipes.cli import settings_from_env
+configure(settings_from_env(os.environ))  # as the CLI does
 setting = keep_freed_memory()
 page = os.sysconf("SC_PAGE_SIZE")
 rss = lambda: int(open("/proc/self/statm").read().split()[1]) * page
@@ -51,18 +55,18 @@ def test_kept_memory_stays_with_the_process_and_the_system_setting_gives_it_back
 
 
 def test_a_bad_setting_is_a_one_line_error(monkeypatch):
-    monkeypatch.setenv("DRAFTSMITH_MALLOC", "jemalloc")
-    with pytest.raises(DraftsmithError, match="DRAFTSMITH_MALLOC must be keep or system"):
-        allocator.keep_freed_memory()
+    from draftsmith.recipes.cli import settings_from_env
+
+    with pytest.raises(DraftsmithError, match="DRAFTSMITH_MALLOC: malloc must be keep or system"):
+        settings_from_env({"DRAFTSMITH_MALLOC": "jemalloc"})
 
 
 def test_the_setting_is_reported_and_applied_once(monkeypatch):
     monkeypatch.setitem(allocator._state, "setting", "system")
-    monkeypatch.setenv("DRAFTSMITH_MALLOC", "system")
-    assert allocator.keep_freed_memory() == "system" == allocator.allocator_setting()
+    with using(RuntimeSettings(malloc="system")):
+        assert allocator.keep_freed_memory() == "system" == allocator.allocator_setting()
     calls = []
     monkeypatch.setattr(allocator, "_glibc", lambda: calls.append(1) or None)
-    monkeypatch.delenv("DRAFTSMITH_MALLOC")
     assert allocator.keep_freed_memory() == "system"  # no glibc: nothing changes
     monkeypatch.setitem(allocator._state, "setting", "glibc, kept")
     assert allocator.keep_freed_memory() == "glibc, kept" and len(calls) == 1  # already applied: not again

@@ -1,10 +1,13 @@
 """The Linear kernels: the layouts the lean runner picks between (two BLAS layouts, oneDNN's prepacked kernel)
-compute the same numbers; a bad DRAFTSMITH_LINEAR is refused."""
+compute the same numbers; a bad layout setting is refused."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.runtime.settings import RuntimeSettings, using
 
 
 def test_both_linear_layouts_give_the_same_numbers_and_a_bad_setting_is_refused(monkeypatch) -> None:
@@ -14,11 +17,10 @@ def test_both_linear_layouts_give_the_same_numbers_and_a_bad_setting_is_refused(
     x = torch.randn(3, 320, dtype=torch.float64)
     ref = torch.nn.functional.linear(x, layer.weight, layer.bias)
     for setting in ("xw", "wx", "auto"):
-        monkeypatch.setenv("DRAFTSMITH_LINEAR", setting)
-        torch.testing.assert_close(dk.linear(x, layer), ref, rtol=1e-12, atol=1e-12)
-    monkeypatch.setenv("DRAFTSMITH_LINEAR", "fast")
-    with pytest.raises(ValueError, match="DRAFTSMITH_LINEAR"):
-        dk.linear(x, layer)
+        with using(RuntimeSettings(linear=setting)):
+            torch.testing.assert_close(dk.linear(x, layer), ref, rtol=1e-12, atol=1e-12)
+    with pytest.raises(DraftsmithError, match="linear layout must be one of"):
+        RuntimeSettings(linear="fast")
 
 
 def test_onednn_layout_matches_plain_follows_weight_changes_and_stays_out_of_autograd(monkeypatch) -> None:
@@ -26,7 +28,6 @@ def test_onednn_layout_matches_plain_follows_weight_changes_and_stays_out_of_aut
 
     if not torch.backends.mkldnn.is_available():
         pytest.skip("this torch build has no oneDNN")
-    monkeypatch.setenv("DRAFTSMITH_LINEAR", "auto")
     layer = torch.nn.Linear(96, 80, bias=True)
     x = torch.randn(5, 96)
     with torch.no_grad():
@@ -43,8 +44,7 @@ def test_onednn_layout_matches_plain_follows_weight_changes_and_stays_out_of_aut
     assert not dk.dnn_usable(layer.weight)  # autograd on: the plain layout, which has a backward
     dk.linear(x, layer).sum().backward()
     assert layer.weight.grad is not None
-    monkeypatch.setenv("DRAFTSMITH_LINEAR", "xw")
-    with torch.no_grad():
+    with torch.no_grad(), using(RuntimeSettings(linear="xw")):
         assert not dk.dnn_usable(layer.weight)
         assert not dk.dnn_usable(layer.weight.double())
 
@@ -54,7 +54,6 @@ def test_bfloat16_linears_run_on_every_cpu_and_take_onednn_only_where_it_has_a_b
     Linear runs in BLAS; where it has the path, on oneDNN. Either way the numbers are the layer's."""
     import draftsmith.decode.runtime.kernels as dk
 
-    monkeypatch.setenv("DRAFTSMITH_LINEAR", "auto")
     layer = torch.nn.Linear(96, 80, bias=False).to(torch.bfloat16)
     x = torch.randn(3, 96, dtype=torch.bfloat16)
     with torch.no_grad():
