@@ -15,7 +15,7 @@ The kinds, and what each names:
 - `prune`: `prune:MODEL:vocab=FILE`, MODEL any of the above, proposing only the target ids in FILE;
 - `head`: `head:FOLDER`, or a folder whose config.json names `Eagle3Head` (an EAGLE-3 head).
 Parsing reads no weights: a malformed spec is one DraftsmithError line naming the form it expected; `check` also
-looks for the files and zoo names it refers to. Opening a spec is `pairing.validate.open_draft`'s job; the kinds
+looks for the files and zoo names it refers to. Opening a spec is `pairing.drafts`' job; the kinds
 steer it through `kind`, never through the text.
 """
 

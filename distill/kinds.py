@@ -13,7 +13,7 @@ Every kind answers the same questions, and the runner asks them without knowing 
   evidence (measured on dev prompts) that chooses their round policy;
 - `export(ctx)`: the engine formats it can be written to, at the K validation chose.
 Decoding needs no kind: every draft runs as a `decode` runner (a head as `decode.head.HeadDraft`, which declares
-the target features it reads), opened by `pairing.validate.open_draft`.
+the target features it reads), opened by `pairing.drafts.open_draft`.
 
 Adding a kind: a class with these methods, registered in `KINDS` under the `distill.draft` value that selects it
 (docs/design.md, "Draft kinds").

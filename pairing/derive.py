@@ -35,13 +35,6 @@ MARKER = "draftsmith_derived.json"
 # Specs
 
 
-def parse_derive_spec(spec: str) -> tuple[str, list[int] | None, int | None] | None:
-    """'derive:MODEL:keep=8' -> (MODEL, None, 8); 'derive:MODEL:layers=0-3,7' -> (MODEL, [0, 1, 2, 3, 7], None).
-    None when `spec` is not a derive spec; a malformed one is a DraftsmithError (`decode.spec.DraftSpec`)."""
-    d = DraftSpec.parse(spec, sniff=False)
-    if d.kind != "derive":
-        return None
-    return d.inner.text, None if d.layers is None else list(d.layers), d.keep
 
 
 def _layers_key(layers: list[int]) -> str:
@@ -87,7 +80,7 @@ def _wanted_layers(layers: list[int] | None, keep: int | None) -> list[int]:
 
 def resolve_candidate(spec: str) -> str:
     """A derive spec -> the path of its derived HF folder (made once, cached); any other spec unchanged. A
-    vocabulary-pruned spec is refused: it is no model folder (`pairing.prune.load_model_draft` opens it)."""
+    vocabulary-pruned spec is refused: it is no model folder (`pairing.drafts.load_draft` opens it)."""
     d = DraftSpec.parse(spec, sniff=False)
     if d.kind == "prune":
         raise DraftsmithError(f"{spec}: a vocabulary-pruned draft runs in draftsmith's decoder only (pair, validate, "

@@ -34,7 +34,7 @@ from draftsmith.decode.prompts import first_per_domain, load_prompts
 from draftsmith.decode.speculative import KPolicy, parse_policy_label, policy_label
 from draftsmith.decode.runtime.machine import machine_info, versions
 from draftsmith.decode.textgen import prompt_ids
-from draftsmith.pairing.validate import open_draft
+from draftsmith.pairing.drafts import open_draft
 
 QUANTS = ("int8", "none")
 

@@ -35,21 +35,21 @@ from pathlib import Path
 from draftsmith.decode.runtime.allocator import release_freed_memory
 from draftsmith.decode.bench import hf_side_by_side, validate_drafts
 from draftsmith.decode.runtime.errors import DraftsmithError
-from draftsmith.decode.head import Eagle3Head, HeadDraft, head_quant, load_head
 from draftsmith.decode.runtime.io import atomic_write_bytes, atomic_write_json, atomic_write_text, png_bytes
 from draftsmith.decode.runtime.loading import Loaded, eos_ids, load
 from draftsmith.decode.runtime.machine import machine_info, versions
 from draftsmith.decode.prompts import Prompt, load_prompts
 from draftsmith.decode.runtime.runner import make_runner
 from draftsmith.decode.sampling import SamplingParams
-from draftsmith.decode.spec import DraftSpec, split_specs
+from draftsmith.decode.spec import DraftSpec
 from draftsmith.decode.speculative import KPolicy
 from draftsmith.pairing.acceptance import measure_acceptance, measure_head_acceptance
 from draftsmith.pairing.compat import Compat, check_pair
 from draftsmith.pairing.cost import (CostModel, DecoderCost, calibrate_decoder, measure_cost, shared_target_clock,
                           speedup_curve)
 from draftsmith.pairing.policy import PolicyChoice, choose_policy
-from draftsmith.pairing.prune import KeptVocab, draft_runner, load_model_draft, runner_calib, runner_quant
+from draftsmith.pairing.drafts import Draft, load_draft, run_draft, runner_calib, runner_quant
+from draftsmith.pairing.prune import KeptVocab
 from draftsmith.pairing.reference import reference_continuations
 
 MAX_K = 16
@@ -107,31 +107,12 @@ class Candidate:
     dcost: DecoderCost | None = None  # its rounds timed in the decoder (target side shared: _share_target_clock)
 
 
-def load_head_candidate(spec: str, target: Loaded) -> Eagle3Head:
-    """`head:PATH` -> the head in PATH (config.json + model.safetensors) on the target's embedding, checked
-    against the target (vocabulary, hidden size, aux layers); a one-line error otherwise."""
-    d = DraftSpec.parse(spec)
-    d.check()  # the folder holds a head's two files
-    path = d.folder
-    try:
-        head = load_head(path, target.model.get_input_embeddings())
-    except DraftsmithError:  # an unreadable config.json says so itself (a ValueError too, not a misfit)
-        raise
-    except (ValueError, KeyError, TypeError, RuntimeError) as e:
-        raise DraftsmithError(f"{spec}: this head does not fit {target.name}: {str(e).splitlines()[0]}") from None
-    n_layers = target.model.config.num_hidden_layers
-    if max(head.config.aux_layers) >= n_layers:
-        raise DraftsmithError(f"{spec}: the head reads layers {list(head.config.aux_layers)}, {target.name} has "
-                              f"{n_layers}")
-    return head.eval()
 
 
 def _draft(cand: Candidate, max_seq_len: int, cfg: PairConfig):
     """The candidate as the decoder runs it: a HeadDraft, or a runner (int8 on CPU when configured; its head cut to
     the kept ids when pruned)."""
-    if cand.head is not None:
-        return HeadDraft(cand.head, max_seq_len, quantize=head_quant(cand.head, cfg.draft_quant))
-    return draft_runner(cand.loaded.model, cand.kept, max_seq_len, cfg.draft_quant, cand.spec)[0]
+    return run_draft(Draft(cand.spec, cand.loaded, cand.kept, cand.head), max_seq_len, cfg.draft_quant).runner
 
 
 def _params_million(model) -> float:
@@ -272,15 +253,14 @@ def _load_candidates(cfg: PairConfig, target: Loaded, device: str) -> list[Candi
     cands: list[Candidate] = []
     shared: dict = {}  # MODEL and its pruned variants share MODEL's weights
     for spec in cfg.candidates:
-        if DraftSpec.parse(spec).is_head:
-            if not cfg.calibrate_prompts:
-                raise DraftsmithError(f"{spec}: a head's cost is timed in the decoder; set calibrate_prompts >= 1")
-            head = load_head_candidate(spec, target)
+        if DraftSpec.parse(spec).is_head and not cfg.calibrate_prompts:
+            raise DraftsmithError(f"{spec}: a head's cost is timed in the decoder; set calibrate_prompts >= 1")
+        d = load_draft(spec, target, device, shared)
+        if d.head is not None:
             cands.append(Candidate(spec, None, Compat("head", True, ["reads the target's hidden states (EAGLE-3)"]),
-                                   head=head))
-            continue
-        loaded, kept = load_model_draft(spec, target, device, shared)
-        cands.append(Candidate(spec, loaded, _compat(target, loaded, kept), kept=kept))
+                                   head=d.head))
+        else:
+            cands.append(Candidate(spec, d.loaded, _compat(target, d.loaded, d.kept), kept=d.kept))
     return cands
 
 
@@ -722,7 +702,3 @@ def write_leaderboard(board: dict, out: Path) -> None:
     for name, data in pngs.items():
         atomic_write_bytes(out / name, data)
 
-
-def split_candidates(text: str) -> list[str]:
-    """Split 'a,b,derive:m:layers=0,1,2,c' on commas, keeping the layer list of a derive spec together."""
-    return split_specs(text)

@@ -10,8 +10,7 @@ MODEL is any standalone draft spec (zoo name, HF folder, .gguf, derive:...) that
 FILE holds the kept target ids (`build_vocab` writes it, `read_vocab` checks it against the target). The draft
 runs as `decode.pruned.PrunedRunner`: its LM head cut to the kept rows, q = 0 elsewhere, decoding exact.
 
-Every place that turns a standalone draft spec into a model and a runner goes through `load_model_draft` and
-`draft_runner` (the pair leaderboard, validate and grid through `pairing.validate.open_draft`, `draftsmith
+Every place that opens a draft goes through `pairing.drafts` (the pair leaderboard, validate, grid, `draftsmith
 decode`), so a pruned spec is accepted wherever a model spec is, and refused (one line, `resolve_candidate`)
 where only a whole model will do: distillation and export (no engine takes a pruned standalone draft).
 
@@ -43,11 +42,6 @@ FORMAT = "draftsmith-kept-vocab"
 VERSION = 1
 
 
-def parse_prune_spec(spec: str) -> tuple[str, Path] | None:
-    """'prune:MODEL:vocab=FILE' -> (MODEL, FILE); None when `spec` is not a prune spec; a malformed one is a
-    DraftsmithError (`decode.spec.DraftSpec`)."""
-    d = DraftSpec.parse(spec, sniff=False)
-    return (d.inner.text, d.vocab) if d.kind == "prune" else None
 
 
 @dataclass(frozen=True)
@@ -136,74 +130,18 @@ def target_rows(target: Loaded) -> int:
     return target.model.get_output_embeddings().weight.shape[0]
 
 
-def load_model_draft(spec: str, target: Loaded, device: str = "cpu",
-                     shared: dict[tuple[str, str], Loaded] | None = None) -> tuple[Loaded, KeptVocab | None]:
-    """A standalone draft spec -> (the model, loaded; the kept ids for `prune:MODEL:vocab=FILE`, else None).
-    A pruned draft proposes target ids, so it must share the target's tokenizer; its file is checked first.
-    `shared` (a dict the caller keeps) loads each model once for the specs that name it: a ranking of MODEL beside
-    its pruned variants holds one copy of MODEL's weights, not one a variant (the decoder never changes them)."""
-    d = DraftSpec.parse(spec, sniff=False)
-
-    def model() -> Loaded:
-        key = (resolve_candidate(d.weights), device)  # int4:MODEL loads MODEL (`draft_runner` packs it)
-        if shared is None:
-            return replace(load(key[0], device=device), name=spec)
-        if key not in shared:
-            shared[key] = load(key[0], device=device)
-        return replace(shared[key], name=spec)
-
-    spec_calib(spec)  # a bad calibration file fails before a model is loaded
-    if d.kind != "prune":
-        return model(), None
-    kept = read_vocab(d.vocab, target_rows(target))  # a bad file fails before a model is loaded
-    loaded = model()
-    check_vocab(target, loaded)
-    rows = loaded.model.get_output_embeddings().weight.shape[0]
-    if int(kept.ids.max()) >= rows:
-        raise DraftsmithError(f"{spec}: keeps id {int(kept.ids.max())}, the draft's head has {rows} rows")
-    return loaded, kept
 
 
-def spec_quant(spec: str) -> str | None:
-    """The quantisation a draft spec asks for itself: "int4" for `int4:MODEL` and `prune:int4:MODEL:vocab=FILE`;
-    None for any other, or for no spec ("")."""
-    return DraftSpec.parse(spec, sniff=False).quant if spec else None
 
 
-def spec_calib(spec: str) -> Calibration | None:
-    """The calibration a draft spec names (`int4:MODEL:calib=FILE`, pruned or not; `read_calib`), else None."""
-    path = DraftSpec.parse(spec, sniff=False).calibration if spec else None
-    return None if path is None else read_calib(path)
 
 
-def is_model_draft_spec(spec: str | None) -> bool:
-    """Whether `spec` names a standalone draft that `load_model_draft` must open (pruned or int4), not a plain model."""
-    return spec is not None and DraftSpec.parse(spec, sniff=False).decoder_only
 
 
-def runner_quant(model, quant: str | None, spec: str = "") -> str | None:
-    """The quantisation a standalone draft decodes with: what its spec asks for (`int4:MODEL`), else `quant`, where
-    the model can take it (`decode.runtime.quant.draft_quant`), else None."""
-    return draft_quant(model, spec_quant(spec) or quant)
 
 
-def runner_calib(quant: str | None, spec: str) -> Calibration | None:
-    """The calibration a standalone draft's runner is built with: its spec's (`spec_calib`) where it decodes int4
-    (`runner_quant`'s answer `quant`), else None (an int8 fallback rounds as ever)."""
-    return spec_calib(spec) if quant == "int4" else None
 
 
-def draft_runner(model, kept: KeptVocab | None, max_seq_len: int, quant: str | None,
-                 spec: str = "") -> tuple[Runner, str | None]:
-    """A standalone draft as the decoder runs it: int8 Linear weights where `quant` asks and the model can take
-    them (`decode.runtime.quant.draft_quant`), int4 where its `spec` asks (`int4:MODEL`, GPTQ-rounded on FILE's text with
-    `int4:MODEL:calib=FILE`; int8 where this CPU has no int4 kernel), its head cut to the kept ids when pruned.
-    -> (runner, the quantisation)."""
-    q = runner_quant(model, quant, spec)
-    runner = make_runner(model, max_seq_len, quantize=q, calib=runner_calib(q, spec))
-    return (PrunedRunner(runner, kept.ids, context=kept.context) if kept is not None else runner), q
 
 
-__all__ = ["FORMAT", "KeptVocab", "build_vocab", "draft_runner", "is_model_draft_spec",
-           "load_model_draft", "parse_prune_spec", "read_vocab", "runner_calib", "runner_quant", "spec_calib",
-           "spec_quant", "target_rows"]
+__all__ = ["FORMAT", "KeptVocab", "build_vocab", "read_vocab", "target_rows"]

@@ -40,8 +40,7 @@ from draftsmith.decode.textgen import prompt_ids
 from draftsmith.pairing.cost import COST_CONTEXT, calibrate_decoder, measure_cost
 from draftsmith.pairing.head_rounds import depth_records, standalone_records
 from draftsmith.pairing.ladder import Rung, ladder
-from draftsmith.pairing.leaderboard import load_head_candidate
-from draftsmith.pairing.prune import draft_runner, load_model_draft
+from draftsmith.pairing.drafts import Opened, open_draft
 from draftsmith.pairing.reference import reference_continuations
 from draftsmith.pairing.policy import PolicyChoice, choose_policy, taus_from_alpha, taus_from_rates
 
@@ -100,28 +99,6 @@ class DraftUnderTest:
     # validate walks it): a chooser serves it as is, nothing timed to choose it; any other draft runs it
     step: str | None = None  # a rung of the ladder (`pairing.ladder`): what it changes over the draft listed before it
     predicted: float | None = None  # its predicted speedup over the target alone (dev-prompt evidence), for the ladder
-
-
-@dataclass
-class Opened:
-    """A draft as the decoder runs it."""
-
-    runner: object
-    quant: str | None
-    head: object | None = None  # the float head a HeadDraft runs (its rounds are walked on held-out rows)
-
-
-def open_draft(spec: str, target: Loaded, max_len: int, quant: str | None, device: str = "cpu") -> Opened:
-    """Any draft spec as the decoder runs it: `head:FOLDER` a HeadDraft on the target's embeddings, anything else
-    a model runner (int8 Linear weights on CPU when `quant` asks and the model can take it; `prune:MODEL:vocab=FILE`
-    with its LM head cut to the kept ids: `pairing.prune`)."""
-    if DraftSpec.parse(spec).is_head:
-        head = load_head_candidate(spec, target)
-        q = head_quant(head, quant)
-        return Opened(HeadDraft(head, max_len, quantize=q), q, head)
-    loaded, kept = load_model_draft(spec, target, device)
-    runner, q = draft_runner(loaded.model, kept, max_len, quant, spec)
-    return Opened(runner, q)
 
 
 @dataclass

@@ -112,61 +112,38 @@ def cmd_decode(args: argparse.Namespace) -> int:
 
 
 def _decode_pair(args: argparse.Namespace, policy):
-    """`decode`'s target and draft runners, the draft a standalone model (vocabulary-pruned: prune:MODEL:vocab=FILE)
-    or a head on the target's embedding; a one-line error, before any decoding, for what the decoder cannot run."""
-    from dataclasses import replace
-
+    """`decode`'s target and draft runners, the draft any spec (`pairing.drafts`: a model, int4, vocabulary-pruned,
+    derived, or a head on the target's embedding); a one-line error, before any decoding, for what the decoder
+    cannot run."""
     from draftsmith.decode.runtime.pair import load_pair
-    from draftsmith.pairing.prune import is_model_draft_spec
-
-    draft = None if args.no_draft else args.draft
-    head = _head_spec(draft)
-    pruned = draft if head is None and is_model_draft_spec(draft) else None
-    if draft is not None and head is None and policy.sibling_depth == 2:
-        raise DraftsmithError("--sibling-depth 2 needs a draft head (--draft head:PATH): a standalone draft cannot "
-                              "draft after several candidates at once")
-    quant = None if args.draft_quant == "none" else args.draft_quant
-    pair = load_pair(args.target, None if head or pruned else draft, draft_quant=quant, max_seq_len=args.max_seq_len)
-    _check_positions(pair.target, args)
-    if draft is not None and policy.siblings and not hasattr(pair.target_runner, "forward_tree"):
-        raise DraftsmithError(f"--siblings needs a target the lean runner can run (it verifies the siblings as a "
-                              f"tree); {pair.target.name} runs in transformers")
-    if head is not None:
-        pair = replace(pair, draft_runner=_head_draft(head, pair.target, args.max_seq_len, quant))
-    elif pruned is not None:
-        pair = _with_pruned_draft(pair, pruned, args.max_seq_len, quant)
-    return pair
-
-
-def _with_pruned_draft(pair, spec: str, max_seq_len: int, quant: str | None):
-    """`pair` (target loaded, no draft) with the vocabulary-pruned draft `spec` (prune:MODEL:vocab=FILE): its
-    runner proposes the kept ids; `pair.draft` is the whole model (what transformers' assisted generation runs)."""
-    from dataclasses import replace
-
-    from draftsmith.pairing.prune import draft_runner, load_model_draft
-
-    loaded, kept = load_model_draft(spec, pair.target)
-    return replace(pair, draft=loaded, draft_runner=draft_runner(loaded.model, kept, max_seq_len, quant, spec)[0])
-
-
-def _head_spec(draft: str | None) -> str | None:
-    """`head:PATH` for a draft head: given so, or a folder `decode.head.save_head` wrote (its config.json names
-    Eagle3Head); None for a standalone draft."""
     from draftsmith.decode.spec import DraftSpec
 
+    draft = None if args.no_draft else args.draft
+    if draft is not None and not DraftSpec.parse(draft).is_head and policy.sibling_depth == 2:
+        raise DraftsmithError("--sibling-depth 2 needs a draft head (--draft head:PATH): a standalone draft cannot "
+                              "draft after several candidates at once")
+    pair = load_pair(args.target, None, max_seq_len=args.max_seq_len)
+    _check_positions(pair.target, args)
     if draft is None:
-        return None
-    d = DraftSpec.parse(draft)
-    return DraftSpec.head(d.folder).text if d.is_head else None
+        return pair
+    if policy.siblings and not hasattr(pair.target_runner, "forward_tree"):
+        raise DraftsmithError(f"--siblings needs a target the lean runner can run (it verifies the siblings as a "
+                              f"tree); {pair.target.name} runs in transformers")
+    return _with_draft(pair, draft, args.max_seq_len, None if args.draft_quant == "none" else args.draft_quant)
 
 
-def _head_draft(spec: str, target, max_seq_len: int, quant: str | None):
-    """The head in `spec` (head:PATH) as a draft, checked against the target; int8 as `--draft-quant` asks."""
-    from draftsmith.decode.head import HeadDraft, head_quant
-    from draftsmith.pairing.leaderboard import load_head_candidate
+def _with_draft(pair, spec: str, max_seq_len: int, quant: str | None):
+    """`pair` (target loaded, no draft) with the draft `spec` opened (`pairing.drafts`); `pair.draft` is the whole
+    model (what transformers' assisted generation runs), None for a head."""
+    from dataclasses import replace
 
-    head = load_head_candidate(spec, target)
-    return HeadDraft(head, max_seq_len, quantize=head_quant(head, quant))
+    from draftsmith.decode.runtime.pair import check_vocab
+    from draftsmith.pairing.drafts import load_draft, run_draft
+
+    d = load_draft(spec, pair.target)
+    if d.loaded is not None:
+        check_vocab(pair.target, d.loaded)  # token-level speculation: one tokenizer
+    return replace(pair, draft=d.loaded, draft_runner=run_draft(d, max_seq_len, quant).runner)
 
 
 def _check_positions(target, args: argparse.Namespace) -> None:
@@ -184,12 +161,13 @@ def _check_positions(target, args: argparse.Namespace) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     from draftsmith.decode.bench import BenchConfig, run_bench
     from draftsmith.decode.runtime.pair import load_pair
-    from draftsmith.pairing.prune import is_model_draft_spec
+    from draftsmith.decode.spec import DraftSpec
 
     cfg = _config(BenchConfig, args)
     pair = None
-    if is_model_draft_spec(args.draft):  # its runner proposes the kept ids; HF assisted runs it whole
-        pair = _with_pruned_draft(load_pair(args.target, None), args.draft, 2048, cfg.draft_quant)
+    if args.draft and DraftSpec.parse(args.draft, sniff=False).decoder_only:  # pruned or int4: opened as the
+        # decoder runs it (a pruned one proposes the kept ids; HF assisted runs it whole)
+        pair = _with_draft(load_pair(args.target, None), args.draft, 2048, cfg.draft_quant)
     report = run_bench(args.target, args.draft, cfg, out=args.out, pair=pair)
     fmt = lambda v: "-" if v is None else f"{v:.2f}"
     for mode in report["modes"]:
@@ -277,9 +255,10 @@ def _common(args: argparse.Namespace) -> dict:
 
 
 def cmd_pair(args: argparse.Namespace) -> int:
-    from draftsmith.pairing.leaderboard import PairConfig, markdown, run_pair, split_candidates
+    from draftsmith.decode.spec import split_specs
+    from draftsmith.pairing.leaderboard import PairConfig, markdown, run_pair
 
-    cfg = _config(PairConfig, args, {"candidates": split_candidates(args.candidates)})
+    cfg = _config(PairConfig, args, {"candidates": split_specs(args.candidates)})
     c = _common(args)
     board = run_pair(args.target, args.out, cfg, prompts=c["prompts"], limit_per_domain=c["limit_per_domain"],
                      device=c["device"])

@@ -15,7 +15,8 @@ import torch
 from draftsmith.decode.runtime.errors import DraftsmithError
 from draftsmith.decode.runtime.loading import load
 from draftsmith.pairing import derive as derive_mod
-from draftsmith.pairing.derive import derive, parse_derive_spec, resolve_candidate
+from draftsmith.decode.spec import DraftSpec
+from draftsmith.pairing.derive import derive, resolve_candidate
 from tests import helpers
 
 VOCAB = 100
@@ -59,7 +60,9 @@ def reference_logits(model, layers: list[int], ids: torch.Tensor) -> torch.Tenso
     ],
 )
 def test_parse_derive_spec(spec, expected):
-    assert parse_derive_spec(spec) == expected
+    d = DraftSpec.parse(spec, sniff=False)
+    got = (d.inner.text, None if d.layers is None else list(d.layers), d.keep) if d.kind == "derive" else None
+    assert got == expected
 
 
 @pytest.mark.parametrize(
@@ -75,7 +78,7 @@ def test_parse_derive_spec(spec, expected):
 )
 def test_parse_derive_spec_errors(spec, message):
     with pytest.raises(DraftsmithError, match=message):
-        parse_derive_spec(spec)
+        DraftSpec.parse(spec, sniff=False)
 
 
 def test_resolve_candidate_passes_other_specs_through():

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftsmith.pairing.leaderboard import PairConfig, run_pair, split_candidates
+from draftsmith.decode.spec import split_specs
+from draftsmith.pairing.leaderboard import PairConfig, run_pair
 from tests import helpers
 
 WORDS = "the a of to and in is it that for on with as was be by this are or at from code data list sort print".split()
@@ -81,9 +82,9 @@ def test_pair_end_to_end_writes_all_files_with_the_schema(setup, tmp_path: Path)
 
 
 def test_split_candidates_keeps_derive_layer_lists() -> None:
-    assert split_candidates("a,b") == ["a", "b"]
-    assert split_candidates("a,derive:m:layers=0,1,2,b") == ["a", "derive:m:layers=0,1,2", "b"]
-    assert split_candidates("derive:m:keep=8, c") == ["derive:m:keep=8", "c"]
+    assert split_specs("a,b") == ["a", "b"]
+    assert split_specs("a,derive:m:layers=0,1,2,b") == ["a", "derive:m:layers=0,1,2", "b"]
+    assert split_specs("derive:m:keep=8, c") == ["derive:m:keep=8", "c"]
 
 
 def save_random_head(folder: Path, target: Path) -> Path:

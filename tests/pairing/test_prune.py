@@ -14,7 +14,8 @@ from draftsmith.decode.runtime.loading import load
 from draftsmith.decode.pruned import PrunedRunner
 from draftsmith.decode.spec import DraftSpec
 from draftsmith.pairing.derive import resolve_candidate
-from draftsmith.pairing.prune import build_vocab, draft_runner, load_model_draft, parse_prune_spec, read_vocab
+from draftsmith.pairing.drafts import load_draft, model_runner
+from draftsmith.pairing.prune import build_vocab, read_vocab
 from tests import helpers
 from tests.pairing.test_leaderboard import WORDS, save_tiny, setup  # noqa: F401 (a fixture)
 
@@ -29,7 +30,8 @@ from tests.pairing.test_leaderboard import WORDS, save_tiny, setup  # noqa: F401
     ("derive:m:keep=4", None),
 ])
 def test_parse_prune_spec(spec: str, expected) -> None:
-    assert parse_prune_spec(spec) == expected
+    d = DraftSpec.parse(spec, sniff=False)
+    assert ((d.inner.text, d.vocab) if d.kind == "prune" else None) == expected
 
 
 @pytest.mark.parametrize("spec,message", [
@@ -41,7 +43,7 @@ def test_parse_prune_spec(spec: str, expected) -> None:
 ])
 def test_parse_prune_spec_errors(spec: str, message: str) -> None:
     with pytest.raises(DraftsmithError, match=message):
-        parse_prune_spec(spec)
+        DraftSpec.parse(spec, sniff=False)
 
 
 def test_resolve_candidate_refuses_a_pruned_spec_in_one_line() -> None:
@@ -131,6 +133,12 @@ def test_a_missing_or_corrupt_file_is_one_line(tmp_path: Path) -> None:
 # --- from a spec to a model and a runner ------------------------------------------------------------------------
 
 
+def load_model_draft(spec: str, target, **kw):
+    """(the model, the kept ids) of a standalone draft spec, as `pairing.drafts.load_draft` loads it."""
+    d = load_draft(spec, target, **kw)
+    return d.loaded, d.kept
+
+
 def test_load_model_draft_and_draft_runner(setup, tmp_path: Path) -> None:
     target_dir, other, _ = setup
     target = load(target_dir)
@@ -138,10 +146,10 @@ def test_load_model_draft_and_draft_runner(setup, tmp_path: Path) -> None:
     f = vocab_file(tmp_path / "v.json", vocab_size=V, ids=[2, 5, 7, 9], n=4)
     loaded, kept = load_model_draft(f"prune:{other}:vocab={f}", target)
     assert loaded.name == f"prune:{other}:vocab={f}" and kept.ids.tolist() == [2, 5, 7, 9]
-    runner, quant = draft_runner(loaded.model, kept, 32, "int8")
+    runner, quant = model_runner(loaded.model, kept, 32, "int8")
     assert isinstance(runner, PrunedRunner) and quant == "int8" and runner.vocab_size == V
     plain, none = load_model_draft(str(other), target)
-    assert none is None and not isinstance(draft_runner(plain.model, None, 32, None)[0], PrunedRunner)
+    assert none is None and not isinstance(model_runner(plain.model, None, 32, None)[0], PrunedRunner)
 
 
 def test_a_model_and_its_pruned_variants_share_one_copy_of_its_weights(setup, tmp_path: Path) -> None:
@@ -174,7 +182,7 @@ def test_load_model_draft_refuses_what_cannot_prune(setup, tmp_path: Path) -> No
 
 
 def test_validate_opens_a_pruned_spec_as_the_decoder_runs_it(setup, tmp_path: Path) -> None:
-    from draftsmith.pairing.validate import open_draft
+    from draftsmith.pairing.drafts import open_draft
 
     target_dir, other, _ = setup
     f = vocab_file(tmp_path / "v.json", vocab_size=len(WORDS) + 3, ids=[2, 5, 7], n=3)
@@ -242,7 +250,6 @@ def test_an_int4_spec_loads_its_model_and_runs_int4_where_it_can(tmp_path: Path,
     """`int4:MODEL` and `prune:int4:MODEL:vocab=FILE` load MODEL and run it int4 (int8 where the rows do not fit
     draftsmith's int4 kernel: a model 32 wide), whatever the caller's own quantisation; a plain spec is unchanged."""
     from draftsmith.decode.runtime.quant import Int4Linear, int4_chunk
-    from draftsmith.pairing.prune import spec_quant
     from tests.pairing.test_leaderboard import save_tiny as save
     from tests.pairing.test_leaderboard import tiny_tokenizer
 
@@ -252,17 +259,18 @@ def test_an_int4_spec_loads_its_model_and_runs_int4_where_it_can(tmp_path: Path,
     helpers.save_tiny(tmp_path / "wide", tiny_tokenizer(), 3, vocab_size=V, eos_id=2, bos_id=1, layers=1,
                       hidden=128, max_positions=512)
     f = vocab_file(tmp_path / "v.json", vocab_size=V, ids=[2, 5, 7, 9], n=4)
-    assert spec_quant(f"int4:{tmp_path / 'wide'}") == "int4" == spec_quant(f"prune:int4:m:vocab={f}")
-    assert spec_quant(str(tmp_path / "wide")) is None
+    quant = lambda spec: DraftSpec.parse(spec, sniff=False).quant  # noqa: E731
+    assert quant(f"int4:{tmp_path / 'wide'}") == "int4" == quant(f"prune:int4:m:vocab={f}")
+    assert quant(str(tmp_path / "wide")) is None
     for spec in (f"int4:{tmp_path / 'wide'}", f"prune:int4:{tmp_path / 'wide'}:vocab={f}"):
         loaded, kept = load_model_draft(spec, target)
         assert loaded.name == spec and (kept is None) == (DraftSpec.parse(spec).kind == "int4")
-        runner, quant = draft_runner(loaded.model, kept, 32, "int8", spec)
+        runner, quant = model_runner(loaded.model, kept, 32, "int8", spec)
         assert quant == ("int4" if int4_chunk() else "int8")
         inner = runner.inner if isinstance(runner, PrunedRunner) else runner
         assert any(isinstance(m, Int4Linear) for m in inner.modules()) == (quant == "int4")
     plain, _ = load_model_draft(str(tmp_path / "wide"), target)
-    assert draft_runner(plain.model, None, 32, "int8", str(tmp_path / "wide"))[1] == "int8"  # negative control
+    assert model_runner(plain.model, None, 32, "int8", str(tmp_path / "wide"))[1] == "int8"  # negative control
 
 
 def test_an_int4_candidate_ranks_with_the_alpha_of_its_int4_weights(setup, tmp_path: Path) -> None:
@@ -291,11 +299,11 @@ def test_an_int4_candidate_ranks_with_the_alpha_of_its_int4_weights(setup, tmp_p
 
 def test_a_calibrated_int4_spec_names_its_file_pruned_or_not(tmp_path) -> None:
     from draftsmith.decode.runtime.quant import write_calib
-    from draftsmith.pairing.prune import spec_calib, spec_quant
+    from draftsmith.pairing.drafts import calibration as spec_calib
 
     path = write_calib(tmp_path / "calib.json", [[1, 2, 3]])
     for spec in (f"int4:m:calib={path}", f"prune:int4:m:calib={path}:vocab=kept.json"):
-        assert spec_calib(spec).sequences == ((1, 2, 3),) and spec_quant(spec) == "int4"
+        assert spec_calib(spec).sequences == ((1, 2, 3),) and DraftSpec.parse(spec, sniff=False).quant == "int4"
     assert spec_calib("int4:m") is None and spec_calib("prune:int4:m:vocab=kept.json") is None
     with pytest.raises(DraftsmithError, match="no such calibration file"):
         spec_calib(f"int4:m:calib={tmp_path / 'none.json'}")
