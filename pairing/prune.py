@@ -22,7 +22,7 @@ the ids it has read in the sequence (`decode.pruned`; false when absent, as file
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -30,13 +30,8 @@ from torch import Tensor
 
 from draftsmith.decode.runtime.errors import DraftsmithError
 from draftsmith.decode.runtime.io import atomic_write_json, read_json
-from draftsmith.decode.runtime.loading import Loaded, load
-from draftsmith.decode.runtime.pair import check_vocab
-from draftsmith.decode.pruned import Proposes, PrunedRunner, coverage_size, vocab_ids
-from draftsmith.decode.runtime.quant import Calibration, draft_quant, read_calib
-from draftsmith.decode.runtime.runner import Runner, make_runner
-from draftsmith.decode.spec import DraftSpec
-from draftsmith.pairing.derive import resolve_candidate
+from draftsmith.decode.runtime.loading import Loaded
+from draftsmith.decode.pruned import Proposes, coverage_size, vocab_ids
 
 FORMAT = "draftsmith-kept-vocab"
 VERSION = 1

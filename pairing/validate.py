@@ -27,9 +27,8 @@ import torch
 
 from draftsmith.decode.bench import Validation, validate_drafts
 from draftsmith.decode.runtime.errors import DraftsmithError
-from draftsmith.decode.head import HeadDraft, head_quant
 from draftsmith.decode.runtime.io import atomic_write_json
-from draftsmith.decode.runtime.loading import Loaded, eos_ids, load
+from draftsmith.decode.runtime.loading import eos_ids, load
 from draftsmith.decode.lookup import copy_table
 from draftsmith.decode.runtime.runner import make_runner
 from draftsmith.decode.prompts import Prompt, first_per_domain
