@@ -715,7 +715,7 @@ def _one_line(e: BaseException) -> str:
 
 ENVIRONMENT = {  # variable -> the runtime setting it maps onto (`settings_from_env`)
     "DRAFTSMITH_LINEAR": "linear", "DRAFTSMITH_NATIVE": "native", "DRAFTSMITH_Q4_AHEAD": "q4_ahead",
-    "DRAFTSMITH_ROWS": "rows", "DRAFTSMITH_MALLOC": "malloc", "DRAFTSMITH_THREADS": "threads", "CC": "compiler",
+    "DRAFTSMITH_ROWS": "rows", "DRAFTSMITH_MALLOC": "malloc", "DRAFTSMITH_THREADS": "threads", "CXX": "compiler",
 }
 _SWITCH = {"on": True, "auto": True, "off": False}
 

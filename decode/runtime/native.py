@@ -1,5 +1,5 @@
-"""draftsmith's own few-row CPU kernels (decode/runtime/csrc/dsk.c): a Linear over 1..12 rows (more: a draft's prefill, a
-block of output rows at a time over every 12 of them, its weights read once) whose weight is int8 with a
+"""draftsmith's own few-row CPU kernels (decode/runtime/csrc/dsk.c): a Linear over 1..12 rows (more: a draft's
+prefill, a block of output rows at a time over every 12 of them, its weights read once) whose weight is int8 with a
 float scale per output row (the int8 draft's), int4 in groups of 32 with a float16 scale and minimum each (the int4
 draft's, `q4_linear`: its inputs quantised to int8 a row for integer dot products), or float32, streamed once at
 close to the machine's read bandwidth (each weight vector loaded once for all the rows; a row's output has the same
@@ -9,52 +9,183 @@ fbgemm's dynamic int8 Linear and oneDNN's float32 one read a weight at roughly 2
 CPUs here, where a streaming read reaches 32-36 GB/s (docs/results/floor.md); these kernels convert int8 to float32
 in registers (no activation quantisation: closer to the float draft than fbgemm's) and prefetch the next rows ahead.
 
-The C file is compiled once per machine on first use (`gcc -O3 -march=native -fopenmp`, an argument list, into
-the draftsmith cache, keyed by the source, the compiler and the CPU's flags; written atomically) and loaded with
-ctypes; its OpenMP is the runtime torch has already loaded (libgomp), so both share one pool of threads. Where no
-compiler is found, the CPU has neither AVX-512 nor AVX2 + FMA, or DRAFTSMITH_NATIVE=off, `kernels()` is None
-and every caller keeps the library kernels (`why_not()` says why).
+The C file (csrc/dsk.c, in the package) is built once per machine on first use through `torch.utils.cpp_extension.load`
+(ninja and the C++ compiler: $CXX, else the first of c++, g++, gcc, cc on PATH; -O3 -march=native -fopenmp; no torch
+header, so a few seconds; `is_python_module=False`: a plain C ABI, `extern "C"`) into the draftsmith cache,
+`native/KEY/dsk.so`, KEY from the source, the compiler, the flags and the CPU's flags: built in a folder of its own
+there, then moved into place (another process sees the whole library or none), and loaded with ctypes; its OpenMP is
+the runtime torch has already loaded (libgomp), so both share one pool of threads. The CPU's flags are read first
+(/proc/cpuinfo: avx512f, or avx2 and fma); a cached library that does not load or lacks the entry points is deleted
+and built again once. Wherever the kernels cannot be had (DRAFTSMITH_NATIVE=off; not x86-64; a CPU without AVX-512
+or AVX2 + FMA; no compiler or no ninja; dsk.c missing from the install; a failed compile; a cache folder that cannot
+be written; a cached library that is corrupt and cannot be rebuilt) `kernels()` is None, every caller keeps torch's
+kernels, `why_not()` gives the reason in one line, and that line is printed to stderr once (`draftsmith: native
+kernels off: REASON; using torch's kernels`; not for DRAFTSMITH_NATIVE=off, which the user asked for).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
 import os
 import platform
 import shutil
-import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from draftsmith.decode.runtime.settings import current
+
 SOURCE = Path(__file__).parent / "csrc" / "dsk.c"
+FLAGS = ("-O3", "-march=native", "-fopenmp")  # the compiler's flags (linked with -fopenmp too)
+COMPILERS = ("c++", "g++", "gcc", "cc")  # looked for on PATH in this order where $CXX is not set
 MAX_ROWS = 12  # rows the kernels take in one pass over a weight (dsk.c MAX_T); more run 12 at a time
 GROUP = 32  # int4 weights: one scale and minimum per GROUP weights of a row (dsk.c GROUP)
 RB = 16  # int4 weights: output rows interleaved a block, one int32 lane each (dsk.c RB)
-_WHY: list[str] = []
+_WHY: list[str] = []  # the last `kernels()`'s reason ("" where it found them)
+OFF = "DRAFTSMITH_NATIVE=off"  # the reason where the settings turn the kernels off (RuntimeSettings(native=False))
+
+
+class NoKernels(Exception):
+    """Why the kernels cannot be had here: one true line (`why_not()`)."""
 
 
 def _cpu_flags() -> str:
+    """The CPU's feature flags as /proc/cpuinfo lists them ("" where it cannot be read)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor()
+    return ""
 
 
-def _compile(cc: str, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        part = Path(tmp) / out.name
-        subprocess.run([cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(SOURCE), "-o", str(part)],
-                       check=True, capture_output=True, text=True, timeout=300)
-        os.replace(part, out)  # atomic: another process sees the whole library or none
+def _check_cpu() -> str:
+    """The CPU's flags, checked before compiling: AVX-512F, or AVX2 and FMA (what dsk.c is written for)."""
+    flags = _cpu_flags()
+    if not flags:
+        raise NoKernels("cannot read the CPU's features (no flags in /proc/cpuinfo)")
+    have = set(flags.split())
+    if "avx512f" not in have and not {"avx2", "fma"} <= have:
+        raise NoKernels("this CPU has neither AVX-512 nor AVX2 + FMA")
+    return flags
+
+
+def _compiler() -> str:
+    """The C++ compiler cpp_extension is to run: the settings' `compiler` (the CLI: $CXX), else the first of
+    COMPILERS on PATH (its full path)."""
+    named = current().compiler
+    if named:
+        found = shutil.which(named)
+        if found is None:
+            raise NoKernels(f"no compiler: CXX={named} is not found")
+        return found
+    for name in COMPILERS:
+        found = shutil.which(name)
+        if found:
+            return found
+    raise NoKernels(f"no C/C++ compiler found ($CXX unset; none of {', '.join(COMPILERS)} on PATH)")
+
+
+def _ninja_dir() -> str:
+    """The folder holding ninja, which cpp_extension builds with: the `ninja` package's, else PATH's."""
+    try:
+        import ninja
+
+        if ninja.BIN_DIR and shutil.which("ninja", path=ninja.BIN_DIR):
+            return ninja.BIN_DIR
+    except ImportError:
+        pass
+    found = shutil.which("ninja")
+    if found is None:
+        raise NoKernels("ninja is not installed (torch.utils.cpp_extension builds with it: pip install ninja)")
+    return str(Path(found).parent)
+
+
+def _library(compiler: str, flags: str) -> Path:
+    """Where the library built from SOURCE by `compiler` for a CPU with `flags` lives in the cache."""
+    from draftsmith.decode.runtime.zoo import cache_dir
+
+    try:
+        source = SOURCE.read_bytes()
+    except OSError as e:
+        raise NoKernels(f"{SOURCE.name} is missing from the install ({SOURCE}: {e.strerror})") from None
+    key = hashlib.sha256(b"\0".join([source, compiler.encode(), " ".join(FLAGS).encode(), flags.encode()]))
+    return cache_dir() / "native" / key.hexdigest()[:16] / "dsk.so"
+
+
+def _unwritable(e: OSError) -> NoKernels:
+    from draftsmith.decode.runtime.zoo import cache_dir
+
+    return NoKernels(f"the cache folder {cache_dir()} is not writable ({e.strerror or e})")
+
+
+def _first_error(log: str) -> str:
+    """The line that says why a cpp_extension build failed, from ninja's log: the first error line of what the
+    failed command (compiler or linker) wrote, else its first line that is not a context line ("In function ...:"),
+    else that it wrote nothing."""
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    failed = next((i for i, line in enumerate(lines) if line.startswith("FAILED:")), None)
+    said = lines if failed is None else lines[failed + 2:]  # after FAILED: the command, then what it wrote
+    said = [line for line in said if not line.startswith(("ninja: ", "["))]  # ninja's own lines
+    errors = [line for line in said if "error" in line.lower() and not line.startswith("collect2:")]
+    plain = [line for line in said if not line.endswith((":", ","))]
+    if errors or plain or said:
+        return (errors or plain or said)[0]
+    step = lines[failed].removeprefix("FAILED:").strip() if failed is not None else "the library"
+    return f"making {step} stopped without a message"
+
+
+@contextlib.contextmanager
+def _environ(**values: str):
+    """os.environ with `values` set, as it was after (cpp_extension reads CXX and PATH from it)."""
+    old = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in old.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _build(compiler: str, lib: Path) -> None:
+    """SOURCE compiled by `compiler` through cpp_extension in a folder of its own beside `lib`, then moved onto
+    `lib` in one step (another process sees the whole library or none)."""
+    from torch.utils import cpp_extension
+
+    ninja_dir = _ninja_dir()
+    try:
+        lib.parent.mkdir(parents=True, exist_ok=True)
+        folder = tempfile.mkdtemp(prefix="build-", dir=lib.parent)
+    except OSError as e:
+        raise _unwritable(e) from None
+    try:
+        path = os.pathsep.join([ninja_dir, os.environ.get("PATH", "")])
+        with _environ(CXX=compiler, PATH=path, TORCH_DONT_CHECK_COMPILER_ABI="1"):  # a C ABI: no C++ ABI to match
+            try:
+                built = cpp_extension.load("dsk", [str(SOURCE)], extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"],
+                                           build_directory=folder, is_python_module=False, verbose=False)
+            except RuntimeError as e:  # "Error building extension 'dsk': <ninja's log>"
+                raise NoKernels(f"compiling {SOURCE.name} failed: {_first_error(str(e).partition(': ')[2])}") from None
+            except OSError as e:  # built, then loaded by cpp_extension: it does not load
+                raise NoKernels(f"the library built from {SOURCE.name} does not load: {e.__cause__ or e}") from None
+        try:
+            os.replace(built, lib)
+        except OSError as e:
+            raise _unwritable(e) from None
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            lib.parent.rmdir()  # where nothing was built: no empty folder left (not empty: left as it is)
 
 
 class Kernels:
@@ -116,9 +247,10 @@ class Kernels:
     def q4_linear(self, x: Tensor, packed: Tensor, sm: Tensor, bias: Tensor | None = None, *,
                   n: int | None = None) -> Tensor:
         """x (T, K) float32 @ W^T + bias for T >= 1 rows, W (n, K) int4 in groups of GROUP along K, as
-        `decode.runtime.quant.pack_int4` lays it out: `packed` (Np, K / 2) uint8 and `sm` (Np, K / GROUP, 2) float16 (each
-        group's scale and minimum, w = q * scale + min), its rows RB at a time (Np: n rounded up to RB; `n`
-        defaults to Np). Each row of x is quantised to int8 (one scale: max |x| / 127) for integer dot products."""
+        `decode.runtime.quant.pack_int4` lays it out: `packed` (Np, K / 2) uint8 and `sm` (Np, K / GROUP, 2)
+        float16 (each group's scale and minimum, w = q * scale + min), its rows RB at a time (Np: n rounded up to
+        RB; `n` defaults to Np). Each row of x is quantised to int8 (one scale: max |x| / 127) for integer dot
+        products."""
         T, K = x.shape
         Np = packed.shape[0]
         n = Np if n is None else n
@@ -138,35 +270,82 @@ class Kernels:
         return y
 
 
-@functools.cache
-def kernels() -> Kernels | None:
-    """The compiled kernels on this machine, or None (`why_not()`)."""
-    if os.environ.get("DRAFTSMITH_NATIVE", "auto") == "off":
-        _WHY.append("DRAFTSMITH_NATIVE=off")
-        return None
-    if platform.machine() not in ("x86_64", "AMD64"):
-        _WHY.append(f"no kernels for {platform.machine()}")
-        return None
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if cc is None:
-        _WHY.append("no C compiler (gcc) found")
-        return None
-    from draftsmith.decode.runtime.zoo import cache_dir
+def _load(lib: Path) -> Kernels:
+    """The library at `lib` (OSError where it does not load, AttributeError where it lacks an entry point)."""
+    dll = ctypes.CDLL(str(lib))
+    if dll.dsk_lanes() == 0:  # built, but -march=native gave it no vector code: no kernels in it
+        raise NoKernels(f"{SOURCE.name} was compiled without AVX-512 or AVX2 + FMA (-march=native)")
+    return Kernels(dll)
 
-    key = hashlib.sha256(SOURCE.read_bytes() + cc.encode() + _cpu_flags().encode()).hexdigest()[:16]
-    lib_path = cache_dir() / "native" / f"dsk-{key}.so"
+
+def _cached_or_built(compiler: str, lib: Path) -> Kernels:
+    """The library at `lib`, built first where it is not there; a cached one that does not load or lacks entry
+    points (corrupt) is deleted and built once more."""
+    if not lib.is_file():
+        _build(compiler, lib)
+        try:
+            return _load(lib)
+        except (OSError, AttributeError) as e:
+            raise NoKernels(f"the library built from {SOURCE.name} does not load: {_said(e, lib)}") from None
     try:
-        if not lib_path.is_file():
-            _compile(cc, lib_path)
-        found = Kernels(ctypes.CDLL(str(lib_path)))
-    except (OSError, subprocess.SubprocessError, AttributeError) as e:
-        detail = getattr(e, "stderr", "") or str(e)
-        _WHY.append(f"compiling {SOURCE.name} failed: {detail.strip().splitlines()[0] if detail.strip() else e}")
+        return _load(lib)
+    except (OSError, AttributeError) as e:
+        corrupt = f"the cached library {lib} is corrupt ({_said(e, lib)})"
+    try:
+        lib.unlink()
+    except FileNotFoundError:  # another process got there first
+        pass
+    except OSError as e:
+        raise NoKernels(f"{corrupt} and {_unwritable(e)}") from None
+    try:
+        _build(compiler, lib)
+        return _load(lib)
+    except (NoKernels, OSError, AttributeError) as e:
+        raise NoKernels(f"{corrupt} and rebuilding it failed: {_said(e, lib)}") from None
+
+
+def _said(e: BaseException, lib: Path) -> str:
+    """An error's message in one line, without the library's path in front (the dynamic loader's prefix)."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return text.removeprefix(f"{lib}: ")
+
+
+def _find() -> Kernels:
+    """The kernels, built where needed (`NoKernels` says why not)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        raise NoKernels(f"no kernels for {platform.machine()} (dsk.c is x86-64 vector code)")
+    flags = _check_cpu()
+    if not SOURCE.is_file():
+        raise NoKernels(f"{SOURCE.name} is missing from the install ({SOURCE})")
+    compiler = _compiler()
+    return _cached_or_built(compiler, _library(compiler, flags))
+
+
+def kernels() -> Kernels | None:
+    """The compiled kernels on this machine, or None (`why_not()`; said once on stderr unless turned off by the
+    settings: `RuntimeSettings.native`, the CLI's DRAFTSMITH_NATIVE=off)."""
+    settings = current()
+    if not settings.native:
+        _WHY[:] = [OFF]
         return None
-    if found.lanes == 0:
-        _WHY.append("this CPU has neither AVX-512 nor AVX2 + FMA")
-        return None
-    return found
+    return _built(settings.compiler)
+
+
+@functools.cache
+def _built(compiler: str | None) -> Kernels | None:
+    """`kernels()` for one compiler setting, found (or built) once per process."""
+    try:
+        found = _find()
+    except NoKernels as e:
+        why = str(e)
+    except Exception as e:  # anything else a build throws: still a fall-back, never a crash
+        why = f"building the kernels failed: {type(e).__name__}: {_said(e, SOURCE)}"
+    else:
+        _WHY[:] = [""]
+        return found
+    _WHY[:] = [why]
+    print(f"draftsmith: native kernels off: {why}; using torch's kernels", file=sys.stderr, flush=True)
+    return None
 
 
 Q4_AHEAD_CHOICES = (1024, 2048, 4096, 8192)  # prefetch distances `tune_q4_ahead` times (1024: the built-in one)
@@ -178,8 +357,8 @@ _Q4_TUNE_SHAPES = [(1152, 896), (896, 896), (9728, 896), (896, 4864)] * 8 + [(32
 
 @functools.cache
 def tune_q4_ahead() -> int:
-    """The int4 kernel's prefetch distance for this machine, set on `kernels()` and returned: DRAFTSMITH_Q4_AHEAD
-    where given, else the choice saved beside the library, else timed once (`Q4_AHEAD_CHOICES`, 7 interleaved
+    """The int4 kernel's prefetch distance for this machine, set on `kernels()` and returned: the settings'
+    `q4_ahead` (the CLI: DRAFTSMITH_Q4_AHEAD) where given, else the choice saved beside the library, else timed once (`Q4_AHEAD_CHOICES`, 7 interleaved
     passes each over `_Q4_TUNE_SHAPES`, the median pass; the built-in 1024 kept unless another is
     `Q4_AHEAD_MARGIN` faster) and saved (`<cache>/native/q4-ahead-KEY.json`). 0 where there is no int4 kernel."""
     import json
@@ -192,11 +371,9 @@ def tune_q4_ahead() -> int:
     k = kernels()
     if k is None or not k.q4_chunk:
         return 0
-    fixed = os.environ.get("DRAFTSMITH_Q4_AHEAD")
-    if fixed:
-        if not fixed.isdigit() or k.q4_ahead(int(fixed)) != int(fixed):
-            raise ValueError(f"DRAFTSMITH_Q4_AHEAD must be a byte count 0..{1 << 20}, got {fixed!r}")
-        return int(fixed)
+    fixed = current().q4_ahead  # checked by RuntimeSettings (0..1 MiB)
+    if fixed is not None:
+        return k.q4_ahead(fixed)
     key = hashlib.sha256(SOURCE.read_bytes() + _cpu_flags().encode() + json.dumps(_Q4_TUNE_SHAPES).encode()
                          + json.dumps(Q4_AHEAD_CHOICES).encode()).hexdigest()[:16]
     path = cache_dir() / "native" / f"q4-ahead-{key}.json"
@@ -231,7 +408,10 @@ def tune_q4_ahead() -> int:
     return k.q4_ahead(ahead)
 
 
+kernels.cache_clear = _built.cache_clear  # found afresh on the next call (tests)
+
+
 def why_not() -> str:
-    """Why `kernels()` is None ("" when it is not)."""
+    """Why `kernels()` is None, in one line ("" when it is not)."""
     kernels()
-    return _WHY[-1] if _WHY else ""
+    return _WHY[0] if _WHY else ""

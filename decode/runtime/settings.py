@@ -8,7 +8,7 @@ allocator.
 
 The runtime reads `current()` and nothing else: no environment variable steers it (the model cache's location
 excepted, as `HF_HOME` does for Hugging Face). The `draftsmith` command maps its environment onto one of these
-(`draftsmith.recipes.cli.settings_from_env`: DRAFTSMITH_LINEAR, _NATIVE, _Q4_AHEAD, _ROWS, _MALLOC, _THREADS, CC)
+(`draftsmith.recipes.cli.settings_from_env`: DRAFTSMITH_LINEAR, _NATIVE, _Q4_AHEAD, _ROWS, _MALLOC, _THREADS, CXX)
 and hands it to every process it starts. A library user builds one and calls `configure`.
 """
 
@@ -30,8 +30,8 @@ class RuntimeSettings:
     only). `q4_ahead`: the int4 kernel's prefetch distance in bytes (None: chosen once per machine and saved).
     `rows`: plan few-row forwards (padding, BLAS or native per row count, timed once per model and machine and
     saved in the cache: `decode.runtime.plan`); False: every forward at its own row count on oneDNN.
-    `malloc`: `MALLOC`. `threads`: torch's intra-op threads (None: torch's default). `compiler`: the C compiler
-    for the native kernel (None: the one torch's extension builder finds)."""
+    `malloc`: `MALLOC`. `threads`: torch's intra-op threads (None: torch's default). `compiler`: the C++
+    compiler the native kernel is built with (None: c++, g++, gcc or cc on PATH)."""
 
     linear: str = "auto"
     native: bool = True

@@ -5,15 +5,20 @@
  * already loaded. Every output is one vector accumulator summed over K in order and reduced the same way whatever
  * T is, so a row's result does not
  * depend on the rows beside it (bit for bit). T rows share each weight vector loaded (T multiply-adds a weight:
- * past 8 rows the multiply-adds, not the reads, set the pace). decode/runtime/native.py compiles it on first use (gcc -O3
- * -march=native) and calls it through ctypes. K must be a multiple of LANES. Built for AVX-512F or AVX2 + FMA;
- * anything else gets no kernels. */
+ * past 8 rows the multiply-adds, not the reads, set the pace). decode/runtime/native.py builds it on first use
+ * through torch.utils.cpp_extension (the C++ compiler, -O3 -march=native -fopenmp; no torch header: a plain C ABI,
+ * `extern "C"` when compiled as C++) and calls it through ctypes. K must be a multiple of LANES. Built for AVX-512F
+ * or AVX2 + FMA; anything else gets no kernels. */
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <math.h>
 #include <string.h>
 #include <immintrin.h>
+
+#ifdef __cplusplus /* cpp_extension compiles it as C++: the entry points keep their C names */
+extern "C" {
+#endif
 
 #if defined(__AVX512F__)
 #define LANES 16
@@ -341,9 +346,9 @@ static void q4_many(const int8_t *xq, const float *xg, const float *sx, const ui
  * the int8 inputs: xq (T, K) int8, xg (T, K / GROUP) group sums, sx (T) scales; returns 0 or -1. */
 int dsk_q4_linear(const float *x, const uint8_t *w, const uint16_t *sm, const float *b, float *y, int T, int N, int K) {
     if (T < 1 || K % GROUP || K % LANES) return -1;
-    int8_t *xq = aligned_alloc(64, ((size_t)T * K + 63) / 64 * 64);
-    float *xg = aligned_alloc(64, ((size_t)T * (K / GROUP) * 4 + 63) / 64 * 64);
-    float *sx = aligned_alloc(64, ((size_t)T * 4 + 63) / 64 * 64);
+    int8_t *xq = (int8_t *)aligned_alloc(64, ((size_t)T * K + 63) / 64 * 64);
+    float *xg = (float *)aligned_alloc(64, ((size_t)T * (K / GROUP) * 4 + 63) / 64 * 64);
+    float *sx = (float *)aligned_alloc(64, ((size_t)T * 4 + 63) / 64 * 64);
     if (!xq || !xg || !sx) { free(xq); free(xg); free(sx); return -1; }
     for (int t = 0; t < T; t++)
         sx[t] = quant_row(x + (size_t)t * K, xq + (size_t)t * K, xg + (size_t)t * (K / GROUP), K);
@@ -370,4 +375,8 @@ int dsk_q4_linear(const float *x, const uint8_t *w, const uint16_t *sm, const fl
 }
 int dsk_q4_chunk(void) { return 0; }
 int dsk_q4_ahead(int bytes) { return 0; }
+#endif
+
+#ifdef __cplusplus
+} /* extern "C" */
 #endif

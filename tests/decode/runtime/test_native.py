@@ -9,7 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from draftsmith.decode.runtime import native
+from draftsmith.decode.runtime import native, settings
+from draftsmith.decode.runtime.errors import DraftsmithError
+from draftsmith.decode.runtime.settings import RuntimeSettings
 from draftsmith.decode.runtime.kernels import linear, native_kernels
 from draftsmith.decode.runtime.quant import quantize_int8, quantize_linears_int8
 from draftsmith.decode.runtime.runner import make_runner
@@ -122,17 +124,16 @@ def test_int8_draft_prefills_on_the_native_kernel() -> None:
     assert 10 * near < (on - off).abs().max() < 0.1 * off.abs().max()  # fbgemm's inputs on one scale: further
 
 
-@pytest.mark.parametrize("env,why", [({"DRAFTSMITH_NATIVE": "off"}, "DRAFTSMITH_NATIVE=off"),
-                                     ({"CC": "/nonexistent/gcc"}, "compiling dsk.c failed")])
+@pytest.mark.parametrize("env,why", [({"native": False}, "DRAFTSMITH_NATIVE=off"),
+                                     ({"compiler": "/nonexistent/g++"}, "no compiler: CXX=/nonexistent/g++ is not found")])
 def test_no_kernels_means_the_library_ones(monkeypatch, tmp_path, env: dict, why: str) -> None:
-    """Kernels turned off, or a compiler that fails: `kernels()` is None with the reason, and an int8 Linear
-    runs fbgemm's kernel on one row."""
+    """Kernels turned off, or a compiler that is not there: `kernels()` is None with the reason, and an int8 Linear
+    runs fbgemm's kernel on one row (the other faults: test_native_fallback.py)."""
     monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path))
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(settings, "_CURRENT", [RuntimeSettings(**env)])  # as the CLI maps DRAFTSMITH_NATIVE / CXX
     native.kernels.cache_clear()
     try:
-        assert native.kernels() is None and why in native.why_not()
+        assert native.kernels() is None and native.why_not() == why
         layer = int8_layer(4, 16, 64)
         x = torch.randn(1, 64)
         with native_kernels():
@@ -158,7 +159,7 @@ def test_bad_calls_are_refused() -> None:
 @pytest.mark.skipif(KERNELS is None or not KERNELS.q4_chunk, reason="no int4 kernel here")
 def test_the_int4_prefetch_distance_is_timed_once_saved_and_never_changes_a_bit(monkeypatch, tmp_path) -> None:
     """`tune_q4_ahead`: a choice among `Q4_AHEAD_CHOICES` saved beside the library and read back (a damaged file is
-    timed again), DRAFTSMITH_Q4_AHEAD fixes it (a bad value is refused); the kernel's output is the same bits at
+    timed again), the settings' q4_ahead fixes it (a bad value is refused); the kernel's output is the same bits at
     every distance (prefetching moves no result)."""
     from draftsmith.decode.runtime.quant import pack_int4
 
@@ -175,7 +176,7 @@ def test_the_int4_prefetch_distance_is_timed_once_saved_and_never_changes_a_bit(
         assert all(torch.equal(outs[0], o) for o in outs[1:])
 
         monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path))
-        monkeypatch.delenv("DRAFTSMITH_Q4_AHEAD", raising=False)
+        monkeypatch.setattr(settings, "_CURRENT", [RuntimeSettings()])
         tune = native.tune_q4_ahead.__wrapped__
         chosen = tune()
         [saved] = (tmp_path / "native").glob("q4-ahead-*.json")
@@ -186,10 +187,9 @@ def test_the_int4_prefetch_distance_is_timed_once_saved_and_never_changes_a_bit(
         assert tune() == 4096 == k.q4_ahead()  # read back, not timed again
         saved.write_text("{")
         assert tune() in native.Q4_AHEAD_CHOICES and json.loads(saved.read_text())["ahead"] in native.Q4_AHEAD_CHOICES
-        monkeypatch.setenv("DRAFTSMITH_Q4_AHEAD", "512")
+        monkeypatch.setattr(settings, "_CURRENT", [RuntimeSettings(q4_ahead=512)])  # DRAFTSMITH_Q4_AHEAD=512
         assert tune() == 512 == k.q4_ahead()
-        monkeypatch.setenv("DRAFTSMITH_Q4_AHEAD", "lots")
-        with pytest.raises(ValueError, match="DRAFTSMITH_Q4_AHEAD"):
-            tune()
+        with pytest.raises(DraftsmithError, match="q4_ahead must be a byte count"):
+            RuntimeSettings(q4_ahead=1 << 21)
     finally:
         k.q4_ahead(before)
