@@ -5,6 +5,7 @@ reaches into a private name of the package: scripts call the public API only."""
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import os
 import subprocess
@@ -20,7 +21,7 @@ SCRIPTS = ROOT / "scripts"
 PACKAGES = ("decode", "pairing", "distill", "recipes")
 WORDS = "the a of to and in is it that for on with as was be by this are or at from code data list sort print".split()
 TESTED = {"allocator_bench.py", "distill_table.py", "draft_agreement.py", "gptq_agreement.py", "head_data_bench.py",
-          "head_train_bench.py", "linear_bench.py", "native_bench.py", "q4_prefetch.py"}
+          "head_train_bench.py", "kernel_bench.py", "linear_bench.py", "native_bench.py", "q4_prefetch.py"}
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +73,82 @@ def test_native_bench(world: dict, tmp_path: Path) -> None:
                "--repeats", "1", "--out", str(tmp_path))
     result = read_result(tmp_path / "bench.json")
     assert set(result["median_ms"]) == {"native", "fbgemm"} and len(result["fbgemm_over_native"]) == 1
+
+
+def test_kernel_bench(world: dict, tmp_path: Path) -> None:
+    from draftsmith.decode.runtime import native
+
+    out, md = tmp_path / "kernels.json", tmp_path / "kernels.md"
+    run_script(world, "kernel_bench.py", "--models", world["target"], "--rows", "1,2", "--repeats", "1", "--warmup",
+               "0", "--out", str(out), "--markdown", str(md))
+    result = read_result(out)
+    assert {"command", "rows", "repeats", "torchao", "models", "seconds"} <= set(result)
+    assert "scripts/kernel_bench.py" in result["command"] and result["rows"] == [1, 2]
+    (model, rec), = result["models"].items()
+    assert rec["linears"] == 4 * 7 + 1 and list(rec["families"]) == ["int4", "int8", "float"]
+    built = native.kernels() is not None
+    for fam, fr in rec["families"].items():
+        ours = fr["ours"]
+        assert fr["backends"][ours]["ran"] == built
+        assert all(b["ran"] or b["why_not"] for b in fr["backends"].values())
+        ran = {n for n, b in fr["backends"].items() if b["ran"]}
+        assert set(fr["output_check"]) == ran and all(c["ok"] for c in fr["output_check"].values()), fr["output_check"]
+        assert set(fr["rows"]) == {"1", "2"}
+        for T, cell in fr["rows"].items():
+            timed = set(cell["median_ms"])
+            assert timed <= ran and ran - timed <= set(fr["timed_less"].get(T, {}))  # dropped only where recorded
+            assert all(len(ms) == 1 for ms in cell["ms"].values())
+            if built:
+                assert cell["verdict"]["decision"] in ("use library", "keep ours")
+                for n, r in cell["ratio_vs_ours"].items():
+                    assert r == pytest.approx(cell["median_ms"][n] / cell["median_ms"][ours], rel=1e-3)
+            else:
+                assert cell["verdict"]["decision"] == "no verdict"
+    page = md.read_text(encoding="utf-8")
+    assert f"### {model}: int4" in page and "| rows | " in page and "Verdict: " in page
+    again = subprocess.run([sys.executable, "scripts/kernel_bench.py", "--from", str(out)], cwd=ROOT,
+                           env=world["env"], capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout == page  # re-rendered from the JSON, nothing timed
+
+
+def kernel_bench():
+    """scripts/kernel_bench.py as a module (its pure functions; registered: its dataclasses look themselves up)."""
+    name = "draftsmith_script_kernel_bench"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, SCRIPTS / "kernel_bench.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def test_kernel_bench_ratio_and_verdict_rule() -> None:
+    kb = kernel_bench()
+    assert kb.ratios({"ours": 2.0, "a": 2.2, "b": 1.0}, "ours") == {"a": 1.1, "b": 0.5}
+    assert kb.ratios({"a": 1.0}, "ours") == {}  # ours not timed: no ratios
+    use = kb.verdict({"a": 1.10})  # within 10%: the library op replaces ours
+    assert (use["decision"], use["library"], use["ratio"]) == ("use library", "a", 1.10)
+    keep = kb.verdict({"a": 1.11, "b": 1.5})
+    assert (keep["decision"], keep["library"], keep["ratio"]) == ("keep ours", "a", 1.11)
+    assert kb.verdict({"a": 1.5, "b": 1.05})["library"] == "b"  # the fastest library op is the one named
+    assert kb.verdict({"a": 0.5, "b": 1.05}, exclude={"a"})["library"] == "b"  # a wrong output is no candidate
+    assert kb.verdict({"a": 0.5}, exclude={"a"}) == kb.verdict({})
+    assert kb.verdict({})["decision"] == "keep ours" and kb.verdict({})["library"] is None
+    assert kb.verdict({"a": 1.2}, margin=1.25)["decision"] == "use library"
+
+    cell = kb.summarize({"ours": [0.002, 0.001, 0.003], "lib": [0.0021, 0.0022, 0.0020], "slow": [0.01]}, "ours")
+    assert cell["median_ms"] == {"ours": 2.0, "lib": 2.1, "slow": 10.0}
+    assert cell["min_ms"]["ours"] == 1.0 and cell["max_ms"]["ours"] == 3.0 and cell["ms"]["lib"] == [2.1, 2.2, 2.0]
+    assert cell["ratio_vs_ours"] == {"lib": 1.05, "slow": 5.0}
+    assert (cell["verdict"]["decision"], cell["verdict"]["library"]) == ("use library", "lib")
+    wrong = kb.summarize({"ours": [0.002], "lib": [0.0021]}, "ours", exclude={"lib"})
+    assert wrong["verdict"]["decision"] == "keep ours"
+    assert kb.summarize({"lib": [0.001]}, "ours")["verdict"]["decision"] == "no verdict"
+
+    cells = {"1": kb.summarize({"ours": [1.0], "a": [2.0]}, "ours"), "2": kb.summarize({"ours": [1.0], "a": [2.0]},
+             "ours"), "8": kb.summarize({"ours": [2.0], "a": [1.0]}, "ours")}
+    assert kb.family_summary(cells) == "keep ours at T = 1, 2; use a at T = 8"
 
 
 def test_draft_agreement(world: dict, tmp_path: Path) -> None:
