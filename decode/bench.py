@@ -14,6 +14,10 @@ and each `speedup_*` is the median over the repeats of that repeat's ratio (`*_r
 `greedy_equal` checks, per prompt and repeat, speculative == target-only == HF greedy. The summary (`speculative`,
 `speedup_*`) is the fastest speculative mode on these prompts, picked in hindsight; `per_mode` gives every one's.
 With `out` the report is drawn beside it (bench.png: each mode's tokens/s with its range and ratio, `bench_plot`).
+
+Here too, beside `Validation` (the side-by-side timing every stage result embeds): `Part` and `Record`, the base of
+every stage's result type (typed fields, the other keys kept, a `version`; `pairing.validate.BenchResult`,
+`distill.results`, `distill.export.results`, `pairing.leaderboard.PairLeaderboard`).
 """
 
 from __future__ import annotations
@@ -127,6 +131,7 @@ def hf_side_by_side(target: Loaded, draft: Loaded, prompts: list[list[int]], *, 
     return {"k": k, "prompts": len(prompts), **out,
             "measured_speedup": out["hf_assisted"]["tok_per_s"] / base if base else 0.0,
             "greedy_equal": all(a == b for (a, _), (b, _) in zip(runs["hf_generate"], runs["hf_assisted"]))}
+
 
 
 @dataclass

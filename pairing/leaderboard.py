@@ -34,6 +34,7 @@ from pathlib import Path
 
 from draftsmith.decode.runtime.allocator import release_freed_memory
 from draftsmith.decode.bench import hf_side_by_side, validate_drafts
+from draftsmith.decode.runtime.records import Record
 from draftsmith.decode.runtime.errors import DraftsmithError
 from draftsmith.decode.runtime.io import atomic_write_bytes, atomic_write_json, atomic_write_text, png_bytes
 from draftsmith.decode.runtime.loading import Loaded, eos_ids, load
@@ -217,17 +218,11 @@ def run_pair(target_spec: str, out: Path, cfg: PairConfig, *, prompts: str = "co
         _validate_top(target, cands, timing.runner, refs, load_prompts(prompts, limit_per_domain=cfg.validate_prompts),
                       cfg, device)
 
-    board = {
-        "target": target_spec,
-        "machine": machine_info(),
-        "versions": versions(),
-        "settings": {**asdict(cfg), "prompts": prompts, "limit_per_domain": limit_per_domain, "device": device,
-                     "n_prompts": len(suite),
-                     "domains": sorted({p.domain for p in suite})},
-        "definitions": DEFINITIONS,
-        "seconds": time.perf_counter() - t0,
-        "candidates": [c.row for c in cands],
-    }
+    board = PairLeaderboard(
+        target_spec, {**asdict(cfg), "prompts": prompts, "limit_per_domain": limit_per_domain, "device": device,
+                      "n_prompts": len(suite), "domains": sorted({p.domain for p in suite})},
+        [c.row for c in cands], machine=machine_info(), versions=versions(), definitions=DEFINITIONS,
+        seconds=time.perf_counter() - t0).to_dict()
     write_leaderboard(board, out)
     return board
 
@@ -702,3 +697,19 @@ def write_leaderboard(board: dict, out: Path) -> None:
     for name, data in pngs.items():
         atomic_write_bytes(out / name, data)
 
+
+@dataclass
+class PairLeaderboard(Record):
+    """pairing/leaderboard.json (`run_pair` writes it through this type): the target, the settings it ran with
+    (PairConfig's fields plus prompts, n_prompts, domains, device), one row per candidate sorted by predicted
+    speedup (`_row`: draft, kind, alpha, alpha_by_domain, cost_ratio, verify_cost, best_k, predicted_speedup,
+    measured_speedup, ...), and the machine, versions, definitions and seconds of the run (absent in a
+    hand-written board)."""
+
+    target: str
+    settings: dict
+    candidates: list[dict]
+    machine: dict | None = None
+    versions: dict | None = None
+    definitions: dict | None = None
+    seconds: float | None = None

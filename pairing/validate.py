@@ -22,10 +22,12 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
 from draftsmith.decode.bench import Validation, validate_drafts
+from draftsmith.decode.runtime.records import Part, Record
 from draftsmith.decode.runtime.errors import DraftsmithError
 from draftsmith.decode.runtime.io import atomic_write_json
 from draftsmith.decode.runtime.loading import eos_ids, load
@@ -141,7 +143,7 @@ class ValidationResult:
             "cost_ratio": self.cost.get("cost_ratio"), "verify_cost": self.cost.get("verify_cost", {}),
             "decoder_cost": self.cost.get("decoder_cost"),
             "prompt_roles": self.roles, "in_sample": self.roles.get("timed_split", "").startswith("dev"),
-            "machine": machine_info(), "versions": versions(),
+            "machine": machine_info(), "versions": versions(), "version": BenchResult.VERSION,
         }
         rungs = [Rung(d.name, d.step, d.predicted) for d in self.drafts if d.step is not None]
         if rungs:
@@ -348,3 +350,171 @@ def _over(val: Validation, name: str, reference: str) -> dict:
     domains = [s["median"] for g, s in over.items() if g != "all"]
     worst = min(domains) if domains else over["all"]["median"] if "all" in over else None
     return {"over_reference": over, "worst_over_reference": worst}
+
+
+# --- the stage's result read back (validate/bench.json), and the run's verdict -----------------------------
+
+DECODERS = {"target_only": "target alone", "draft_before": "un-distilled draft", "draft_after": "distilled draft"}
+
+
+@dataclass
+class BenchResult(Record):
+    """validate/bench.json read back (`ValidationResult.to_dict` writes it): the summary its readers use (each
+    draft's speedup over the target alone, median and range of the repeats; K; the prompts), the context the
+    report shows (labels, kind, policies, quantisation, measured cost, the ladder, prompt roles, the machine), and
+    the full timing as `validation` where the record holds it (a summary in docs/results does not). Every key is
+    optional: a summary written by hand reads too."""
+
+    target: str | None = None
+    kind: str | None = None  # standalone | head | fastest
+    labels: dict[str, str] = field(default_factory=dict)  # how the report names each decoder (beside DECODERS)
+    k: int | None = None
+    ks: dict[str, int] = field(default_factory=dict)  # drafts timed at another K than `k`
+    k_reason: str | None = None
+    prompts: list[str] = field(default_factory=list)
+    repeats: list[dict] = field(default_factory=list)
+    speedup_vs_target_only: dict[str, float] = field(default_factory=dict)
+    speedup_range: dict[str, list[float]] = field(default_factory=dict)
+    tok_per_s: dict[str, float] = field(default_factory=dict)
+    predicted_speedup: float | None = None
+    policies: dict[str, dict] = field(default_factory=dict)  # each draft's KPolicy.to_dict()
+    siblings: int | None = None  # the chooser's policy, flat (PolicyChoice)
+    sibling_depth: int | None = None
+    confidence: float | None = None
+    lookup: int | None = None
+    draft_quant: str | None = None
+    head_quant: str | None = None
+    quant_by_draft: dict[str, str | None] = field(default_factory=dict)
+    cost_ratio: float | None = None
+    after_vs_before: dict[str, dict] = field(default_factory=dict)  # `after_vs_before`: {"all" | domain: spread}
+    ladder: dict | None = None  # pairing.ladder.ladder
+    prompt_roles: dict | None = None  # which prompts chose the policy, which were timed (absent in old records)
+    in_sample: bool = False
+    machine: dict = field(default_factory=dict)
+    validation: Validation | None = field(default=None, compare=False, metadata={"key": False})
+
+    @classmethod
+    def from_dict(cls, d: Any, what: str = "") -> "BenchResult":
+        obj = super().from_dict(d, what or "bench result")
+        if "stats" in d:
+            try:
+                obj.validation = Validation.from_dict(d)
+            except (KeyError, TypeError, ValueError, AttributeError) as e:
+                raise DraftsmithError(f"{what or 'bench result'}: its timing does not read "
+                                      f"({type(e).__name__}: {e})") from None
+        return obj
+
+    def to_dict(self) -> dict:
+        """The record as read (its timing kept as written), or a new one's timing from `validation`."""
+        timing = self.validation.to_dict() if self.validation is not None and "stats" not in self.extra else {}
+        return {**super().to_dict(), **timing}
+
+    @property
+    def decoder_labels(self) -> dict[str, str]:
+        return {**DECODERS, **self.labels}
+
+    def label(self, name: str, default: str | None = None) -> str:
+        """How the report names decoder `name`: its label, else `default`, else DECODERS' name, else `name`."""
+        return self.labels.get(name, DECODERS.get(name, name) if default is None else default)
+
+    def rungs(self) -> list["LadderRung"]:
+        """The ladder's rungs (none without a ladder)."""
+        return [LadderRung.from_dict(r, "bench result ladder") for r in (self.ladder or {}).get("rungs", [])]
+
+    def speedup(self, name: str) -> float | None:
+        """Draft `name`'s measured speedup over the target alone (None: not timed)."""
+        return self.speedup_vs_target_only.get(name)
+
+    def k_of(self, name: str) -> int | None:
+        return self.ks.get(name, self.k)
+
+    def policy_words(self, name: str) -> str:
+        """How draft `name` ran: its K, and where its rounds stop early or branch (its policy)."""
+        p = self.policies.get(name) or {"k": self.k_of(name)}
+        words = f"K = {p['k']}"
+        if p.get("siblings"):
+            words += (f", its {p['siblings']} most probable first tokens side by side below probability "
+                      f"{p['confidence']}" + (" (each with its next token)" if p.get("sibling_depth") == 2 else ""))
+        elif p.get("confidence"):
+            words += f", rounds stopping below probability {p['confidence']}"
+        if p.get("lookup"):
+            words += f", up to {p['lookup']} lookup tokens after each chain"
+        return words
+
+    def evidence(self, name: str) -> str:
+        """Where draft `name`'s speedup was measured, in words: repeats, range, which prompts."""
+        speed = self.speedup_vs_target_only[name]
+        lo, hi = self.speedup_range.get(name, [speed, speed])
+        return (f"median of {len(self.repeats) or 1} repeats, range {lo:.2f}x-{hi:.2f}x, on {len(self.prompts)} "
+                + ("held-out dev prompts it was chosen on (in-sample)" if self.in_sample
+                   else "test prompts never used to train or choose") + ", greedy-equal")
+
+    def steps_between(self, a: str, b: str) -> list[str]:
+        """The ladder's steps from rung `a` (exclusive) to rung `b` (inclusive); [] without both."""
+        rungs = (self.ladder or {}).get("rungs", [])
+        names = [r["name"] for r in rungs]
+        if not {a, b} <= set(names):
+            return []
+        return [r["step"] for r in rungs[names.index(a) + 1:names.index(b) + 1]]
+
+
+@dataclass
+class LadderRung(Part):
+    """One rung of bench.json's `ladder` (`pairing.ladder.ladder`): the decoder, what it changes over the rung
+    above it in the table, its predicted speedup, and its spreads over the target alone and over that rung, by
+    group ({"all" | domain: {median, range, repeats}})."""
+
+    name: str
+    step: str
+    predicted: float | None = None
+    over_target: dict[str, dict] = field(default_factory=dict)
+    over_below: dict[str, dict] | None = None  # None for the first rung
+
+    def spread(self, group: str, below: bool = False) -> dict | None:
+        """Its spread in `group` over the target alone (over the rung before with `below`); None: not timed."""
+        return ((self.over_below if below else self.over_target) or {}).get(group)
+
+
+class EngineCheck(Protocol):
+    """What the verdict reads of the export stage's result (distill.export.results.HeadExport / DraftExport)."""
+
+    llama_cpp_prediction: dict | None
+    serving: dict
+
+    def measured_runs(self) -> list: ...  # llama-server runs with a speedup (speedup_vs_target_only, draft_max)
+
+
+def verdict(bench: BenchResult | None, export: EngineCheck | None = None) -> tuple[str, bool] | None:
+    """The run's answer, from the validate stage's result and the export stage's: which draft to serve, where,
+    at which K, and its measured speedup with its range; or, in plain words, that none pays; and whether one
+    pays. None before validate has measured a speedup."""
+    if bench is None or not bench.speedup_vs_target_only:
+        return None
+    speed = bench.speedup_vs_target_only
+    best = max(speed, key=lambda n: speed[n])
+    where = bench.evidence(best)
+    if speed[best] < 1.0:
+        return (f"no draft beats the target alone here: best {speed[best]:.2f}x ({bench.label(best)}; {where})"
+                " — don't serve one.", False)
+    text = (f"serve the {bench.label(best)} with draftsmith's decoder at {bench.policy_words(best)}: "
+            f"{speed[best]:.2f}x the target alone ({where}).")
+    fair = bench.after_vs_before if bench.kind == "fastest" else {}
+    if fair.get("all"):
+        what = bench.steps_between("draft_before", "draft_after")
+        text += (f" The race's pick ({bench.label('draft_after')}) over the {bench.label('draft_before')} (the same "
+                 "policy search on the same dev prompts" + (f"; what differs: {', '.join(what)}" if what else "")
+                 + "): " + "; ".join(f"{g} {v['median']:.2f}x ({v['range'][0]:.2f}-{v['range'][1]:.2f})"
+                                     for g, v in fair.items()) + ".")
+    if export is None:
+        return text, True
+    runs = export.measured_runs()
+    if export.llama_cpp_prediction:
+        text += f" In llama.cpp (llama-server) {export.llama_cpp_prediction['verdict']}."
+    elif runs:
+        top = max(runs, key=lambda lc: lc.speedup_vs_target_only)
+        x = top.speedup_vs_target_only
+        text += (f" In llama.cpp (llama-server) it measured {x:.2f}x at K = {top.draft_max}"
+                 + (": don't use it there on this machine." if x < 1 else "."))
+    if export.serving:
+        text += " vLLM / SGLang lines are in the export section (not measured here)."
+    return text, True

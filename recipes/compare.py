@@ -9,70 +9,76 @@ distilled draft with its alpha after training and its measured speedup. Written 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from draftsmith.decode.runtime.errors import DraftsmithError
 from draftsmith.decode.runtime.io import atomic_write_json, read_json
-from draftsmith.pairing.leaderboard import prediction_caveat
+from draftsmith.distill.export.results import DraftExport, HeadExport, LlamaServerRun, read_export
+from draftsmith.distill.results import DistillResult, HeadResult
+from draftsmith.pairing.leaderboard import PairLeaderboard, prediction_caveat
+from draftsmith.pairing.validate import BenchResult
 from draftsmith.recipes.report import Doc, fmt
 
 COLUMNS = ["target", "draft", "kind", "alpha", "positions", "best K", "predicted", "measured (ours)", "llama.cpp",
            "run"]
 
 
-def _llama_cpp(lc: dict | None) -> dict | None:
+def _llama_cpp(lc: LlamaServerRun | None) -> dict | None:
     """What the leaderboard keeps of one llama-server run: speedup over the target alone, K, acceptance."""
-    if not lc or lc.get("speedup_vs_target_only") is None:
+    if not lc or lc.speedup_vs_target_only is None:
         return None
-    return {"speedup": lc["speedup_vs_target_only"], "k": lc.get("draft_max"), "accepted": lc.get("accepted"),
-            "drafted": lc.get("drafted")}
+    return {"speedup": lc.speedup_vs_target_only, "k": lc.draft_max, "accepted": lc.accepted, "drafted": lc.drafted}
+
+
+def _read(folder: Path, rels: tuple[str, ...], what: str, read: Callable):
+    """The first of `rels` in `folder` that holds a result, read through its type; None when none does."""
+    for rel in rels:
+        d = read_json(folder / rel, missing_ok=True, what=what)
+        if d:
+            return read(d, str(folder / rel))
+    return None
 
 
 def rows_of_run(folder: Path) -> list[dict]:
     """The leaderboard rows one run folder contributes (empty when it holds no results yet)."""
     rows: list[dict] = []
-    board = (read_json(folder / "pairing" / "leaderboard.json", missing_ok=True, what="leaderboard")
-             or read_json(folder / "leaderboard.json", missing_ok=True, what="leaderboard"))
-    exported = read_json(folder / "export" / "export.json", missing_ok=True, what="export result") or {}
-    before = exported.get("llama_cpp_before") or {}
+    board = _read(folder, ("pairing/leaderboard.json", "leaderboard.json"), "leaderboard", PairLeaderboard.from_dict)
+    exported = _read(folder, ("export/export.json",), "export result", read_export)
+    before = exported.llama_cpp_before if isinstance(exported, DraftExport) else None
     if board:
-        for c in board["candidates"]:
+        for c in board.candidates:
             rows.append({
-                "target": board["target"], "draft": c["draft"], "kind": c["kind"], "alpha": c["alpha"],
+                "target": board.target, "draft": c["draft"], "kind": c["kind"], "alpha": c["alpha"],
                 "alpha_by_domain": c["alpha_by_domain"], "positions": c["positions"], "best_k": c["best_k"],
                 "predicted_speedup": c["predicted_speedup"], "measured_speedup": c["measured_speedup"],
                 "measured_with": (c.get("validation") or {}).get("engine"),
-                "llama_cpp": _llama_cpp(before) if before.get("draft") == c["draft"] else None,
+                "llama_cpp": _llama_cpp(before) if before and before.draft == c["draft"] else None,
                 "run": str(folder),
             })
-    head = read_json(folder / "distill" / "head.json", missing_ok=True, what="head result")
+    bench = _read(folder, ("validate/bench.json",), "bench result", BenchResult.from_dict) or BenchResult()
+    head = _read(folder, ("distill/head.json",), "head result", HeadResult.from_dict)
     if head:
-        bench = read_json(folder / "validate" / "bench.json", missing_ok=True, what="bench result") or {}
-        runs = (exported.get("llama_cpp") or {}).get("runs") or {}
-        lc = runs.get(str(bench.get("k"))) or max(runs.values(), key=lambda r: r.get("speedup_vs_target_only") or 0,
-                                                     default=None)
+        runs = exported.llama_cpp.runs if isinstance(exported, HeadExport) and exported.llama_cpp else {}
+        lc = runs.get(str(bench.k)) or max(runs.values(), key=lambda r: r.speedup_vs_target_only or 0, default=None)
         rows.append({
-            "target": head["target"], "draft": f"head (EAGLE-3, {head['train_summary']['tokens_seen']} tokens seen)",
-            "kind": "head", "alpha": head["agreement_after"][0], "alpha_before": None, "alpha_by_domain": None,
-            "positions": None, "best_k": bench.get("k"), "predicted_speedup": bench.get("predicted_speedup"),
-            "measured_speedup": (bench.get("speedup_vs_target_only") or {}).get("draft_after"),
-            "llama_cpp": _llama_cpp(lc), "run": str(folder),
+            "target": head.target, "draft": f"head (EAGLE-3, {head.train_summary.tokens_seen} tokens seen)",
+            "kind": "head", "alpha": head.agreement_after[0], "alpha_before": None, "alpha_by_domain": None,
+            "positions": None, "best_k": bench.k, "predicted_speedup": bench.predicted_speedup,
+            "measured_speedup": bench.speedup("draft_after"), "llama_cpp": _llama_cpp(lc), "run": str(folder),
         })
-    distilled = (read_json(folder / "distill" / "distill.json", missing_ok=True, what="distill result")
-                 or read_json(folder / "distill.json", missing_ok=True, what="distill result"))
+    distilled = _read(folder, ("distill/distill.json", "distill.json"), "distill result", DistillResult.from_dict)
     if distilled:
-        bench = read_json(folder / "validate" / "bench.json", missing_ok=True, what="bench result") or {}
-        cfg = distilled["config"]
-        steps = distilled.get("train_summary", {}).get("steps_done", cfg["steps"])
+        cfg, steps = distilled.config, distilled.steps_done()
+        served = exported.llama_cpp if isinstance(exported, DraftExport) else {}
         rows.append({
-            "target": distilled["target"],
-            "draft": f"{distilled['draft']} + distill({cfg['loss']}, {distilled['data_source']}, {steps} steps)",
-            "kind": "distilled", "alpha": distilled["alpha_after"], "alpha_before": distilled["alpha_before"],
-            "alpha_by_domain": None, "positions": None, "best_k": bench.get("k"),
-            "predicted_speedup": bench.get("predicted_speedup"),
-            "measured_speedup": (bench.get("speedup_vs_target_only") or {}).get("draft_after")
-            or (distilled.get("speed") or {}).get("speedup_vs_target_only", {}).get("draft_after"),
-            "llama_cpp": _llama_cpp(next(iter((exported.get("llama_cpp") or {}).values()), None)),
+            "target": distilled.target,
+            "draft": f"{distilled.draft} + distill({cfg.loss}, {distilled.data_source}, {steps} steps)",
+            "kind": "distilled", "alpha": distilled.alpha_after, "alpha_before": distilled.alpha_before,
+            "alpha_by_domain": None, "positions": None, "best_k": bench.k,
+            "predicted_speedup": bench.predicted_speedup,
+            "measured_speedup": bench.speedup("draft_after") or distilled.speedup_after(),
+            "llama_cpp": _llama_cpp(next(iter(served.values()), None)),
             "run": str(folder),
         })
     return rows

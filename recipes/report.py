@@ -5,23 +5,30 @@
 Sections: stages (status, time), the pairing leaderboard, training curves (loss and alpha vs step), alpha by
 domain before and after distillation, tokens/s of target alone / un-distilled / distilled draft with ratios
 and the chosen K, and the export paths with the vLLM / SGLang / llama.cpp lines.
+
+It only renders: each stage's result is read through its type (`pairing.leaderboard.PairLeaderboard`,
+`distill.results`, `pairing.validate.BenchResult`, `distill.export.results`; `read_results`), and the verdict
+above everything is the validate stage's (`pairing.validate.verdict`).
 """
 
 from __future__ import annotations
 
 import base64
 import html
-import json
 import textwrap
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from draftsmith.decode.bench import Validation
 from draftsmith.decode.runtime.io import atomic_write_bytes, atomic_write_text, png_bytes, read_json
 from draftsmith.distill.export.model_card import PREDICTION_HEADERS, llama_cpp_result, prediction_lines, prediction_rows
+from draftsmith.distill.export.results import DraftExport, HeadExport, read_export
+from draftsmith.distill.results import (DataCap, DistillResult, FastestResult, HeadData, HeadResult, HeadSettings,
+                                        PromptStats, RowStats, TrainLog, read_log)
 from draftsmith.pairing.ladder import waterfall
-from draftsmith.pairing.leaderboard import table_rows
+from draftsmith.pairing.leaderboard import PairLeaderboard, table_rows
+from draftsmith.pairing.validate import BenchResult, verdict
 
 _STYLE = ("<style>body{font-family:sans-serif;margin:2em;max-width:70em}table{border-collapse:collapse}"
           "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}td:first-child{text-align:left}"
@@ -117,18 +124,43 @@ class Doc:
         atomic_write_text(folder / f"{stem}.html", self.html())
 
 
-def _jsonl(path: Path) -> list[dict]:
-    try:
-        lines = path.read_text().splitlines()
-    except FileNotFoundError:
-        return []
-    rows = []
-    for line in lines:
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:  # a line cut by an interruption
-            pass
-    return rows
+@dataclass
+class RunResults:
+    """Every result a run folder holds, each read through its stage's type (None: not written yet)."""
+
+    stages: dict[str, dict]  # state.json's: stage -> {status, seconds, finished, ...}
+    board: PairLeaderboard | None = None
+    prompts: PromptStats | None = None
+    rows: RowStats | None = None
+    head: HeadResult | None = None
+    fastest: FastestResult | None = None
+    distill: DistillResult | None = None
+    log: TrainLog = field(default_factory=lambda: TrainLog([], []))
+    bench: BenchResult | None = None
+    export: HeadExport | DraftExport | None = None
+
+
+_RESULTS: dict[str, tuple[str, str, Callable]] = {  # field -> (file, what it is, its type's reader)
+    "board": ("pairing/leaderboard.json", "leaderboard", PairLeaderboard.from_dict),
+    "prompts": ("data/prompts/stats.json", "prompt statistics", PromptStats.from_dict),
+    "rows": ("data/rows/stats.json", "data stats", RowStats.from_dict),
+    "head": ("distill/head.json", "head result", HeadResult.from_dict),
+    "fastest": ("distill/fastest.json", "fastest result", FastestResult.from_dict),
+    "distill": ("distill/distill.json", "distill result", DistillResult.from_dict),
+    "bench": ("validate/bench.json", "bench result", BenchResult.from_dict),
+    "export": ("export/export.json", "export result", read_export),
+}
+
+
+def read_results(run: Path) -> RunResults:
+    """The run folder's results, typed; a corrupt or unreadable one is a one-line DraftsmithError naming its
+    file (an empty JSON object reads as not written)."""
+    state = {"stages": {}, **(read_json(run / "state.json", missing_ok=True, what="run state") or {})}
+    found = {}
+    for name, (rel, what, read) in _RESULTS.items():
+        d = read_json(run / rel, missing_ok=True, what=what)
+        found[name] = read(d, str(run / rel)) if d else None
+    return RunResults(state["stages"], log=read_log(run / "distill" / "log.jsonl"), **found)
 
 
 def _plt():
@@ -144,157 +176,149 @@ def _plt():
 
 
 def _stages(doc: Doc, state: dict) -> None:
-    rows = [[s, e.get("status", "-"), f"{e.get('seconds', 0):.0f}", e.get("finished", "-")] for s, e in state.items()]
+    rows = [[s, e["status"], f"{e['seconds']:.0f}", e["finished"]]
+            for s, e in ((s, {"status": "-", "seconds": 0, "finished": "-", **e}) for s, e in state.items())]
     if rows:
         doc.table(["stage", "status", "seconds", "finished (UTC)"], rows)
 
 
-def _pairing(doc: Doc, run: Path) -> None:
-    board = read_json(run / "pairing" / "leaderboard.json", missing_ok=True, what="leaderboard")
-    if not board:
+def _pairing(doc: Doc, board: PairLeaderboard | None) -> None:
+    if board is None:
         return
     doc.h("Pairing leaderboard")
-    s = board["settings"]
-    doc.p(f"Target `{board['target']}`; {s['n_prompts']} prompts ({s['prompts']}), {s['max_new_tokens']} reference "
+    s = board.settings
+    doc.p(f"Target `{board.target}`; {s['n_prompts']} prompts ({s['prompts']}), {s['max_new_tokens']} reference "
           "tokens each. alpha is teacher-forced; predicted speedup: tokens per round walked on the teacher-forced rows "
           "as the decoder walks them, over the round cost timed in the decoder (docs/design.md); tau counts the bonus "
           "token. Full page: pairing/leaderboard.html.")
-    head, rows = table_rows(board)
+    head, rows = table_rows(board.to_dict())
     doc.table(head, rows)
 
 
-def _data(doc: Doc, run: Path) -> None:
+def _data(doc: Doc, p: PromptStats | None, r: RowStats | None) -> None:
     """The data stage: how many requests the target wrote and kept, and how fast it answered them."""
-    p = read_json(run / "data" / "prompts" / "stats.json", missing_ok=True, what="prompt statistics")
-    r = read_json(run / "data" / "rows" / "stats.json", missing_ok=True, what="data stats")
-    if not p and not r:
+    if p is None and r is None:
         return
     doc.h("Data the target wrote")
-    if p:
-        doc.p(f"{p['kept']} requests kept ({', '.join(f'{d} {n}' for d, n in p['kept_by_domain'].items())}); unique "
-              f"fraction {p['unique_fraction']:.3f}; rejected: "
-              f"{', '.join(f'{k} {v}' for k, v in p['rejected'].items())}.")
-    if r:
-        doc.p(f"{r['rows']} answers, {r['new_tokens']} new tokens in {r['seconds']:.0f} s: {r['tokens_per_s']:.1f} "
-              f"tokens/s at batch {r.get('batch_size')}" + (f" on {r['processes']} processes" if r.get("processes")
-                                                              else "") + ".")
+    if p is not None:
+        doc.p(f"{p.kept} requests kept ({', '.join(f'{d} {n}' for d, n in p.kept_by_domain.items())}); unique "
+              f"fraction {p.unique_fraction:.3f}; rejected: "
+              f"{', '.join(f'{k} {v}' for k, v in p.rejected.items())}.")
+    if r is not None:
+        doc.p(f"{r.rows} answers, {r.new_tokens} new tokens in {r.seconds:.0f} s: {r.tokens_per_s:.1f} "
+              f"tokens/s at batch {r.batch_size}" + (f" on {r.processes} processes" if r.processes else "") + ".")
 
 
-def _written(h: dict) -> str:
-    """The rows the target wrote for prompts of its own, if any."""
-    w = h.get("written_data")
+def _written(w: HeadData | None, cfg: HeadSettings) -> str:
+    """The rows the target wrote for prompts of its own (`w`: head.json's written_data), if any."""
     if not w:
         return ""
-    prompts = w["rows"] // max(1, h["config"].get("written_samples", 1))
-    return (f", and {w['rows']} rows ({w['tokens']} tokens, {w['new_tokens']} generated at "
-            f"{w.get('generate_tokens_per_s', 0):.0f} tokens/s) answering {prompts} prompts the target wrote itself")
+    prompts = w.rows // max(1, cfg.written_samples)
+    return (f", and {w.rows} rows ({w.tokens} tokens, {w.new_tokens} generated at "
+            f"{w.generate_tokens_per_s:.0f} tokens/s) answering {prompts} prompts the target wrote itself")
 
 
-def _data_cap(h: dict) -> str:
+def _data_cap(cap: DataCap | None) -> str:
     """What the data's share of the time budget cut, if anything."""
-    cap = h.get("data_cap") or {}
-    if not (cap.get("cut_shards") or cap.get("skipped_shards") or cap.get("left_out")):
+    if not cap or not cap.cut():
         return ""
-    what = [f"{cap['cut_shards']} batches of answers cut short"] if cap.get("cut_shards") else []
-    what += [f"{cap['skipped_shards']} batches not written"] if cap.get("skipped_shards") else []
-    what += [f"{' and '.join(cap['left_out'])} left out"] if cap.get("left_out") else []
-    return (f" (the data stopped at its share of the budget, {cap['seconds'] / 60:.1f} min: {', '.join(what)}; "
+    what = [f"{cap.cut_shards} batches of answers cut short"] if cap.cut_shards else []
+    what += [f"{cap.skipped_shards} batches not written"] if cap.skipped_shards else []
+    what += [f"{' and '.join(cap.left_out)} left out"] if cap.left_out else []
+    return (f" (the data stopped at its share of the budget, {cap.seconds / 60:.1f} min: {', '.join(what)}; "
             "a faster CPU writes it whole)")
 
 
-def _dtypes(cfg: dict) -> str:
+def _dtypes(cfg: HeadSettings) -> str:
     """Where bfloat16 wrote the data or ran training's matmuls."""
-    parts = [what for key, what in (("gen_dtype", "data written"), ("train_dtype", "training's matmuls"))
-             if cfg.get(key, "float32") == "bfloat16"]
+    parts = [what for dtype, what in ((cfg.gen_dtype, "data written"), (cfg.train_dtype, "training's matmuls"))
+             if dtype == "bfloat16"]
     return f" ({' and '.join(parts)} in bfloat16)" if parts else ""
 
 
-def _head(doc: Doc, h: dict) -> None:
+def _head(doc: Doc, h: HeadResult) -> None:
     """A head run's distill stage: data, training, held-out agreement by depth against tokens seen."""
-    cfg, ts, d = h["config"], h["train_summary"], h["data"]
+    cfg, ts, d = h.config, h.train_summary, h.data
     doc.h("Draft head (EAGLE-3 style)")
-    doc.p(f"A head for `{h['target']}` reading layers {h['aux_layers']}: {d['rows']} training rows "
-          f"({d['tokens']} tokens, {d['new_tokens']} generated at {d.get('generate_tokens_per_s', 0):.0f} tokens/s; "
-          f"{cfg['samples']} samples per prompt at temperature {cfg['temperature']}) from {h['train_prompts']} "
-          f"prompts{_written(h)}; {ts['steps']} steps of {cfg['rows_per_step']} rows ({ts['tokens_seen']} tokens "
-          f"seen) in {ts['seconds'] / 60:.1f} min{_dtypes(cfg)}; draft vocabulary {cfg['draft_vocab_size']} ids "
-          f"({100 * ts['draft_vocab_coverage']:.1f}% of the target's predictions). Agreement with the target's "
-          f"greedy token on {h['held_out_prompts']} held-out prompts (teacher-forced; depths >= 2 fed by the head):"
-          f"{_data_cap(h)}")
-    depths = len(h["agreement_after"])
+    doc.p(f"A head for `{h.target}` reading layers {h.aux_layers}: {d.rows} training rows "
+          f"({d.tokens} tokens, {d.new_tokens} generated at {d.generate_tokens_per_s:.0f} tokens/s; "
+          f"{fmt(cfg.samples)} samples per prompt at temperature {cfg.temperature}) from {h.train_prompts} "
+          f"prompts{_written(h.written_data, cfg)}; {ts.steps} steps of {cfg.rows_per_step} rows ({ts.tokens_seen} tokens "
+          f"seen) in {ts.seconds / 60:.1f} min{_dtypes(cfg)}; draft vocabulary {cfg.draft_vocab_size} ids "
+          f"({100 * ts.draft_vocab_coverage:.1f}% of the target's predictions). Agreement with the target's "
+          f"greedy token on {h.held_out_prompts} held-out prompts (teacher-forced; depths >= 2 fed by the head):"
+          f"{_data_cap(h.data_cap)}")
+    depths = len(h.agreement_after)
     doc.table(["tokens seen", *[f"depth {j + 1}" for j in range(depths)]],
-              [[c["tokens"], *c["agreement_by_depth"]] for c in h["curve"]])
+              [[c["tokens"], *c["agreement_by_depth"]] for c in h.curve])
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 3.2))
     for j in range(depths):
-        ax.plot([c["tokens"] for c in h["curve"]], [c["agreement_by_depth"][j] or 0 for c in h["curve"]],
+        ax.plot([c["tokens"] for c in h.curve], [c["agreement_by_depth"][j] or 0 for c in h.curve],
                 marker="o", label=f"depth {j + 1}")
     ax.set_xlabel("training tokens seen"), ax.set_ylabel("held-out agreement"), ax.set_ylim(0, 1), ax.legend()
     doc.image("head_agreement.png", png_bytes(fig))
 
 
-def _weights(b: dict, labels: dict) -> str:
+def _weights(b: BenchResult) -> str:
     """'draft weights int8', or each draft's where they differ (an int4 draft beside the int8 stock one)."""
-    by = b.get("quant_by_draft") or {}
-    if b.get("kind") != "head" and len(set(by.values())) > 1:
-        return "draft weights " + ", ".join(f"{q or 'float32'} ({labels.get(n, n)})" for n, q in by.items())
-    return f"draft weights {b['draft_quant'] or 'float32'}"
+    by = b.quant_by_draft or {}
+    if b.kind != "head" and len(set(by.values())) > 1:
+        return "draft weights " + ", ".join(f"{q or 'float32'} ({b.label(n)})" for n, q in by.items())
+    return f"draft weights {b.draft_quant or 'float32'}"
 
 
-def _fastest(doc: Doc, made: dict) -> None:
+def _fastest(doc: Doc, made: FastestResult) -> None:
     doc.h("Fastest draft: the whole model beside its variants (int4, vocabulary-pruned)")
-    doc.p(f"Kept ids counted on the target's greedy answers to {len(made['counted_prompts'])} dev prompts the "
-          f"ranking does not read; ranked on dev prompts. Winner: `{made['draft']}` (in draft.txt: "
+    doc.p(f"Kept ids counted on the target's greedy answers to {len(made.counted_prompts)} dev prompts the "
+          f"ranking does not read; ranked on dev prompts. Winner: `{made.draft}` (in draft.txt: "
           "`draftsmith pair --candidates \"$(cat draft.txt)\"` ranks it again).")
-    worst = any(r.get("worst_over_reference") is not None for r in made["ranking"])
+    worst = any(r.worst_over_reference is not None for r in made.ranking)
     doc.table(["draft", "alpha", "best K", "predicted speedup", "measured speedup (dev)"]
               + (["worst domain over the base at its walked policy (dev)"] if worst else []),
-              [[r["draft"], r["alpha"], r["best_k"], r["predicted_speedup"], r["measured_speedup"]]
-               + ([r.get("worst_over_reference")] if worst else []) for r in made["ranking"]])
-    doc.p(f"Chosen by: {made.get('chosen_by', 'ranking')}.")
+              [[r.draft, r.alpha, r.best_k, r.predicted_speedup, r.measured_speedup]
+               + ([r.worst_over_reference] if worst else []) for r in made.ranking])
+    doc.p(f"Chosen by: {made.chosen_by}.")
 
 
-def _distill(doc: Doc, run: Path) -> None:
-    head = read_json(run / "distill" / "head.json", missing_ok=True, what="head result")
-    if head:
-        _head(doc, head)
+def _distill(doc: Doc, res: RunResults) -> None:
+    if res.head is not None:
+        _head(doc, res.head)
         return
-    made = read_json(run / "distill" / "fastest.json", missing_ok=True, what="fastest result")
-    if made:
-        _fastest(doc, made)
+    if res.fastest is not None:
+        _fastest(doc, res.fastest)
         return
-    log = _jsonl(run / "distill" / "log.jsonl")
-    result = read_json(run / "distill" / "distill.json", missing_ok=True, what="distill result")
-    if not log and not result:
+    log, result = res.log, res.distill
+    if not log and result is None:
         return
     doc.h("Distillation")
-    if result:
-        cfg = result["config"]
-        doc.p(f"Draft `{result['draft']}` distilled toward `{result['target']}`: loss {cfg['loss']}, data "
-              f"{result['data_source']} ({result['data_rows']} rows from {result['train_prompts']} prompts), "
-              f"{cfg['steps']} steps x batch {cfg['batch_size']}, lr {cfg['lr']}, "
-              f"{'LoRA r=' + str(cfg['lora_r']) if cfg['lora_r'] else 'full fine-tuning'}. alpha on "
-              f"{result['held_out_prompts']} held-out prompts (never trained on): {fmt(result['alpha_before'])} -> "
-              f"{fmt(result['alpha_after'])} (gain {fmt(result['alpha_gain'])}).")
-        if result.get("skipped_note"):
-            doc.p(f"Warning: {result['skipped_note']}.")
-    evals = [r for r in log if r.get("eval")]
-    train = [r for r in log if "loss" in r and not r.get("eval")]
+    if result is not None:
+        cfg = result.config
+        doc.p(f"Draft `{result.draft}` distilled toward `{result.target}`: loss {cfg.loss}, data "
+              f"{result.data_source} ({result.data_rows} rows from {result.train_prompts} prompts), "
+              f"{cfg.steps} steps x batch {cfg.batch_size}, lr {cfg.lr}, "
+              f"{'LoRA r=' + str(cfg.lora_r) if cfg.lora_r else 'full fine-tuning'}. alpha on "
+              f"{result.held_out_prompts} held-out prompts (never trained on): {fmt(result.alpha_before)} -> "
+              f"{fmt(result.alpha_after)} (gain {fmt(result.alpha_gain)}).")
+        if result.skipped_note:
+            doc.p(f"Warning: {result.skipped_note}.")
+    _training(doc, log, result.train_summary.best_step if result is not None else None)
+
+
+def _training(doc: Doc, log: TrainLog, best_step: int | None) -> None:
+    """alpha by domain before and after (the checkpoint kept: `best_step`), and the training curves."""
+    evals, train = log.evals, log.steps
     if evals:
-        first = evals[0]
-        best_step = (result or {}).get("train_summary", {}).get("best_step")
-        best = next((r for r in evals if r["step"] == best_step), max(evals, key=lambda r: r["alpha"]))
-        domains = sorted(first["alpha_by_domain"])
-        doc.table(["domain", "alpha before", f"alpha after (step {best['step']})", "gain"],
-                  [[d, first["alpha_by_domain"][d], best["alpha_by_domain"].get(d),
-                    best["alpha_by_domain"].get(d, 0) - first["alpha_by_domain"][d]] for d in domains]
-                  + [["all", first["alpha"], best["alpha"], best["alpha"] - first["alpha"]]])
+        first, best = evals[0], log.best_eval(best_step)
+        domains = sorted(first.alpha_by_domain)
+        doc.table(["domain", "alpha before", f"alpha after (step {best.step})", "gain"],
+                  [[d, first.alpha_by_domain[d], best.alpha_in(d), best.alpha_in(d, 0) - first.alpha_by_domain[d]]
+                   for d in domains] + [["all", first.alpha, best.alpha, best.alpha - first.alpha]])
         plt = _plt()
         fig, ax = plt.subplots(figsize=(7, 3.2))
-        ax.bar([i - 0.2 for i in range(len(domains))], [first["alpha_by_domain"][d] for d in domains], 0.4,
+        ax.bar([i - 0.2 for i in range(len(domains))], [first.alpha_by_domain[d] for d in domains], 0.4,
                label="before")
-        ax.bar([i + 0.2 for i in range(len(domains))], [best["alpha_by_domain"].get(d, 0) for d in domains], 0.4,
-               label="after")
+        ax.bar([i + 0.2 for i in range(len(domains))], [best.alpha_in(d, 0) for d in domains], 0.4, label="after")
         ax.set_xticks(range(len(domains)), domains)
         ax.set_ylabel("alpha (held out)"), ax.set_ylim(0, 1), ax.legend(), ax.set_title("alpha by domain")
         doc.image("alpha_by_domain.png", png_bytes(fig))
@@ -302,157 +326,110 @@ def _distill(doc: Doc, run: Path) -> None:
         plt = _plt()
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.2))
         if train:
-            a1.plot([r["step"] for r in train], [r["loss"] for r in train], lw=1)
+            a1.plot([r.step for r in train], [r.loss for r in train], lw=1)
         a1.set_xlabel("step"), a1.set_ylabel("training loss"), a1.set_title("loss")
         if evals:
-            a2.plot([r["step"] for r in evals], [r["alpha"] for r in evals], marker="o")
+            a2.plot([r.step for r in evals], [r.alpha for r in evals], marker="o")
         a2.set_xlabel("step"), a2.set_ylabel("alpha (held out)"), a2.set_title("alpha")
         doc.image("training.png", png_bytes(fig))
 
 
-_DECODERS = {"target_only": "target alone", "draft_before": "un-distilled draft", "draft_after": "distilled draft"}
-
-
-def _policy_words(b: dict, name: str) -> str:
-    """How draft `name` ran: its K, and where its rounds stop early or branch (bench.json's policies)."""
-    p = (b.get("policies") or {}).get(name) or {"k": (b.get("ks") or {}).get(name, b.get("k"))}
-    words = f"K = {p['k']}"
-    if p.get("siblings"):
-        words += (f", its {p['siblings']} most probable first tokens side by side below probability "
-                  f"{p['confidence']}" + (" (each with its next token)" if p.get("sibling_depth") == 2 else ""))
-    elif p.get("confidence"):
-        words += f", rounds stopping below probability {p['confidence']}"
-    if p.get("lookup"):
-        words += f", up to {p['lookup']} lookup tokens after each chain"
-    return words
-
-
-def verdict(run: Path) -> tuple[str, bool] | None:
-    """(which draft to serve, where, at which K, and its measured speedup with range; or, in plain words, that
-    none pays; whether one pays), from validate/bench.json and export/export.json; None before validate."""
-    b = read_json(run / "validate" / "bench.json", missing_ok=True, what="bench result")
-    if not b or not b.get("speedup_vs_target_only"):
-        return None
-    labels = {**_DECODERS, **(b.get("labels") or {})}
-    speed, rng = b["speedup_vs_target_only"], b.get("speedup_range") or {}
-    best = max(speed, key=lambda n: speed[n])
-    lo, hi = rng.get(best, [speed[best], speed[best]])
-    where = (f"median of {len(b.get('repeats') or [0])} repeats, range {lo:.2f}x-{hi:.2f}x, on "
-             f"{len(b['prompts'])} " + ("held-out dev prompts it was chosen on (in-sample)" if b.get("in_sample")
-                                        else "test prompts never used to train or choose") + ", greedy-equal")
-    if speed[best] < 1.0:
-        return (f"no draft beats the target alone here: best {speed[best]:.2f}x ({labels.get(best, best)}; {where})"
-                " — don't serve one.", False)
-    text = (f"serve the {labels.get(best, best)} with draftsmith's decoder at {_policy_words(b, best)}: "
-            f"{speed[best]:.2f}x the target alone ({where}).")
-    fair = (b.get("after_vs_before") or {}) if b.get("kind") == "fastest" else {}
-    if fair.get("all"):
-        rungs = (b.get("ladder") or {}).get("rungs", [])
-        names = [r["name"] for r in rungs]
-        what = ([r["step"] for r in rungs[names.index("draft_before") + 1:names.index("draft_after") + 1]]
-                if {"draft_before", "draft_after"} <= set(names) else [])  # the rungs between the two
-        text += (f" The race's pick ({labels['draft_after']}) over the {labels['draft_before']} (the same policy "
-                 "search on the same dev prompts"
-                 + (f"; what differs: {', '.join(what)}" if what else "") + "): "
-                 + "; ".join(f"{g} {v['median']:.2f}x ({v['range'][0]:.2f}-{v['range'][1]:.2f})"
-                             for g, v in fair.items()) + ".")
-    e = read_json(run / "export" / "export.json", missing_ok=True, what="export result") or {}
-    engines = [lc for lc in (((e.get("llama_cpp") or {}).get("runs") or {}).values() if _head_export(e)
-               else (e.get("llama_cpp") or {}).values()) if lc and lc.get("speedup_vs_target_only")]
-    if e.get("llama_cpp_prediction"):
-        text += f" In llama.cpp (llama-server) {e['llama_cpp_prediction']['verdict']}."
-    elif engines:
-        top = max(engines, key=lambda lc: lc["speedup_vs_target_only"])
-        x = top["speedup_vs_target_only"]
-        text += (f" In llama.cpp (llama-server) it measured {x:.2f}x at K = {top.get('draft_max')}"
-                 + (": don't use it there on this machine." if x < 1 else "."))
-    if e.get("serving"):
-        text += " vLLM / SGLang lines are in the export section (not measured here)."
-    return text, True
-
-
-def _validation(doc: Doc, run: Path) -> None:
-    b = read_json(run / "validate" / "bench.json", missing_ok=True, what="bench result")
-    if not b or "stats" not in b:  # no result, or only its summary (the verdict reads that)
+def _validation(doc: Doc, b: BenchResult | None) -> None:
+    if b is None or b.validation is None:  # no result, or only its summary (the verdict reads that)
         return
-    val = Validation.from_dict(b)  # the typed result of decode.bench.validate_drafts; the rest is the stage's context
+    val = b.validation  # the typed result of decode.bench.validate_drafts; the rest is the stage's context
     doc.h("Validation: tokens/s of our decoder")
-    labels = {**_DECODERS, **(b.get("labels") or {})}
-    split = ("held-out prompts" if "prompt_roles" not in b else
-             "held-out dev prompts (in-sample: no test split)" if b.get("in_sample") else "test prompts")
+    split = ("held-out prompts" if b.prompt_roles is None else
+             "held-out dev prompts (in-sample: no test split)" if b.in_sample else "test prompts")
     doc.p(f"{len(val.prompts)} {split} x {val.max_new_tokens} new tokens, greedy, all decoders interleaved "
           f"in one run" + (f" of {len(val.repeats)} repeats (the decoder going first rotating; speedups are their "
                             f"median, with the range)" if len(val.repeats) > 1 else "")
-          + f" on {b['machine']['cpu']} ({b['machine']['cpu_count']} cores). "
-          f"K = {val.k} ({b['k_reason']})"
-          + "".join(f", {labels.get(n, n)} at K = {K}" for n, K in val.ks.items())
+          + f" on {b.machine['cpu']} ({b.machine['cpu_count']} cores). "
+          f"K = {val.k} ({b.k_reason})"
+          + "".join(f", {b.label(n)} at K = {K}" for n, K in val.ks.items())
           + "; "
-          + _weights(b, labels)
-          + (f", head weights {b['head_quant'] or 'float32'}" if b.get("kind") == "head" else "")
-          + (f"; measured c = {fmt(b['cost_ratio'])}" if b.get("cost_ratio") is not None else "")
+          + _weights(b)
+          + (f", head weights {b.head_quant or 'float32'}" if b.kind == "head" else "")
+          + (f"; measured c = {fmt(b.cost_ratio)}" if b.cost_ratio is not None else "")
           + ". tau = tokens per target forward, bonus token included.")
-    tps = val.tok_per_s
-    rows = []
-    for name, label in labels.items():
-        if name in val.stats:
-            st = val.stats[name]
-            K = val.ks.get(name, val.k)
-            if name == "draft_after" and b.get("siblings"):  # below this, the head's top m go side by side
-                K = (f"{K}, {b['siblings']} side by side below p {b['confidence']}"
-                     + (", each with its next token" if b.get("sibling_depth") == 2 else ""))
-            elif name == "draft_after" and b.get("confidence"):  # the head's rounds stop early below this
-                K = f"{K}, stops below p {b['confidence']}"
-            if name == "draft_after" and b.get("lookup"):  # lookup tokens after its chains
-                K = f"{K}, lookup {b['lookup']}"
-            lo, hi = val.speedup_range.get(name, [None, None])
-            ratio = "1.00x" if name == "target_only" else f"{val.speedup(name):.2f}x" + (
-                f" ({lo:.2f}-{hi:.2f})" if len(val.repeats) > 1 else "")
-            rows.append([label, "-" if name == "target_only" else K, tps[name], ratio,
-                         st.mean_tau, st.acceptance_rate,
-                         "-" if name == "target_only" else fmt(val.greedy_equal[name])])
+    rows = _decoder_rows(b)
     doc.table(["decoder", "K", "tok/s", "vs target alone (range)", "mean tau", "accepted/drafted", "greedy equal"], rows)
     groups = val.by_group() if val.prompt_stats else {}
     if len(groups) > 1:
-        doc.table(["domain", "prompts", *(f"{labels.get(n, n)} vs target alone" for n in val.drafts)],
+        doc.table(["domain", "prompts", *(f"{b.label(n)} vs target alone" for n in val.drafts)],
                   [[g, len(v["prompts"]), *(f"{v['speedup_vs_target_only'][n]:.2f}x ({v['speedup_range'][n][0]:.2f}-"
                                             f"{v['speedup_range'][n][1]:.2f})" for n in val.drafts)]
                    for g, v in groups.items()])
     if "draft_after" in val.stats and "draft_before" in val.stats:
-        what = {"head": "Head vs standalone draft (not the same policy search: the head's rounds walked on dev "
-                        "prompts, the standalone draft at its ranking's plain K)",
-                "fastest": f"{labels['draft_after']} vs {labels['draft_before']} (the same policy search)"}.get(
-            b.get("kind"), "Distilled vs un-distilled draft (both at the distilled draft's policy)")
+        what = ("Head vs standalone draft (not the same policy search: the head's rounds walked on dev prompts, the "
+                "standalone draft at its ranking's plain K)" if b.kind == "head" else
+                f"{b.label('draft_after')} vs {b.label('draft_before')} (the same policy search)"
+                if b.kind == "fastest" else "Distilled vs un-distilled draft (both at the distilled draft's policy)")
         per = "".join(f"; {g} {v['median']:.2f}x ({v['range'][0]:.2f}-{v['range'][1]:.2f})"
-                      for g, v in (b.get("after_vs_before") or {}).items())
-        doc.p(f"{what}: {tps['draft_after'] / tps['draft_before']:.2f}x tokens/s"
+                      for g, v in (b.after_vs_before or {}).items())
+        doc.p(f"{what}: {val.tok_per_s['draft_after'] / val.tok_per_s['draft_before']:.2f}x tokens/s"
               + (f" (each repeat's ratio, median and range: {per[2:]})" if per else "") + ".")
+    title = f"decoders, K={val.k}" + ("" if not val.ks else " (some at their own K)")
+    doc.image("speed.png", png_bytes(speed_figure([r[0] for r in rows], [r[2] for r in rows], title)))
+    if b.ladder:
+        _ladder(doc, b)
+
+
+def _decoder_rows(b: BenchResult) -> list[list]:
+    """One row per decoder timed: label, K (and how its rounds stop or branch), tok/s, ratio, tau, acceptance,
+    greedy equality."""
+    val, rows = b.validation, []
+    for name, label in b.decoder_labels.items():
+        if name not in val.stats:
+            continue
+        st, K = val.stats[name], b.k_of(name)
+        if name == "draft_after" and b.siblings:  # below this, the head's top m go side by side
+            K = (f"{K}, {b.siblings} side by side below p {b.confidence}"
+                 + (", each with its next token" if b.sibling_depth == 2 else ""))
+        elif name == "draft_after" and b.confidence:  # the head's rounds stop early below this
+            K = f"{K}, stops below p {b.confidence}"
+        if name == "draft_after" and b.lookup:  # lookup tokens after its chains
+            K = f"{K}, lookup {b.lookup}"
+        if name == "target_only":
+            ratio = "1.00x"
+        else:
+            lo, hi = val.speedup_range[name]
+            ratio = f"{val.speedup(name):.2f}x" + (f" ({lo:.2f}-{hi:.2f})" if len(val.repeats) > 1 else "")
+        rows.append([label, "-" if name == "target_only" else K, val.tok_per_s[name], ratio,
+                     st.mean_tau, st.acceptance_rate,
+                     "-" if name == "target_only" else fmt(val.greedy_equal[name])])
+    return rows
+
+
+def speed_figure(names: list[str], tok_per_s: list[float], title: str):
+    """Each decoder's tokens/s as a bar, sized to its labels, the title over the whole figure (over the axes
+    alone, long labels pushed it past the right edge)."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(6, 2.8))
-    names = [r[0] for r in rows]
-    ax.barh(names, [r[2] for r in rows])
-    ax.set_xlabel("tokens/s"), ax.set_title(f"decoders, K={val.k}" + ("" if not val.ks else " (some at their own K)"))
-    doc.image("speed.png", png_bytes(fig))
-    if b.get("ladder"):
-        _ladder(doc, b["ladder"], labels)
+    width = max(6.0, 3.5 + 0.075 * max((len(n) for n in names), default=0))
+    fig, ax = plt.subplots(figsize=(width, 2.8))
+    ax.barh(names, tok_per_s)
+    ax.set_xlabel("tokens/s")
+    fig.suptitle(title)
+    return fig
 
 
 def _spread(s: dict | None) -> str:
     return "-" if not s else f"{s['median']:.2f}x ({s['range'][0]:.2f}-{s['range'][1]:.2f})"
 
 
-def _ladder(doc: Doc, table: dict, labels: dict) -> None:
+def _ladder(doc: Doc, b: BenchResult) -> None:
     """Where the speedup comes from: each rung over the one below and over the target alone, per domain, with the
     predicted speedup beside; a waterfall per domain."""
     doc.h("Where the speedup comes from: the ladder")
     doc.p("Each rung changes one thing over the rung above it in this table; all rungs and the target alone were "
           "timed side by side in the run above (median of the repeats' ratios, with their range). Predicted: the "
           "rung's speedup over the target alone predicted from its dev-prompt evidence.")
+    table, rungs = b.ladder, b.rungs()
     groups = table["groups"]
     doc.table(["rung", "what it changes", "predicted", *(f"{g}: over the rung above" for g in groups),
                *(f"{g}: over the target alone" for g in groups)],
-              [[labels.get(r["name"], r["name"]), r["step"], fmt(r.get("predicted"), 2),
-                *(_spread((r["over_below"] or {}).get(g)) for g in groups),
-                *(_spread(r["over_target"].get(g)) for g in groups)] for r in table["rungs"]])
+              [[b.label(r.name), r.step, fmt(r.predicted, 2), *(_spread(r.spread(g, below=True)) for g in groups),
+                *(_spread(r.spread(g)) for g in groups)] for r in rungs])
     plt = _plt()
     fig, axes = plt.subplots(1, len(groups), figsize=(3.4 * len(groups) + 1, 3.8), sharey=True, squeeze=False)
     top = max(max(lo, hi) for g in groups for _, lo, hi in waterfall(table, g))
@@ -466,7 +443,7 @@ def _ladder(doc: Doc, table: dict, labels: dict) -> None:
             ax.annotate(f"{hi:.2f}x", (i, max(lo, hi)), xytext=(0, 2), textcoords="offset points", ha="center",
                         va="bottom", fontsize=7)
         if g == "all":  # the predictions are over all prompts
-            pred = [(i, r["predicted"]) for i, r in enumerate(table["rungs"]) if r.get("predicted")]
+            pred = [(i, r.predicted) for i, r in enumerate(rungs) if r.predicted]
             ax.scatter([i for i, _ in pred], [v for _, v in pred], marker="_", s=200, color="k", zorder=3,
                        label="predicted")
             ax.legend(fontsize=7, loc="lower right")
@@ -479,54 +456,58 @@ def _ladder(doc: Doc, table: dict, labels: dict) -> None:
     doc.image("ladder.png", png_bytes(fig))
 
 
-def _export(doc: Doc, run: Path) -> None:
-    e = read_json(run / "export" / "export.json", missing_ok=True, what="export result")
+def _export(doc: Doc, e: HeadExport | DraftExport | None, bench: BenchResult | None) -> None:
     if not e:
         return
     doc.h("Export")
-    if _head_export(e):
-        rows = [["vLLM speculators", e["vllm"], "config contract"], ["SGLang EAGLE-3", e["sglang"], "config contract"]]
-        if e.get("gguf"):
-            rows.append(["GGUF (eagle3)", e["gguf"]["path"], "llama.cpp's converter"])
-        doc.table(["what", "path", "checked"], rows)
-        lc = e.get("llama_cpp")
-        if lc:
-            base = lc["target_alone_mean_tokens_per_s"]
-            doc.p(f"llama-server, `--spec-type draft-eagle3`, target alone {base:.1f} tok/s "
-                  f"({', '.join(f'{x:.1f}' for x in lc['target_alone_tokens_per_s'])}):")
-            doc.table(["K", "accepted/drafted", "tok/s", "vs target alone", "greedy text equal"],
-                      [[k, f"{r['accepted']}/{r['drafted']}", r["tokens_per_s"], f"{r['speedup_vs_target_only']:.2f}x",
-                        f"{r['greedy_equal']['equal']}/{r['greedy_equal']['prompts']}"] for k, r in lc["runs"].items()])
-        _prediction(doc, e)
-        doc.p(f"Serving lines, K = {e.get('k')}:" + _slow_note(run, "draft_after"))
-        for name, line in (e.get("serving") or {}).items():
-            doc.code(f"# {name}\n{line}")
+    if isinstance(e, HeadExport):
+        _head_export(doc, e, bench)
         return
     rows = []
-    if e.get("hf"):
-        c = e["hf"]["checks"]
-        rows.append(["HF folder", e["hf"]["path"], (f"reload max |diff| {fmt(c['reload']['max_abs_diff'], 2)}; "
+    if e.hf:
+        c = e.hf.checks
+        rows.append(["HF folder", e.hf.path, (f"reload max |diff| {fmt(c['reload']['max_abs_diff'], 2)}; "
                      f"HF assisted generation greedy-equal: {fmt(c['assisted_greedy']['equal'])}")])
-    for g in e.get("gguf") or []:
-        lg = g["checks"]["logits"]
-        rows.append([f"GGUF {g['gguf_type']}", g["path"], (f"top-1 agreement {fmt(lg['top1_agreement'])}, relative "
+    for g in e.gguf or []:
+        lg = g.checks["logits"]
+        rows.append([f"GGUF {g.gguf_type}", g.path, (f"top-1 agreement {fmt(lg['top1_agreement'])}, relative "
                      f"max |diff| {lg['rel_max_abs_diff']:.2g} (through transformers' GGUF loader)")])
     if rows:
         doc.table(["what", "path", "checked"], rows)
-    for t, lc in (e.get("llama_cpp") or {}).items():
-        doc.p(f"llama.cpp (llama-server, {t} draft, K = {lc.get('draft_max')}): "
-              f"{llama_cpp_result(lc, e.get('llama_cpp_target_only'))}.")
-    _prediction(doc, e)
-    doc.p(f"Serving lines, K = {e.get('best_k')} ({e.get('best_k_source')}):" + _slow_note(run, "draft_after"))
-    for name, line in (e.get("serving") or {}).items():
+    for t, lc in (e.llama_cpp or {}).items():
+        doc.p(f"llama.cpp (llama-server, {t} draft, K = {lc.draft_max}): "
+              f"{llama_cpp_result(lc.to_dict(), e.llama_cpp_target_only)}.")
+    _prediction(doc, e.llama_cpp_prediction)
+    doc.p(f"Serving lines, K = {e.best_k} ({e.best_k_source}):" + _slow_note(bench, "draft_after"))
+    for name, line in (e.serving or {}).items():
         doc.code(f"# {name}\n{line}")
-    for w in e.get("warnings") or []:
+    for w in e.warnings or []:
         doc.p(f"Warning: {w}")
 
 
-def _prediction(doc: Doc, e: dict) -> None:
+def _head_export(doc: Doc, e: HeadExport, bench: BenchResult | None) -> None:
+    """A head's export: the vLLM and SGLang folders and what was checked of each (`HeadExport.checked`: their
+    contract, field by field; an engine's own load only where the record says one ran), llama-server's runs."""
+    rows = [["vLLM speculators", e.vllm, e.checked("vllm")], ["SGLang EAGLE-3", e.sglang, e.checked("sglang")]]
+    if e.gguf:
+        rows.append(["GGUF (eagle3)", e.gguf.path, e.checked("gguf")])
+    doc.table(["what", "path", "checked"], rows)
+    lc = e.llama_cpp
+    if lc:
+        base = lc.target_alone_mean_tokens_per_s
+        doc.p(f"llama-server, `--spec-type draft-eagle3`, target alone {base:.1f} tok/s "
+              f"({', '.join(f'{x:.1f}' for x in lc.target_alone_tokens_per_s)}):")
+        doc.table(["K", "accepted/drafted", "tok/s", "vs target alone", "greedy text equal"],
+                  [[k, f"{r.accepted}/{r.drafted}", r.tokens_per_s, f"{r.speedup_vs_target_only:.2f}x",
+                    f"{r.greedy_equal['equal']}/{r.greedy_equal['prompts']}"] for k, r in lc.runs.items()])
+    _prediction(doc, e.llama_cpp_prediction)
+    doc.p(f"Serving lines, K = {e.k}:" + _slow_note(bench, "draft_after"))
+    for name, line in (e.serving or {}).items():
+        doc.code(f"# {name}\n{line}")
+
+
+def _prediction(doc: Doc, pred: dict | None) -> None:
     """llama-server's speedup predicted from llama.cpp's costs beside measured, and acceptance in both engines."""
-    pred = e.get("llama_cpp_prediction")
     if not pred:
         return
     lines = prediction_lines(pred)
@@ -535,47 +516,38 @@ def _prediction(doc: Doc, e: dict) -> None:
     doc.p(lines[-1])
 
 
-def _slow_note(run: Path, name: str) -> str:
+def _slow_note(bench: BenchResult | None, name: str) -> str:
     """A warning beside serving lines for a draft measured slower than the target alone."""
-    b = read_json(run / "validate" / "bench.json", missing_ok=True, what="bench result") or {}
-    x = (b.get("speedup_vs_target_only") or {}).get(name)
+    x = bench.speedup(name) if bench is not None else None
     return (f" this draft measured {x:.2f}x the target alone in validation: serving it would slow decoding down."
             if x is not None and x < 1 else "")
 
 
-def _head_export(e: dict) -> bool:
-    """export.json of a head (distill.export.heads.export_head) rather than of a standalone draft."""
-    return "vllm" in e and "sglang" in e
-
-
-def side_by_side(bench: dict | None, exp: dict | None) -> list[list]:
+def side_by_side(bench: BenchResult | None, exp: HeadExport | DraftExport | None) -> list[list]:
     """Rows [draft, our K, our speedup, llama.cpp K, llama.cpp speedup, llama.cpp accepted/drafted] for the
     un-distilled and the distilled draft: validate/bench.json's decoder beside export.json's llama-server."""
-    exp, bench = exp or {}, bench or {}
-    ours = bench.get("speedup_vs_target_only") or {}
-    rows = []
-    if _head_export(exp):  # llama.cpp served the head at one or more K (`runs`)
-        labels = bench.get("labels") or {}
-        drafts = [(labels.get("draft_before", "standalone draft"), "draft_before", None)]
-        drafts += [("head", "draft_after", lc) for lc in ((exp.get("llama_cpp") or {}).get("runs") or {None: None}).values()]
+    bench, exp = bench or BenchResult(), exp or DraftExport()
+    if isinstance(exp, HeadExport):  # llama.cpp served the head at one or more K (`runs`)
+        drafts = [(bench.label("draft_before", "standalone draft"), "draft_before", None)]
+        drafts += [("head", "draft_after", lc) for lc in ((exp.llama_cpp.runs if exp.llama_cpp else None)
+                                                          or {None: None}).values()]
     else:
-        drafts = [("un-distilled draft", "draft_before", exp.get("llama_cpp_before"))]
-        drafts += [(f"distilled draft ({t})", "draft_after", lc) for t, lc in (exp.get("llama_cpp") or {}).items()]
+        drafts = [("un-distilled draft", "draft_before", exp.llama_cpp_before)]
+        drafts += [(f"distilled draft ({t})", "draft_after", lc) for t, lc in (exp.llama_cpp or {}).items()]
+    rows = []
     for label, key, lc in drafts:
-        if ours.get(key) is None and not lc:
+        ours = bench.speedup(key)
+        if ours is None and not lc:
             continue
-        acc = f"{lc['accepted']}/{lc['drafted']}" if lc and lc.get("drafted") else None
-        our_k = (bench.get("ks") or {}).get(key, bench.get("k"))
-        rows.append([label, our_k if key in ours else None, ours.get(key),
-                     (lc or {}).get("draft_max"), (lc or {}).get("speedup_vs_target_only"), acc])
+        acc = f"{lc.accepted}/{lc.drafted}" if lc and lc.drafted else None
+        rows.append([label, bench.k_of(key) if key in bench.speedup_vs_target_only else None, ours,
+                     lc.draft_max if lc else None, lc.speedup_vs_target_only if lc else None, acc])
     return rows
 
 
-def _engines(doc: Doc, run: Path) -> None:
-    exp = read_json(run / "export" / "export.json", missing_ok=True, what="export result")
-    if not exp or not (exp.get("llama_cpp") or exp.get("llama_cpp_before")):
+def _engines(doc: Doc, bench: BenchResult | None, exp: HeadExport | DraftExport | None) -> None:
+    if not exp or not exp.served():
         return
-    bench = read_json(run / "validate" / "bench.json", missing_ok=True, what="bench result")
     doc.h("Our decoder and llama.cpp, side by side")
     doc.p("Speedup over the target alone, each engine against its own target-alone run (ours: validate, "
           "held-out prompts; llama.cpp: llama-server in the export check, between two runs of the target alone).")
@@ -588,19 +560,18 @@ def write_report(run: Path) -> Path:
     """report.md + report.html (+ report/*.png) in `run`, from the stages that have written their results."""
     run = Path(run)
     recipe_text = (run / "recipe.yaml").read_text() if (run / "recipe.yaml").is_file() else ""
-    name = run.name
-    doc = Doc(f"draftsmith run: {name}")
-    state = (read_json(run / "state.json", missing_ok=True, what="run state") or {}).get("stages", {})
-    said = verdict(run)
+    res = read_results(run)
+    doc = Doc(f"draftsmith run: {run.name}")
+    said = verdict(res.bench, res.export)
     if said:
         doc.verdict(*said)
-    _stages(doc, state)
-    _pairing(doc, run)
-    _data(doc, run)
-    _distill(doc, run)
-    _validation(doc, run)
-    _export(doc, run)
-    _engines(doc, run)
+    _stages(doc, res.stages)
+    _pairing(doc, res.board)
+    _data(doc, res.prompts, res.rows)
+    _distill(doc, res)
+    _validation(doc, res.bench)
+    _export(doc, res.export, res.bench)
+    _engines(doc, res.bench, res.export)
     if recipe_text:
         doc.h("Resolved recipe")
         doc.code(recipe_text.rstrip())

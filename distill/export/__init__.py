@@ -48,6 +48,7 @@ from draftsmith.decode.textgen import prompt_ids
 from draftsmith.distill.export.gguf import GGUF_TOL, GGUF_TYPES, export_gguf, prepare_vocab
 from draftsmith.distill.export.hf import export_hf
 from draftsmith.distill.export.model_card import model_card, serving_lines
+from draftsmith.distill.export.results import DraftExport
 from draftsmith.distill.train import merged_model
 from draftsmith.pairing.derive import resolve_candidate
 from draftsmith.pairing.policy import known_k
@@ -279,7 +280,7 @@ def export(draft: str, target: str, out: Path, cfg: ExportConfig | None = None, 
     summary: dict[str, Any] = {"draft": draft, "draft_path": str(d.path), "target": target,
                                "target_hf": str(tgt.path), "target_gguf": str(t_gguf) if t_gguf else None,
                                "format": fmt, "best_k": k, "best_k_source": k_src, "provenance": prov,
-                               "warnings": warnings}
+                               "warnings": warnings, "version": DraftExport.VERSION}  # distill.export.results
     prepared = prepare_vocab(model, d.tokenizer, t_gguf) if types else None  # refuse before writing anything
     hf_dir = out / "hf"
     if fmt in ("hf", "all"):

@@ -33,6 +33,7 @@ from torch import Tensor
 from draftsmith.decode.runtime.errors import DraftsmithError
 from draftsmith.decode.head import Eagle3Head, HeadConfig
 from draftsmith.decode.runtime.io import atomic_dir, atomic_write_json, read_json
+from draftsmith.distill.export.results import HEAD_CHECKS, HeadExport, HeadGguf, HeadLlamaCpp
 
 SPECULATORS_ARCH, SGLANG_ARCH = "Eagle3Speculator", "LlamaForCausalLMEagle3"
 
@@ -338,25 +339,28 @@ def export_head(head_dir: str | Path, target: str, out: str | Path, *, k: int, g
     name = str(getattr(t.model.config, "_name_or_path", "") or target)
     vllm_dir = export_speculators(head, t.model.config, name, out / "vllm", k=k)
     sglang_dir = export_sglang(head, t.model.config, name, out / "sglang")
-    result = {"head": str(head_dir), "target": target, "k": k, "vllm": str(vllm_dir), "sglang": str(sglang_dir),
-              "serving": head_serving_lines(str(t.path), str(vllm_dir.resolve()), str(sglang_dir.resolve()), k)}
+    result = HeadExport(str(vllm_dir), str(sglang_dir), head=str(head_dir), target=target, k=k,
+                        serving=head_serving_lines(str(t.path), str(vllm_dir.resolve()), str(sglang_dir.resolve()), k),
+                        checks={f: list(HEAD_CHECKS[f]) for f in ("vllm", "sglang")})  # each passed before it landed
     if gguf or check_llama_cpp:
         from draftsmith.distill.export.llama_cpp import convert_head_to_gguf
 
         src = export_llama_cpp_input(head, t.model.config, name, out / "llama-cpp")
         path = convert_head_to_gguf(src, t.path, out / "head-f16.gguf", outtype="f16", progress=progress)
-        result["gguf"] = {"path": str(path), "bytes": path.stat().st_size, "converter_input": str(src)}
+        result.gguf = HeadGguf(str(path), path.stat().st_size, str(src))
+        result.checks["gguf"] = list(HEAD_CHECKS["gguf"])
     if check_llama_cpp:
         from draftsmith.distill.export import predict_llama_cpp, target_gguf_for
 
-        result["llama_cpp"] = check_head_with_llama_cpp(target, Path(result["gguf"]["path"]), ks or [k],
-                                                       target_gguf=target_gguf, progress=progress)
-        result["warnings"] = []
-        result["llama_cpp_prediction"] = predict_llama_cpp(
-            t, head, target_gguf_for(target, target_gguf), Path(result["gguf"]["path"]), ks or [k], 4,
-            result["warnings"], progress, spec_type="draft-eagle3")
-    atomic_write_json(out / "export.json", result)
-    return result
+        result.llama_cpp = HeadLlamaCpp.from_dict(check_head_with_llama_cpp(
+            target, Path(result.gguf.path), ks or [k], target_gguf=target_gguf, progress=progress))
+        result.warnings = []
+        result.llama_cpp_prediction = predict_llama_cpp(
+            t, head, target_gguf_for(target, target_gguf), Path(result.gguf.path), ks or [k], 4,
+            result.warnings, progress, spec_type="draft-eagle3")
+    record = result.to_dict()
+    atomic_write_json(out / "export.json", record)
+    return record
 
 
 def check_head_with_llama_cpp(target: str, head_gguf: Path, ks: list[int], *, target_gguf: str | Path | None = None,

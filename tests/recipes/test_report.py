@@ -149,10 +149,13 @@ def test_report_puts_our_decoder_beside_llama_cpp(tmp_path: Path) -> None:
                                    "llama_cpp_target_only": {"tokens_per_s": 10.0, "runs_tokens_per_s": [10.0, 10.0]},
                                    "best_k": 3, "best_k_source": "given", "serving": {}})
     (run / "validate" / "bench.json").unlink()  # the validation section needs a full result; this one is partial
+    from draftsmith.distill.export.results import read_export
+    from draftsmith.pairing.validate import BenchResult
     from draftsmith.recipes.report import side_by_side
 
-    rows = side_by_side({"k": 2, "speedup_vs_target_only": {"draft_before": 1.1, "draft_after": 1.4}},
-                        {"llama_cpp": {"q8_0": lc}, "llama_cpp_before": {**lc, "speedup_vs_target_only": 0.7}})
+    rows = side_by_side(BenchResult.from_dict({"k": 2, "speedup_vs_target_only": {"draft_before": 1.1,
+                                                                                   "draft_after": 1.4}}),
+                        read_export({"llama_cpp": {"q8_0": lc}, "llama_cpp_before": {**lc, "speedup_vs_target_only": 0.7}}))
     assert rows == [["un-distilled draft", 2, 1.1, 3, 0.7, "50/60"], ["distilled draft (q8_0)", 2, 1.4, 3, 0.85, "50/60"]]
     write_report(run)
     md = (run / "report.md").read_text()
@@ -163,23 +166,24 @@ def test_report_puts_our_decoder_beside_llama_cpp(tmp_path: Path) -> None:
 
 
 def test_a_head_paragraph_names_the_rows_the_target_wrote_and_the_bfloat16_parts() -> None:
-    from draftsmith.recipes.report import _dtypes, _written
+    from draftsmith.distill.results import DataCap, HeadData, HeadSettings
+    from draftsmith.recipes.report import _data_cap, _dtypes, _written
 
-    h = {"config": {"written_samples": 2}, "written_data": {"rows": 8, "tokens": 900, "new_tokens": 500,
-                                                            "generate_tokens_per_s": 41.2}}
-    assert _written(h) == (", and 8 rows (900 tokens, 500 generated at 41 tokens/s) answering 4 prompts the "
-                           "target wrote itself")
-    assert _written({"config": {}, "written_data": None}) == "" == _written({"config": {}})
-    assert _dtypes({"gen_dtype": "bfloat16", "train_dtype": "float32"}) == " (data written in bfloat16)"
-    assert _dtypes({"gen_dtype": "bfloat16", "train_dtype": "bfloat16"}) == (
+    cfg = {"samples": 2, "temperature": 0.7, "rows_per_step": 4, "draft_vocab_size": 64}  # what head.json holds
+    written = HeadData.from_dict({"rows": 8, "tokens": 900, "new_tokens": 500, "generate_tokens_per_s": 41.2})
+    assert _written(written, HeadSettings.from_dict({**cfg, "written_samples": 2})) == (
+        ", and 8 rows (900 tokens, 500 generated at 41 tokens/s) answering 4 prompts the target wrote itself")
+    assert _written(None, HeadSettings.from_dict(cfg)) == ""
+    assert _dtypes(HeadSettings.from_dict({**cfg, "gen_dtype": "bfloat16", "train_dtype": "float32"})) == (
+        " (data written in bfloat16)")
+    assert _dtypes(HeadSettings.from_dict({**cfg, "gen_dtype": "bfloat16", "train_dtype": "bfloat16"})) == (
         " (data written and training's matmuls in bfloat16)")
-    assert _dtypes({}) == ""
-    from draftsmith.recipes.report import _data_cap
+    assert _dtypes(HeadSettings.from_dict(cfg)) == ""  # an older head.json: no dtypes recorded, float32
 
-    assert _data_cap({}) == "" == _data_cap({"data_cap": {"seconds": 294.0, "left_out": [], "cut_shards": 0,
-                                                          "skipped_shards": 0}})
-    assert _data_cap({"data_cap": {"seconds": 294.0, "left_out": ["its answers to them"], "cut_shards": 2,
-                                   "skipped_shards": 1}}) == (
+    assert _data_cap(None) == "" == _data_cap(DataCap.from_dict({"seconds": 294.0, "left_out": [], "cut_shards": 0,
+                                                                 "skipped_shards": 0}))
+    assert _data_cap(DataCap.from_dict({"seconds": 294.0, "left_out": ["its answers to them"], "cut_shards": 2,
+                                        "skipped_shards": 1})) == (
         " (the data stopped at its share of the budget, 4.9 min: 2 batches of answers cut short, 1 batches not "
         "written, its answers to them left out; a faster CPU writes it whole)")
 
@@ -272,3 +276,67 @@ def test_a_ladder_renders_as_a_table_and_a_waterfall_and_the_verdict_names_what_
     assert "| stock m0 (int8), plain K = 4 | stock m0 as loaded, plain K = 4 | 1.50 | - |" in md
     assert ("The race's pick (int4 m0 pruned to 64 ids) over the stock m0 at its walked policy (the same policy "
             "search on the same dev prompts; what differs: int4 weights, vocabulary pruned to 64 ids): all 1.25x") in md
+
+
+def test_the_speed_chart_title_fits_in_its_picture() -> None:
+    """The title of speed.png spans the figure, not the axes: with long decoder labels the axes start far to the
+    right, and a title over them ran past the picture's edge ("decoders, K=2 (some at their")."""
+    from draftsmith.recipes.report import _plt, speed_figure
+
+    names = ["int4 qwen2.5-coder-0.5b-instruct pruned to 65536 ids", "stock qwen2.5-coder-0.5b-instruct (int8), "
+             "plain K = 4", "target alone"]
+    title = "decoders, K=7 (some at their own K)"
+
+    def inside(fig, texts) -> bool:
+        fig.tight_layout()  # as png_bytes lays every figure out
+        fig.canvas.draw()
+        box = fig.bbox
+        return all(box.x0 - 1 <= t.get_window_extent().x0 and t.get_window_extent().x1 <= box.x1 + 1 for t in texts)
+
+    fig = speed_figure(names, [6.6, 5.7, 3.7], title)
+    assert inside(fig, [fig._suptitle, *fig.axes[0].get_yticklabels()])
+    plt = _plt()
+    old, ax = plt.subplots(figsize=(6, 2.8))  # the chart as it was: the title over the axes
+    ax.barh(names, [6.6, 5.7, 3.7]), ax.set_title(title)
+    assert not inside(old, [ax.title])  # the check can fail: this is the cut-off title
+    plt.close(fig), plt.close(old)
+
+
+def _head_export(**extra) -> dict:
+    return {"head": "h/best", "target": "t", "k": 2, "vllm": "/r/export/vllm", "sglang": "/r/export/sglang",
+            "serving": {"vllm": "vllm serve T", "sglang": "python -m sglang.launch_server"}, **extra}
+
+
+def test_the_export_table_says_what_was_checked_of_each_head_folder(tmp_path: Path) -> None:
+    """The export stage checks each head folder against the format its engine reads (config fields, weight names,
+    shapes, dtypes, the id map); it loads neither in vLLM, speculators nor SGLang (the test suite loads such a
+    folder with speculators' own library, not the run). The table says so, and says "loaded by" only where
+    export.json records a load."""
+    run = write_run_folder(tmp_path / "head", export=_head_export())  # written before `checks` was recorded
+    md = write_report(run).read_text()
+    assert ("| vLLM speculators | /r/export/vllm | config and weights, field by field, against the speculators format "
+            "vLLM reads; not loaded by vLLM or speculators in this run |") in md
+    assert ("| SGLang EAGLE-3 | /r/export/sglang | config and weights, field by field, against SGLang's "
+            "LlamaForCausalLMEagle3; not loaded by SGLang in this run |") in md
+    assert "config contract" not in md and "GGUF" not in md
+
+    gguf = {"path": "/r/export/head-f16.gguf", "bytes": 10, "converter_input": "/r/export/llama-cpp"}
+    run = write_run_folder(tmp_path / "loaded", export=_head_export(
+        gguf=gguf, checks={"vllm": ["contract", "loaded:speculators 0.9.0"], "sglang": ["contract"],
+                           "gguf": ["contract", "converted"]}))
+    md = write_report(run).read_text()
+    assert ("| vLLM speculators | /r/export/vllm | config and weights, field by field, against the speculators format "
+            "vLLM reads; loaded by speculators 0.9.0 |") in md
+    assert ("| GGUF (eagle3) | /r/export/head-f16.gguf | converter input checked field by field; converted by "
+            "llama.cpp's converter |") in md  # llama-server did not serve it here: the table does not say it did
+
+
+def test_the_report_only_renders_its_results() -> None:
+    """Issue 53, item 7: stage results are read through their types (no guessing at keys in the renderer), and the
+    verdict is the validate stage's."""
+    import draftsmith.recipes.report as report
+    from draftsmith.pairing import validate
+
+    source = Path(report.__file__).read_text()
+    assert source.count(".get(") <= 10
+    assert report.verdict is validate.verdict and "\ndef verdict" not in source
