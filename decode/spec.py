@@ -4,14 +4,16 @@
     spec.kind, spec.inner.kind    # "prune", "int4"
     spec.weights                  # "qwen2.5-coder-0.5b-instruct": the model whose weights are loaded
     spec.quant, spec.calib, spec.vocab   # "int4", Path("c.json"), Path("kept.json")
+    DraftSpec.parse("int4:m:lora=runs/x/distill/best-adapter").adapter  # Path(...): a LoRA adapter, unmerged
     str(spec)                     # the text as given
     DraftSpec.pruned(DraftSpec.int4("m"), "kept.json").text   # "prune:int4:m:vocab=kept.json"
 
 The kinds, and what each names:
 - `model`: a zoo name, a Hugging Face folder (config.json) or a `.gguf` file;
 - `derive`: `derive:MODEL:keep=N` (MODEL's first N layers) or `derive:MODEL:layers=0-3,7`;
-- `int4`: `int4:MODEL[:calib=FILE]`, MODEL a model or derive spec, in int4 on draftsmith's CPU kernel (GPTQ-rounded
-  on FILE's tokens with `:calib=`);
+- `int4`: `int4:MODEL[:calib=FILE][:lora=FOLDER]`, MODEL a model or derive spec, in int4 on draftsmith's CPU kernel
+  (GPTQ-rounded on FILE's tokens with `:calib=`; with `:lora=`, a LoRA adapter as peft saves it, added unmerged in
+  float: `decode.runtime.lora`, the adapter `distill.train` trains over that very int4 base with `base_quant`);
 - `prune`: `prune:MODEL:vocab=FILE`, MODEL any of the above, proposing only the target ids in FILE;
 - `head`: `head:FOLDER`, or a folder whose config.json names `Eagle3Head` (an EAGLE-3 head).
 Parsing reads no weights: a malformed spec is one DraftsmithError line naming the form it expected; `check` also
@@ -30,10 +32,10 @@ from draftsmith.decode.runtime.errors import DraftsmithError
 
 KINDS = ("model", "derive", "int4", "prune", "head")
 _PREFIXES = {"derive": "derive:", "int4": "int4:", "prune": "prune:", "head": "head:"}
-_CALIB, _VOCAB = ":calib=", ":vocab="
+_CALIB, _VOCAB, _LORA = ":calib=", ":vocab=", ":lora="
 _DERIVE = re.compile(r"derive:(?P<source>.+?)((?::(?:keep|layers)=[^:]*)+)")
 FORMS = ("MODEL (zoo name, HF folder, .gguf), derive:MODEL:keep=N, derive:MODEL:layers=0,1,2, "
-         "int4:MODEL[:calib=FILE], prune:MODEL:vocab=FILE or head:FOLDER")
+         "int4:MODEL[:calib=FILE][:lora=FOLDER], prune:MODEL:vocab=FILE or head:FOLDER")
 
 
 def parse_layers(text: str) -> list[int]:
@@ -63,6 +65,7 @@ class DraftSpec:
     layers: tuple[int, ...] | None = None  # derive: these layers
     calib: Path | None = None  # int4: the calibration file (on the spec itself; `calibration` looks inside)
     vocab: Path | None = None  # prune: the kept-ids file
+    lora: Path | None = None  # int4: a LoRA adapter's folder, added unmerged (`adapter` looks inside a prune spec)
     folder: Path | None = None  # head: the head's folder
 
     def __str__(self) -> str:
@@ -86,11 +89,24 @@ class DraftSpec:
             model, key, file = text[len(_PREFIXES["prune"]):].rpartition(_VOCAB)
             if not key or not model or not file:
                 raise DraftsmithError(f"{text!r}: expected prune:MODEL:vocab=FILE (FILE from `draftsmith vocab`)")
+            if _LORA in file or _CALIB in file:
+                raise DraftsmithError(f"{text!r}: :vocab=FILE comes last: prune:int4:MODEL[:calib=FILE]"
+                                      "[:lora=FOLDER]:vocab=FILE")
             inner = cls.parse(model, sniff=False)
             if inner.kind in ("prune", "head"):
                 raise DraftsmithError(f"{text!r}: MODEL must be a standalone model (zoo name, HF folder, .gguf, "
                                       "derive:..., int4:...)")
             return cls("prune", text, inner=inner, vocab=Path(file).expanduser())
+        if _LORA in text:
+            model, _, folder = text.rpartition(_LORA)
+            if _CALIB in folder or _VOCAB in folder:
+                raise DraftsmithError(f"{text!r}: :lora=FOLDER comes after :calib=FILE and before :vocab=FILE: "
+                                      "[prune:]int4:MODEL[:calib=FILE]:lora=FOLDER[:vocab=FILE]")
+            inner = cls.parse(model, sniff=False) if model.startswith(_PREFIXES["int4"]) and folder else None
+            if inner is None or inner.kind != "int4" or inner.lora is not None:
+                raise DraftsmithError(f"{text!r}: a LoRA adapter applies to an int4 draft, once: "
+                                      "int4:MODEL[:calib=FILE]:lora=FOLDER")
+            return replace(inner, text=text, lora=Path(folder).expanduser())
         if _CALIB in text:
             model, _, file = text.rpartition(_CALIB)
             if not model.startswith(_PREFIXES["int4"]) or not file or len(model) <= len(_PREFIXES["int4"]):
@@ -157,6 +173,13 @@ class DraftSpec:
         return self.inner.calibration if self.kind == "prune" else None
 
     @property
+    def adapter(self) -> Path | None:
+        """The LoRA adapter folder the spec names (`int4:MODEL:lora=FOLDER`, pruned or not)."""
+        if self.kind == "int4":
+            return self.lora
+        return self.inner.adapter if self.kind == "prune" else None
+
+    @property
     def decoder_only(self) -> bool:
         """Whether only draftsmith's decoder runs it (int4 weights, a pruned vocabulary): no engine, no plain
         `transformers` load."""
@@ -165,9 +188,11 @@ class DraftSpec:
     # --- writing ------------------------------------------------------------------------------------------
 
     @classmethod
-    def int4(cls, model: str | DraftSpec, calib: str | Path | None = None) -> DraftSpec:
-        """`int4:MODEL[:calib=FILE]`."""
-        return cls.parse(f"{_PREFIXES['int4']}{model}" + (f"{_CALIB}{calib}" if calib else ""))
+    def int4(cls, model: str | DraftSpec, calib: str | Path | None = None,
+             lora: str | Path | None = None) -> DraftSpec:
+        """`int4:MODEL[:calib=FILE][:lora=FOLDER]`."""
+        return cls.parse(f"{_PREFIXES['int4']}{model}" + (f"{_CALIB}{calib}" if calib else "")
+                         + (f"{_LORA}{lora}" if lora else ""))
 
     @classmethod
     def pruned(cls, model: str | DraftSpec, vocab: str | Path) -> DraftSpec:
@@ -182,8 +207,9 @@ class DraftSpec:
     # --- checking (no weights read) ---------------------------------------------------------------------------
 
     def check(self, known_models: set[str] | None = None) -> None:
-        """The files and models the spec refers to exist: the kept-ids file, the calibration file, the head's
-        folder, and each model a zoo name (`known_models`; None: not checked) or an HF folder / .gguf file."""
+        """The files and models the spec refers to exist: the kept-ids file, the calibration file, the adapter's
+        folder (its two files), the head's folder, and each model a zoo name (`known_models`; None: not checked)
+        or an HF folder / .gguf file."""
         if self.kind == "head":
             if not (self.folder / "config.json").is_file() or not (self.folder / "model.safetensors").is_file():
                 raise DraftsmithError(f"{self.text}: no head at {self.folder} (a folder with config.json and "
@@ -193,6 +219,9 @@ class DraftSpec:
             raise DraftsmithError(f"{self.text!r}: no kept-vocabulary file {self.vocab} (draftsmith vocab writes one)")
         if self.calib is not None and not self.calib.is_file():
             raise DraftsmithError(f"{self.text!r}: no such calibration file {self.calib}")
+        if self.lora is not None and not all((self.lora / f).is_file() for f in _ADAPTER_FILES):
+            raise DraftsmithError(f"{self.text!r}: no LoRA adapter at {self.lora} (a folder with "
+                                  f"{' and '.join(_ADAPTER_FILES)}, e.g. RUN/distill/best-adapter)")
         if self.inner is not None:
             self.inner.check(known_models)
             return
@@ -203,6 +232,9 @@ class DraftSpec:
             return
         raise DraftsmithError(f"unknown model {self.text!r}: expected a zoo name ({', '.join(sorted(known_models))}), "
                               "an HF folder with config.json or a .gguf file")
+
+
+_ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # as peft saves them (`decode.runtime.lora`)
 
 
 def _is_head_folder(path: Path) -> bool:

@@ -16,6 +16,16 @@ cosine / linear / constant, gradient-norm clipping, and a NaN/inf guard (the ste
 `max_bad_steps` of them stop the run). The student is a copy of the draft (train mode, dropout off), either
 fully fine-tuned or, with `lora_r > 0`, through LoRA adapters on every Linear layer of the decoder.
 
+Training the draft that is served (`base_quant="int4"`, with `lora_r > 0`; QLoRA-style): before the adapters go
+on, every Linear the int4 draft quantises (the decoder's and the LM head) takes the exact float weights that draft
+decodes with (`decode.runtime.quant.int4_float_weights`: the same rounding, GPTQ on `base_calib`'s sequences where
+one is named, bit for bit), frozen; a tied LM head is untied first (the int4 draft rounds a copy of the head; the
+input embedding stays float). The float32 adapters then train over that base with the losses as ever; the step-0
+alpha (`alpha_before`) is then the int4 draft's own, the baseline training wins back from. Both forms
+it serves in come out of the run: `best-adapter/` (the adapter, unmerged: `int4:MODEL[:calib=FILE]:lora=FOLDER`)
+and `best/` (merged into float weights: a plain HF folder that exports as any draft and that `int4:best`
+re-quantises); `distill.served` measures which decodes faster at equal agreement.
+
 Folder `out` (files: `distill.checkpoint`):
 - `log.jsonl`: one line per step {step, loss, <divergence name>, lr, grad_norm, tokens, skipped} and one per
   eval {step, alpha, alpha_by_domain, positions}. `loss` is the true divergence (nats per token).
@@ -24,7 +34,9 @@ Folder `out` (files: `distill.checkpoint`):
   read back with `torch.load(weights_only=True)`), `trainer.json` (step, data position, best alpha, config),
   `log.jsonl`. `resume=True` continues from the latest one and ends bit-for-bit where an uninterrupted run
   would (on CPU).
-- `best/`: a Hugging Face folder of the student with the best alpha so far (LoRA merged), with the tokenizer.
+- `best/`: a Hugging Face folder of the student with the best alpha so far (LoRA merged), with the tokenizer;
+  with `base_quant`, also `best-adapter/`: the same student's adapter unmerged (peft's adapter_config.json and
+  adapter_model.safetensors, plus MARKER naming the base quantisation and calibration).
   alpha is measured teacher-forced and greedy on `eval_refs` (held-out reference continuations) every
   `eval_every` steps and at step 0 (the untouched draft, which is also the first `best`). Without
   `eval_refs`, `best/` is the final student.
@@ -64,7 +76,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from draftsmith.decode.runtime.errors import DraftsmithError
-from draftsmith.decode.runtime.io import atomic_write_json
+from draftsmith.decode.runtime.io import atomic_dir, atomic_write_json
 from draftsmith.decode.runtime.loading import Loaded
 from draftsmith.decode.runtime.pair import check_vocab
 from draftsmith.decode.sampling import SamplingParams
@@ -83,6 +95,8 @@ TEACHERS = ("online", "cache")
 # fields a resumed run may change: they decide how long and how often, not what a step computes
 RESUMABLE_CHANGES = {"steps", "eval_every", "early_stop_patience", "save_every", "max_bad_steps", "wandb"}
 TEACHER_CACHE_DIR = "teacher-topk"
+BASE_QUANTS = ("int4",)  # TrainConfig.base_quant: the served draft's quantisation the adapters train over
+ADAPTER_DIR = "best-adapter"  # beside best/: the adapter unmerged, with base_quant
 
 
 # -- configuration ------------------------------------------------------------------------------------------
@@ -116,11 +130,15 @@ class TrainConfig:
     teacher_topk: int = 64  # k of the cache (capped at the vocabulary; k = V is exact)
     teacher_cache_dtype: str = "float32"  # float32 | float16: the cached log-probs
     refresh_every: int = 0  # > 0: every N steps the on-policy (draft) rows are resampled from the current student
+    base_quant: str | None = None  # "int4": LoRA over the int4 draft's own weights, frozen (needs lora_r > 0)
+    base_calib: str | None = None  # with base_quant: the int4 draft's calibration file (`int4:MODEL:calib=FILE`)
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            kind = {"int": int, "float": float, "str": str}[str(f.type)]
+            if str(f.type).endswith(" | None") and value is None:
+                continue
+            kind = {"int": int, "float": float, "str": str}[str(f.type).removesuffix(" | None")]
             if kind is float and isinstance(value, int) and not isinstance(value, bool):
                 value = float(value)
                 setattr(self, f.name, value)
@@ -148,6 +166,12 @@ class TrainConfig:
                 _bad(name, f"out of range: {getattr(self, name)!r}")
         if self.refresh_every and self.teacher == "cache":
             _bad("refresh_every", "resampled rows need the online teacher (teacher: online): a cache holds fixed rows")
+        if self.base_quant is not None:
+            _choice("base_quant", self.base_quant, BASE_QUANTS)
+            if self.lora_r == 0:
+                _bad("base_quant", "a quantised base trains through LoRA adapters: set lora_r > 0")
+        if self.base_calib is not None and self.base_quant is None:
+            _bad("base_calib", "a calibration rounds the int4 base: set base_quant: int4")
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "TrainConfig":
@@ -205,9 +229,34 @@ def _disable_dropout(model: nn.Module) -> None:
             m.attention_dropout = 0.0
 
 
+def quantized_base(model: nn.Module, cfg: TrainConfig) -> nn.Module:
+    """`model` (in place) with the weights its `cfg.base_quant` draft decodes with on every Linear that draft
+    quantises (`decode.runtime.quant.int4_float_weights`, calibrated on `cfg.base_calib`), its LM head untied from
+    the input embedding first, in float32; returns it. The int4 draft is rounded from the weights as given: load
+    the draft in float32 (as a CPU int4 draft loads) so that they are the served draft's."""
+    from draftsmith.decode.runtime.quant import int4_float_weights, read_calib
+
+    calib = read_calib(cfg.base_calib) if cfg.base_calib else None
+    weights = int4_float_weights(model, calib)
+    if any(p.is_floating_point() and p.dtype != torch.float32 for p in model.parameters()):
+        model.float()  # the int4 weights are exact in float32 (the dtype an int4 draft decodes from)
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    if head.weight is embed.weight:  # the int4 draft rounds a copy of the head; its input embedding stays float
+        head.weight = nn.Parameter(head.weight.detach().clone(), requires_grad=head.weight.requires_grad)
+        model.config.tie_word_embeddings = False
+    modules = dict(model.named_modules())
+    with torch.no_grad():
+        for name, w in weights.items():
+            modules[name].weight.copy_(w)
+    return model
+
+
 def make_student(draft_model: nn.Module, cfg: TrainConfig) -> nn.Module:
-    """A trainable copy of the draft (the caller's model is left untouched): full, or wrapped with LoRA."""
+    """A trainable copy of the draft (the caller's model is left untouched): full, or wrapped with LoRA; with
+    `cfg.base_quant`, the LoRA adapters sit over the served int4 draft's own weights (`quantized_base`), frozen."""
     model = copy.deepcopy(draft_model)
+    if cfg.base_quant is not None:
+        quantized_base(model, cfg)
     if cfg.lora_r > 0:
         from peft import LoraConfig, get_peft_model
 
@@ -233,6 +282,19 @@ def merged_model(model: nn.Module) -> nn.Module:
     if hasattr(model, "merge_and_unload"):  # a peft model
         return copy.deepcopy(model).merge_and_unload()
     return model
+
+
+def save_best(student: nn.Module, tokenizer, out: Path, info: dict, cfg: TrainConfig) -> None:
+    """`out/best/`: the student merged into a plain HF folder (`merged_model`, `save_hf`); with `cfg.base_quant`,
+    also `out/best-adapter/`: its adapter unmerged as peft saves it (over the int4 base: `int4:MODEL:lora=FOLDER`),
+    with MARKER (`info` and the base's quantisation and calibration), written beside and renamed into place."""
+    save_hf(merged_model(student), tokenizer, Path(out) / "best", info)
+    if cfg.base_quant is None or not hasattr(student, "peft_config"):
+        return
+    with atomic_dir(Path(out) / ADAPTER_DIR) as tmp:
+        student.save_pretrained(tmp, save_embedding_layers=False)  # (never asks the Hub about the base)
+        base = {"base_quant": cfg.base_quant, "base_calib": cfg.base_calib}
+        (tmp / MARKER).write_text(json.dumps({**info, **base}, indent=2) + "\n", encoding="utf-8")
 
 
 # -- data ---------------------------------------------------------------------------------------------------
@@ -371,7 +433,7 @@ def _prepare_folder(out: Path, resume: bool, accelerator) -> Path | None:
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         if latest is None:  # a fresh start: nothing from an earlier run may survive into this one
-            for stale in ("checkpoints", "best"):
+            for stale in ("checkpoints", "best", ADAPTER_DIR):
                 shutil.rmtree(out / stale, ignore_errors=True)
             (out / "log.jsonl").unlink(missing_ok=True)
     accelerator.wait_for_everyone()
@@ -413,7 +475,7 @@ class _Run:
             self.wandb.log(line, step=line["step"])
 
     def save_best(self, info: dict) -> None:
-        save_hf(merged_model(self.student), self.draft.tokenizer, self.out / "best", info)
+        save_best(self.student, self.draft.tokenizer, self.out, info, self.cfg)
 
     def evaluate_and_keep_best(self, step: int) -> None:
         state = self.state
@@ -477,6 +539,8 @@ def _summary(run: _Run, cache: TeacherTopK | None) -> dict:
         "paths": {"out": str(out), "best": str(out / "best"), "log": str(run.log_path),
                   "checkpoint": str(latest) if latest else None},
     }
+    if run.cfg.base_quant is not None:
+        summary["paths"]["best_adapter"] = str(out / ADAPTER_DIR)
     if cache is not None:
         summary["paths"]["teacher_cache"] = str(cache.folder)
     return summary
@@ -639,5 +703,6 @@ def _step(cfg: TrainConfig, rows, order: DataOrder, model, teacher, cache: Teach
     return float(token_mean(total, tokens)), float(grad_norm), int(tokens.item())
 
 
-__all__ = ["MARKER", "DataOrder", "TrainConfig", "lora_target_modules", "lr_factor", "make_student", "merged_model",
-           "onpolicy_rows", "refresh_onpolicy", "student_from_checkpoint", "train"]
+__all__ = ["ADAPTER_DIR", "BASE_QUANTS", "MARKER", "DataOrder", "TrainConfig", "lora_target_modules", "lr_factor",
+           "make_student", "merged_model", "onpolicy_rows", "quantized_base", "refresh_onpolicy", "save_best",
+           "student_from_checkpoint", "train"]

@@ -3,12 +3,15 @@
 
     d = load_draft("prune:int4:qwen2.5-coder-0.5b-instruct:vocab=kept.json", target)   # d.loaded, d.kept
     opened = run_draft(d, max_len=512, quant="int8")     # opened.runner: int4, its LM head cut to the kept ids
+    opened = open_draft("int4:m:lora=runs/x/distill/best-adapter", target, 512, None)  # int4 + LoRA, unmerged
     opened = open_draft("head:runs/h/head/best", target, 512, None)                     # a HeadDraft
 
 The pair leaderboard loads every candidate first (acceptance is measured on the loaded models) and runs them
 later; validate, grid and `draftsmith decode` open a spec in one call. Specs are read by `decode.spec.DraftSpec`;
 what each kind needs to be opened is `LOADERS` (by `DraftSpec.kind`: a head, a pruned model; any other kind is a
-model, int4 and derived ones included) — a new kind registers its loader there.
+model, int4 and derived ones included) — a new kind registers its loader there. A standalone draft's runner is
+`spec_runner`'s: its quantisation, calibration and LoRA adapter (`int4:MODEL:lora=FOLDER`, added unmerged:
+`decode.runtime.lora`), as every caller that reads a spec's q should build it.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from draftsmith.decode.head import Eagle3Head, HeadDraft, head_quant, load_head
 from draftsmith.decode.pruned import PrunedRunner
 from draftsmith.decode.runtime.errors import DraftsmithError
 from draftsmith.decode.runtime.loading import Loaded, load
+from draftsmith.decode.runtime.lora import Adapter, check_adapter_config, read_adapter, with_lora
 from draftsmith.decode.runtime.pair import check_vocab
 from draftsmith.decode.runtime.quant import Calibration, draft_quant, read_calib
 from draftsmith.decode.runtime.runner import Runner, make_runner
@@ -97,7 +101,9 @@ def load_draft(spec: str, target: Loaded, device: str = "cpu", shared: dict | No
     """Any draft spec, loaded for `target`. `shared` (a dict the caller keeps) loads each model once for the specs
     that name it: a ranking of MODEL beside its pruned variants holds one copy of MODEL's weights."""
     d = DraftSpec.parse(spec)
-    calibration(spec)  # a bad calibration file fails before a model is loaded
+    calibration(spec)  # a bad calibration file or adapter folder fails before a model is loaded
+    if d.adapter is not None:
+        check_adapter_config(d.adapter)
     return LOADERS.get(d.kind, _load_model)(d, spec, target, device, shared)
 
 
@@ -105,6 +111,13 @@ def calibration(spec: str) -> Calibration | None:
     """The calibration a draft spec names (`int4:MODEL:calib=FILE`, pruned or not; `read_calib`), else None."""
     path = DraftSpec.parse(spec, sniff=False).calibration if spec else None
     return None if path is None else read_calib(path)
+
+
+def adapter(spec: str) -> Adapter | None:
+    """The LoRA adapter a draft spec names (`int4:MODEL[:calib=FILE]:lora=FOLDER`, pruned or not; `read_adapter`),
+    else None."""
+    folder = DraftSpec.parse(spec, sniff=False).adapter if spec else None
+    return None if folder is None else read_adapter(folder)
 
 
 def runner_quant(model, quant: str | None, spec: str = "") -> str | None:
@@ -120,13 +133,23 @@ def runner_calib(quant: str | None, spec: str) -> Calibration | None:
     return calibration(spec) if quant == "int4" else None
 
 
+def spec_runner(model, max_seq_len: int, q: str | None, spec: str = "") -> Runner:
+    """A standalone draft's runner, unpruned, with the quantisation `q` (`runner_quant`'s answer), its spec's
+    calibration where that is int4 (`runner_calib`), and its spec's LoRA adapter added unmerged (`adapter`: on
+    whatever base `q` gave: int4, or int8 where this CPU has no int4 kernel)."""
+    runner = make_runner(model, max_seq_len, quantize=q, calib=runner_calib(q, spec))
+    lora = adapter(spec)
+    return runner if lora is None else with_lora(runner, lora)
+
+
 def model_runner(model, kept: KeptVocab | None, max_seq_len: int, quant: str | None,
                  spec: str = "") -> tuple[Runner, str | None]:
     """A standalone draft as the decoder runs it: int8 Linear weights where `quant` asks and the model can take
     them, int4 where its `spec` asks (`int4:MODEL`, GPTQ-rounded on FILE's text with `int4:MODEL:calib=FILE`; int8
-    where this CPU has no int4 kernel), its head cut to the kept ids when pruned. -> (runner, the quantisation)."""
+    where this CPU has no int4 kernel), a LoRA adapter on top with `int4:MODEL:lora=FOLDER` (`spec_runner`), its
+    head cut to the kept ids when pruned. -> (runner, the quantisation)."""
     q = runner_quant(model, quant, spec)
-    runner = make_runner(model, max_seq_len, quantize=q, calib=runner_calib(q, spec))
+    runner = spec_runner(model, max_seq_len, q, spec)
     return (PrunedRunner(runner, kept.ids, context=kept.context) if kept is not None else runner), q
 
 

@@ -49,7 +49,7 @@ from draftsmith.pairing.compat import Compat, check_pair
 from draftsmith.pairing.cost import (CostModel, DecoderCost, calibrate_decoder, measure_cost, shared_target_clock,
                           speedup_curve)
 from draftsmith.pairing.policy import PolicyChoice, choose_policy
-from draftsmith.pairing.drafts import Draft, load_draft, run_draft, runner_calib, runner_quant
+from draftsmith.pairing.drafts import Draft, load_draft, run_draft, runner_calib, runner_quant, spec_runner
 from draftsmith.pairing.prune import KeptVocab
 from draftsmith.pairing.reference import reference_continuations
 
@@ -295,7 +295,7 @@ def _measure_acceptance(target: Loaded, cands: list[Candidate], refs, cfg: PairC
 
 def _acceptance_runners(target: Loaded, models: list[Candidate], refs, cfg: PairConfig) -> list:
     """For each standalone candidate, the runner its acceptance is read through: the draft with the weights it
-    decodes with (int8 or int4: `runner_quant`, as in `draft_runner`; whole, its pruning applied as `kept`), or None
+    decodes with (int8 or int4: `runner_quant`, with its LoRA adapter, as in `pairing.drafts.spec_runner`; whole, its pruning applied as `kept`), or None
     where it decodes as loaded (no quantisation) or through text (another tokenizer). Candidates on one model with
     one quantisation share a runner."""
     max_len = max(len(p) + len(c) for p, c in zip(refs["prompt_ids"], refs["continuation_ids"])) + 1
@@ -307,10 +307,10 @@ def _acceptance_runners(target: Loaded, models: list[Candidate], refs, cfg: Pair
         if q is None or c.loaded.tokenizer.get_vocab() != t_vocab:
             runners.append(None)
             continue
-        calib = runner_calib(q, c.spec)
-        key = (id(c.loaded.model), q, None if calib is None else calib.key)
-        if key not in shared:
-            shared[key] = make_runner(c.loaded.model, max_len, quantize=q, calib=calib)
+        calib, lora = runner_calib(q, c.spec), DraftSpec.parse(c.spec, sniff=False).adapter
+        key = (id(c.loaded.model), q, None if calib is None else calib.key, None if lora is None else str(lora))
+        if key not in shared:  # with its adapter where it has one (`int4:MODEL:lora=FOLDER`), as it decodes
+            shared[key] = spec_runner(c.loaded.model, max_len, q, c.spec)
         runners.append(shared[key])
     return runners
 

@@ -16,6 +16,10 @@ Calibrated int4 (`int4:MODEL:calib=FILE`, FILE from `write_calib`: token sequenc
 the same format, its nibbles chosen by GPTQ (`gptq_groups`): each column's rounding error is spread over the columns
 not yet rounded, weighted by the inputs' second moments on the calibration text, so the layer's outputs, not its
 weights, stay close. Built once per (weights, calibration) and cached under `<cache>/derived/int4-gptq/`.
+
+`int4_float_weights(hf_model, calib)` reads those weights back as floats by the HF model's module names (the same
+rounding, bit for bit, with no kernel needed): the frozen base `distill.train` trains LoRA adapters over with
+`base_quant`, which the decoder then adds unmerged to this very runner (`decode.runtime.lora`).
 """
 
 from __future__ import annotations
@@ -354,12 +358,58 @@ def quantize_int4(runner: Runner, calib: Calibration | None = None) -> Runner:
     if not int4_ok():
         raise ValueError(f"int4 drafts need draftsmith's kernel: {native.why_not()}")
     native.tune_q4_ahead()  # the kernel's prefetch distance for this machine (timed once, saved)
+    return _int4_copy(runner, calib)
+
+
+def _int4_copy(runner: Runner, calib: Calibration | None) -> Runner:
+    """`quantize_int4` without asking for the kernel: packing and `Int4Linear.weight_float` need none."""
     runner = _fused_copy(runner, "int4")
     places = _linear_places(runner)
     packed = calibrated_int4(runner, places, calib) if calib is not None else {}
     for parent, child_name, name in places:
         setattr(parent, child_name, Int4Linear(getattr(parent, child_name), packed=packed.get(name)))
     return runner
+
+
+def int4_float_weights(hf_model: nn.Module, calib: Calibration | None = None,
+                       max_seq_len: int | None = None) -> dict[str, Tensor]:
+    """{module name in `hf_model`: the float weight (out, in) it decodes with as an int4 draft}: the very rounding
+    of `make_runner(hf_model, max_seq_len, quantize="int4", calib=calib)` (`quantize_int4`: every Linear of the
+    decoder and the LM head; the fused q, k, v and gate, up rows split back to their modules), read back by
+    `Int4Linear.weight_float`, bit for bit; the kernel is not needed. The model is read on the CPU in float32 (a
+    copy where it is not there already: an int4 draft decodes from float32 weights on the CPU). `max_seq_len` cuts
+    the calibration sequences as a runner that long does (default: the longest, up to CALIB_MAX_TOKENS)."""
+    from draftsmith.decode.runtime.lean import LeanLM
+
+    ok, why = lean_supported(hf_model.config)
+    if not ok:
+        raise DraftsmithError(f"int4 weights need an architecture the lean runner runs: {why}")
+    bad = sorted({m.in_features for m in hf_model.modules() if isinstance(m, nn.Linear) and m.in_features % GROUP})
+    if bad:
+        raise DraftsmithError(f"int4 weights need Linear row lengths divisible by {GROUP}, this model has {bad}")
+    param = next(hf_model.parameters())
+    src = hf_model
+    if param.device.type != "cpu" or param.dtype != torch.float32:
+        import copy
+
+        src = copy.deepcopy(hf_model).to("cpu", torch.float32)
+    if max_seq_len is None:
+        longest = max((len(s) for s in calib.sequences), default=1) if calib is not None else 1
+        max_seq_len = max(1, min(longest, CALIB_MAX_TOKENS))
+    lean = LeanLM(src, max_seq_len, fast_head=False)
+    modules = {id(m): n for n, m in src.named_modules()}
+    parts: dict[str, list[str]] = {"lm_head": [modules[id(lean.lm_head)]]}
+    for i, layer in enumerate(lean.layers):
+        for fused, own in (("qkv", ("q", "k", "v")), ("gate_up", ("gate", "up")), ("o", ("o",)), ("down", ("down",))):
+            parts[f"layers.{i}.{fused}"] = [modules[id(getattr(layer, a))] for a in own]
+    names = {n: m for n, m in src.named_modules()}
+    out = {}
+    for name, m in _int4_copy(lean, calib).named_modules():
+        if isinstance(m, Int4Linear):
+            hf = parts[name]
+            pieces = m.weight_float().split([names[n].out_features for n in hf])
+            out.update((n, w.contiguous()) for n, w in zip(hf, pieces))
+    return out
 
 
 def _linear_places(module: nn.Module) -> list[tuple[nn.Module, str, str]]:

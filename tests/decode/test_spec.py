@@ -26,6 +26,9 @@ ROOT = Path(__file__).resolve().parents[2]
     ("int4:m:calib=c.json", "int4", "m", "int4"),
     ("prune:m:vocab=v.json", "prune", "m", None),
     ("prune:int4:m:calib=c.json:vocab=v.json", "prune", "m", "int4"),
+    ("int4:m:lora=runs/x/best-adapter", "int4", "m", "int4"),
+    ("int4:derive:m:keep=4:calib=c.json:lora=a", "int4", "derive:m:keep=4", "int4"),
+    ("prune:int4:m:calib=c.json:lora=a:vocab=v.json", "prune", "m", "int4"),
     ("prune:derive:m:keep=4:vocab=/a/b.json", "prune", "derive:m:keep=4", None),
     ("head:runs/h/best", "head", None, None),
 ])
@@ -42,6 +45,10 @@ def test_the_parts_of_a_spec_are_typed() -> None:
     assert DraftSpec.parse("derive:m:layers=0-2,5").layers == (0, 1, 2, 5)
     assert DraftSpec.parse("derive:m:keep=4").keep == 4 and DraftSpec.parse("head:h").folder == Path("h")
     assert parse_layers("0-3,7") == [0, 1, 2, 3, 7]
+    d = DraftSpec.parse("prune:int4:m:calib=c.json:lora=runs/a:vocab=v.json")
+    assert (d.adapter, d.calibration, d.inner.lora, d.inner.calib) == (Path("runs/a"), Path("c.json"), Path("runs/a"),
+                                                                       Path("c.json"))
+    assert DraftSpec.parse("int4:m:calib=c.json").adapter is None and DraftSpec.parse("m").adapter is None
 
 
 def test_specs_written_by_the_constructors_read_back() -> None:
@@ -49,6 +56,9 @@ def test_specs_written_by_the_constructors_read_back() -> None:
     spec = DraftSpec.pruned(DraftSpec.int4("m", "c.json"), "v.json")
     assert spec == DraftSpec.parse("prune:int4:m:calib=c.json:vocab=v.json")
     assert DraftSpec.head("runs/h").text == "head:runs/h"
+    assert DraftSpec.int4("m", lora="a").text == "int4:m:lora=a"
+    spec = DraftSpec.pruned(DraftSpec.int4("m", "c.json", "a"), "v.json")
+    assert spec == DraftSpec.parse("prune:int4:m:calib=c.json:lora=a:vocab=v.json")
 
 
 @pytest.mark.parametrize("text,message", [
@@ -68,6 +78,12 @@ def test_specs_written_by_the_constructors_read_back() -> None:
     ("derive:m:layers=3-1", "runs backwards"),
     ("derive:int4:m:keep=2", "derive slices a whole model"),
     ("head:", "expected head:FOLDER"),
+    ("m:lora=a", "a LoRA adapter applies to an int4 draft"),
+    ("int4:m:lora=", "a LoRA adapter applies to an int4 draft"),
+    ("int4:m:lora=a:lora=b", "a LoRA adapter applies to an int4 draft, once"),
+    ("derive:m:keep=2:lora=a", "a LoRA adapter applies to an int4 draft"),
+    ("int4:m:lora=a:calib=c.json", ":lora=FOLDER comes after :calib=FILE"),
+    ("prune:int4:m:vocab=v.json:lora=a", ":vocab=FILE comes last"),
 ])
 def test_a_bad_spec_is_one_line_naming_the_form(text: str, message: str) -> None:
     with pytest.raises(DraftsmithError, match=re.escape(message)) as e:
@@ -90,6 +106,7 @@ def test_check_finds_each_missing_file_and_model(tmp_path: Path) -> None:
     DraftSpec.parse(f"prune:int4:tiny:vocab={tmp_path / 'v.json'}").check(zoo)
     for text, needle in [(f"prune:tiny:vocab={tmp_path / 'none.json'}", "no kept-vocabulary file"),
                          (f"int4:tiny:calib={tmp_path / 'none.json'}", "no such calibration file"),
+                         (f"int4:tiny:lora={tmp_path}", "no LoRA adapter at"),
                          ("int4:derive:nope:keep=2", "unknown model 'nope'"),
                          (f"head:{tmp_path}", "no head at")]:
         with pytest.raises(DraftsmithError, match=needle):

@@ -1,5 +1,6 @@
 """Distillation training on tiny models: it learns (loss down, alpha up), resumes bit-for-bit, merges LoRA
-exactly, accumulates gradients exactly, skips and counts non-finite steps, and names a bad config field."""
+exactly, accumulates gradients exactly, skips and counts non-finite steps, names a bad config field, and with
+base_quant trains LoRA over the int4 draft's own weights (bit for bit) and leaves best/ and best-adapter/."""
 
 from __future__ import annotations
 
@@ -245,3 +246,108 @@ def test_on_policy_rows_are_resampled_from_the_student_and_a_resume_trains_on_th
         train(target, draft, refs, refs, tmp_path / "c", cfg, progress=False)
     with pytest.raises(DraftsmithError, match="refresh_every"):
         TrainConfig(refresh_every=2, teacher="cache")
+
+
+# -- training the draft that is served: LoRA over the int4 draft's own weights ------------------------------------
+
+
+def _int4_weights(runner, model) -> dict[str, torch.Tensor]:
+    """{HF module name: weight_float()} of an int4 runner's Linears, its fused q|k|v and gate|up rows split back."""
+    out = {"lm_head": runner.lm_head.weight_float()}
+    for i, layer in enumerate(runner.layers):
+        hf = model.model.layers[i]
+        parts = {"qkv": [("self_attn", p) for p in ("q_proj", "k_proj", "v_proj")], "o": [("self_attn", "o_proj")],
+                 "gate_up": [("mlp", "gate_proj"), ("mlp", "up_proj")], "down": [("mlp", "down_proj")]}
+        for attr, names in parts.items():
+            sizes = [getattr(getattr(hf, block), n).out_features for block, n in names]
+            for (block, n), w in zip(names, getattr(layer, attr).weight_float().split(sizes)):
+                out[f"model.layers.{i}.{block}.{n}"] = w
+    return out
+
+
+def test_base_quant_student_sits_on_the_int4_drafts_weights_bit_for_bit(setup, tmp_path, monkeypatch) -> None:
+    """After make_student with base_quant, every frozen Linear weight (the LM head too) is the int4 runner's
+    weight_float(), bit for bit, plain or GPTQ-calibrated (each computed afresh, no cache between them); only the
+    adapters train; the input embedding stays the float one; the caller's draft is intact."""
+    from draftsmith.decode.runtime.quant import int4_chunk, read_calib, write_calib
+    from draftsmith.decode.runtime.runner import make_runner
+
+    if not int4_chunk():
+        pytest.skip("no int4 kernel on this CPU (AVX-512BW or AVX2)")
+    _, draft, refs = setup
+    before = {k: v.clone() for k, v in draft.model.state_dict().items()}
+    calib = write_calib(tmp_path / "c.json", [refs[i]["prompt_ids"] + refs[i]["continuation_ids"] for i in range(4)])
+    students = {}
+    for path in (None, str(calib)):
+        monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / f"cache-{path is None}-s"))
+        student = train_mod.make_student(draft.model, TrainConfig(lora_r=4, base_quant="int4", base_calib=path))
+        monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / f"cache-{path is None}-r"))  # GPTQ again, not read
+        runner = make_runner(draft.model, 64, quantize="int4", calib=read_calib(path) if path else None)
+        want = _int4_weights(runner, draft.model)
+        frozen = {n.removeprefix("base_model.model.").removesuffix(".base_layer.weight").removesuffix(".weight"): p
+                  for n, p in student.named_parameters() if not p.requires_grad}
+        assert set(want) <= set(frozen) and all(torch.equal(frozen[n], w) for n, w in want.items())
+        assert torch.equal(frozen["model.embed_tokens"], before["model.embed_tokens.weight"])
+        assert all("lora_" in n for n, p in student.named_parameters() if p.requires_grad)
+        students[path] = frozen
+    plain, gptq = students[None], students[str(calib)]
+    assert any(not torch.equal(plain[n], gptq[n]) for n in plain)  # GPTQ rounds otherwise
+    assert not torch.equal(plain["model.layers.0.self_attn.q_proj"], before["model.layers.0.self_attn.q_proj.weight"])
+    assert all(torch.equal(v, draft.model.state_dict()[k]) for k, v in before.items())
+
+
+def test_base_quant_config_errors_name_the_field() -> None:
+    for bad, field, why in (({"base_quant": "int4"}, "base_quant", "lora_r > 0"),
+                            ({"base_quant": "int3", "lora_r": 4}, "base_quant", "not one of int4"),
+                            ({"base_calib": "c.json", "lora_r": 4}, "base_calib", "base_quant: int4"),
+                            ({"base_quant": 4, "lora_r": 4}, "base_quant", "expected str")):
+        with pytest.raises(DraftsmithError, match=rf"TrainConfig\.{field}: .*{why}"):
+            TrainConfig(**bad)
+    assert TrainConfig().base_quant is None and TrainConfig(lora_r=4, base_quant="int4").base_calib is None
+
+
+def test_a_base_quant_run_leaves_the_merged_best_and_the_adapter(setup, tmp_path, monkeypatch) -> None:
+    """best/ is a plain HF folder equal to the student (adapters merged into the int4 weights); best-adapter/ is
+    peft's adapter, which the int4 runner serves unmerged close to the student (int8 inputs aside)."""
+    from draftsmith.decode.runtime.lora import read_adapter, with_lora
+    from draftsmith.decode.runtime.quant import int4_chunk
+    from draftsmith.decode.runtime.runner import make_runner
+
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
+    target, draft, refs = setup
+    cfg = TrainConfig(**{**FAST, "lr": 1e-2, "steps": 3, "lora_r": 4, "lora_alpha": 8, "base_quant": "int4"})
+    summary = train(target, draft, refs, None, tmp_path, cfg, progress=False)  # best/: the final student
+    assert summary["paths"]["best_adapter"] == str(tmp_path / train_mod.ADAPTER_DIR) and summary["best_step"] == 3
+    marker = json.loads((tmp_path / train_mod.ADAPTER_DIR / train_mod.MARKER).read_text())
+    assert marker["base_quant"] == "int4" and marker["step"] == 3
+    student = student_from_checkpoint(draft, tmp_path / "checkpoints" / "step-3", cfg)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "best").eval()
+    ids = torch.tensor([refs[0]["prompt_ids"] + refs[0]["continuation_ids"]])
+    with torch.no_grad():
+        want, got, base = (m(input_ids=ids).logits for m in (student, merged, draft.model))
+    assert not torch.allclose(want, base, atol=1e-3)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    if int4_chunk():
+        runner = with_lora(make_runner(draft.model, 64, quantize="int4"), read_adapter(tmp_path / "best-adapter"))
+        served = runner.forward(ids[0], 0)
+        assert (served - want[0]).abs().max() <= 0.05 * want.abs().max()
+    train(target, draft, refs, None, tmp_path, TrainConfig(**{**cfg.to_dict(), "base_quant": None}), resume=False,
+          progress=False)
+    assert not (tmp_path / train_mod.ADAPTER_DIR).exists()  # a fresh run clears what the last one left
+
+
+def test_a_base_quant_student_of_a_bfloat16_draft_is_float32_on_its_int4_weights() -> None:
+    """A draft loaded in bfloat16 (as on a GPU): the student is float32 and its frozen weights are the int4 weights
+    of the draft's float32 copy (what an int4 draft loaded from those weights decodes with), bit for bit."""
+    import copy
+
+    from draftsmith.decode.runtime.quant import int4_float_weights
+    from tests import helpers
+
+    bf16 = helpers.tiny_llama(4, 41, hidden=64, layers=1).to(torch.bfloat16)
+    student = train_mod.make_student(bf16, TrainConfig(lora_r=2, base_quant="int4"))
+    want = int4_float_weights(copy.deepcopy(bf16).float())
+    got = {n.removeprefix("base_model.model.").removesuffix(".base_layer.weight").removesuffix(".weight"): p
+           for n, p in student.named_parameters()}
+    assert all(p.dtype == torch.float32 for p in got.values()) and next(bf16.parameters()).dtype == torch.bfloat16
+    assert all(torch.equal(got[n], w) for n, w in want.items())
