@@ -30,6 +30,7 @@ from draftsmith.decode.runtime.settings import current
 COST_CONTEXT = 64  # tokens of context when timing a forward: pair and validate (pairing.cost) time here too
 PLAN_ROWS = 12  # row counts planned: verify steps up to K = 11
 PLAN_MIN_BYTES = 256 * 10**6  # smaller models (tests' tiny ones) are never timed: their steps are overhead
+NATIVE_GAIN = 0.90  # a row count runs draftsmith's own kernel only where it timed > 10% faster than torch's
 _PLANS: dict[tuple, dict[int, int]] = {}  # per process: (model identity) -> row plan
 
 
@@ -105,7 +106,8 @@ def plan_rows(runner, key: tuple, nbytes: int, *, repeats: int = 3, store: Path 
     `make_runner` passes `<cache>/plans`), saved there as JSON a person can read (`saved_plan`) and reused by
     every later process on this machine under the same settings, so no forward is timed again. Timed on oneDNN's kernels and (where the runner has float
     Linears on them) on BLAS and, over 1..12 rows of float32 or int8 Linears, on `decode.runtime.native`'s kernel,
-    interleaved; each row count runs on the fastest kernels (`choose_kernels`, BLAS then native), then at the
+    interleaved; each row count runs on the fastest kernels (`choose_kernels`, BLAS then native, native only where
+    it beats the library's by more than 10%: `NATIVE_GAIN`), then at the
     fastest count at or above it (`choose_rows`). On the AMD EPYC here the float32 Qwen2.5-Coder-1.5B's one-row step ran 228.6 ms
     planned against 277.9 unpadded; on the Intel Xeon it ran 240.0 ms on BLAS against oneDNN's 267.9
     (docs/results/floor.md). Models under PLAN_MIN_BYTES of weights (`nbytes`, as loaded) and
@@ -135,7 +137,8 @@ def plan_rows(runner, key: tuple, nbytes: int, *, repeats: int = 3, store: Path 
         first, again = forward_times(runner, rows, **kw), forward_times(runner, rows, **kw)
         times = {name: {T: min(t, again[name][T]) for T, t in by_rows.items()} for name, by_rows in first.items()}
         best, on_blas = choose_kernels(times["dnn"], times.get("blas", {}))
-        best, on_native_rows = choose_kernels(best, times.get("native", {}))  # the same rule against that choice
+        # ours only where it is clearly faster than the library's (docs/results/kernels.md: within 10%, the library's)
+        best, on_native_rows = choose_kernels(best, times.get("native", {}), gain=NATIVE_GAIN)
         _PLANS[key] = (choose_rows(best), on_blas - on_native_rows, on_native_rows)
         if path is not None:
             _save_plan(path, key, _PLANS[key], times)

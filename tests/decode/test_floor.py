@@ -288,3 +288,11 @@ def test_floor_from_a_record_prints_its_table_and_draws_it_again_timing_nothing(
     assert main(["floor", "--from", str(tmp_path / "other.json")]) == 2
     err = capsys.readouterr().err
     assert "not a floor record" in err and len(err.strip().splitlines()) == 1
+
+
+def test_our_kernel_runs_a_row_count_only_where_it_beats_the_library_by_over_10_percent() -> None:
+    """docs/results/kernels.md's rule, applied per machine by the row plan: a library op within 10% of ours runs."""
+    assert pl.NATIVE_GAIN == 0.90
+    library = {1: 1.00, 2: 1.00, 3: 1.00}
+    ours = {1: 0.92, 2: 0.88, 3: 1.05}  # 8% faster: the library's; 12% faster: ours; slower: the library's
+    assert pl.choose_kernels(library, ours, gain=pl.NATIVE_GAIN) == ({1: 1.00, 2: 0.88, 3: 1.00}, frozenset({2}))
