@@ -16,20 +16,37 @@ the batch only when a quarter of it has finished (a copy of the cache each time)
 token it feeds, what a draft head trains on (`decode_batch(..., capture=aux_layers)`): the residual stream
 entering the aux layers, the hidden state after the final norm and the target's greedy next token. Other
 architectures use Hugging Face's forward with a DynamicCache.
+
+A draft writes in its int4 or int8 copy (`quantized_writer(model, "int4", n)`: a lean runner quantised by
+`decode.runtime.quant`, the very weights an `int4:MODEL` or int8 draft runs, GPTQ-rounded given a calibration) when
+that runner is what `decode_batch` / `generate_batch` get: `BatchLM` then runs the runner's layers. Their Linears run
+on draftsmith's kernel (`decode.runtime.native`), which reads a weight once for up to 12 rows and gives each row the
+same bits whatever rows are beside it (int4: each row's inputs quantised to int8 on their own; int8: not
+quantised), so B rows of a step cost about one row's weight read. A copy rounds its inputs, so a last-bit difference
+elsewhere could still change a token; the batch therefore feeds each row exactly as the copy's runner is fed when
+`decode.speculative.generate` decodes that row alone: each prompt but its last token prefilled on its own, unpadded
+(no padding computed either), then one token a row a step, each attending over its own row's keys with the
+runner's call. Every logit then has the runner's bits (tested), and each row gets the tokens that copy decodes for
+it alone. `writer_quant` says which copy a model can have here (int8 only where draftsmith's kernel is built:
+fbgemm would quantise a whole batch's inputs with one scale).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from draftsmith.decode.runtime import native
 from draftsmith.decode.runtime.attention import grouped_attention, rms_norm, rotate_half
-from draftsmith.decode.runtime.kernels import linear
-from draftsmith.decode.runtime.lean import lean_parts, lean_supported
+from draftsmith.decode.runtime.kernels import DYNAMIC_INT8, linear, native_kernels
+from draftsmith.decode.runtime.lean import LeanLM, lean_parts, lean_supported
+from draftsmith.decode.runtime.quant import Calibration, draft_quant
 from draftsmith.decode.runtime.runner import Runner
 from draftsmith.decode.sampling import SamplingParams, fit_vocab, greedy_token, sample, to_probs
 
@@ -49,6 +66,43 @@ def writer_model(model, dtype: str):
     return copy.deepcopy(model).to(GEN_DTYPES[dtype])
 
 
+WRITER_QUANTS = ("int4", "int8")  # the copies a draft may write data in (`quantized_writer`)
+_WRITERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (what, its last quantised copy)
+
+
+def writer_quant(model, requested: str | None) -> str | None:
+    """The copy a model writes data in when `requested` ("int4" | "int8" | None) is asked for: the decoder's rule
+    (`decode.runtime.quant.draft_quant`: on the CPU, float32, a lean architecture; int4 where draftsmith's int4
+    kernel runs, else int8), and int8 only where draftsmith's kernel is built (fbgemm quantises a whole batch's
+    inputs with one scale, so rows would change one another's tokens); None: the model as loaded."""
+    if requested not in (None, *WRITER_QUANTS):
+        raise ValueError(f"a writer's quantisation is one of {', '.join(WRITER_QUANTS)} or None, got {requested!r}")
+    got = draft_quant(model, requested)
+    return None if got == "int8" and native.kernels() is None else got
+
+
+def quantized_writer(model, quantize: str, max_seq_len: int, calib: Calibration | None = None) -> LeanLM:
+    """`model`'s int4 or int8 copy (`decode.runtime.quant.quantize_int4` / `quantize_int8` of a lean runner, GPTQ on
+    `calib` for int4: the weights `make_runner(model, n, quantize=...)` runs) for `decode_batch` / `generate_batch`
+    to write with. The last one made for a model is kept while the model lives and reused while its weights are
+    unchanged (their version counters) and it holds `max_seq_len` positions."""
+    from draftsmith.decode.runtime.allocator import release_freed_memory
+    from draftsmith.decode.runtime.quant import quantize_int4, quantize_int8
+
+    if quantize not in WRITER_QUANTS:
+        raise ValueError(f"quantize must be one of {', '.join(WRITER_QUANTS)}, got {quantize!r}")
+    what = (quantize, None if calib is None else calib.key, tuple(p._version for p in model.parameters()))
+    hit = _WRITERS.get(model)
+    if hit is not None and hit[0] == what and hit[1].max_seq_len >= max_seq_len:
+        return hit[1]
+    _WRITERS.pop(model, None)  # the old copy goes before the new one is made
+    runner = LeanLM(model, max_seq_len, fast_head=False)
+    runner = quantize_int4(runner, calib) if quantize == "int4" else quantize_int8(runner)
+    release_freed_memory()  # the float copy it quantised
+    _WRITERS[model] = (what, runner)
+    return runner
+
+
 class TargetVocab:
     """A runner whose logits are cut or padded (-inf) to the target's vocabulary, so that every token the
     draft samples on its own is one the target can score (drafts may carry a few padding rows more or less)."""
@@ -58,6 +112,15 @@ class TargetVocab:
 
     def forward(self, tokens: Tensor, pos: int, keep: int = 0) -> Tensor:
         return fit_vocab(self.runner.forward(tokens, pos, keep), self.vocab_size)
+
+
+def _attend_alone(q: Tensor, k: Tensor, v: Tensor, end: int, starts: list[int]) -> Tensor:
+    """One new token per row, each row's attention the very call a lean runner makes for it alone: q (1, H, 1, D)
+    over its own keys, columns [starts[b], end), unmasked. A quantised copy's next layer rounds its inputs to int8,
+    so the last bit of a batched kernel's other summation order could change a token; this keeps every bit."""
+    Hkv, H = k.shape[1], q.shape[1]
+    return torch.cat([F.scaled_dot_product_attention(q[b : b + 1], k[b : b + 1, :, s:end], v[b : b + 1, :, s:end],
+                                                     enable_gqa=Hkv != H) for b, s in enumerate(starts)])
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, end: int, mask: Tensor) -> Tensor:
@@ -74,18 +137,27 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, end: int, mask: Tensor) -> Tensor:
 
 
 class BatchLM(nn.Module):
-    """LeanLM's decoder block for B left-padded rows at once, on the HF model's own weights (shared), with a
-    preallocated KV cache (L, B, Hkv, S, D) and optional capture of a head's training features."""
+    """LeanLM's decoder block for B left-padded rows at once, on the HF model's own weights (shared) or on a lean
+    runner's (`quantized_writer`: an int4 / int8 copy), with a preallocated KV cache (L, B, Hkv, S, D) and
+    optional capture of a head's training features."""
 
-    def __init__(self, hf_model, batch: int, max_seq_len: int, capture: tuple[int, ...] = ()) -> None:
+    def __init__(self, model, batch: int, max_seq_len: int, capture: tuple[int, ...] = ()) -> None:
         super().__init__()
-        config = hf_model.config
-        self.layers, n_kv, head_dim, self.cos, self.sin = lean_parts(hf_model, max_seq_len, "BatchLM")
-        param = next(hf_model.parameters())
-        dtype, device = param.dtype, param.device
-        base = hf_model.model
-        self.embed, self.norm, self.eps = base.embed_tokens, base.norm.weight, config.rms_norm_eps
-        self.lm_head = hf_model.get_output_embeddings()
+        if isinstance(model, LeanLM):  # its layers (fused projections, quantised Linears) and tables
+            if model.max_seq_len < max_seq_len:
+                raise ValueError(f"the runner holds {model.max_seq_len} positions, the batch needs {max_seq_len}")
+            self.layers, self.cos, self.sin = model.layers, model.cos, model.sin
+            n_kv, head_dim = model.layers[0].n_kv, model.layers[0].head_dim
+            self.embed, self.norm, self.eps, self.lm_head = model.embed, model.norm, model.eps, model.lm_head
+        else:
+            self.layers, n_kv, head_dim, self.cos, self.sin = lean_parts(model, max_seq_len, "BatchLM")
+            base = model.model
+            self.embed, self.norm, self.eps = base.embed_tokens, base.norm.weight, model.config.rms_norm_eps
+            self.lm_head = model.get_output_embeddings()
+        dtype, device = self.embed.weight.dtype, self.embed.weight.device
+        # int8 Linears on draftsmith's kernel: each row's inputs as they are (fbgemm's would share one scale)
+        self.int8 = any(type(m) is DYNAMIC_INT8 for m in self.layers.modules())
+        self.alone = isinstance(model, LeanLM)  # a runner's copy: one new token attends as that runner's would
         shape = (len(self.layers), batch, n_kv, max_seq_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -95,7 +167,7 @@ class BatchLM(nn.Module):
                 raise ValueError(f"capture layer {i} is outside the model's {len(self.layers)} layers")
         self.features = self.final = None
         if self.capture:  # what a head trains on, per (row, column): float16 like the head data on disk
-            d = config.hidden_size
+            d = self.embed.weight.shape[1]
             self.features = torch.zeros(batch, max_seq_len, len(self.capture) * d, dtype=torch.float16, device=device)
             self.final = torch.zeros(batch, max_seq_len, d, dtype=torch.float16, device=device)
 
@@ -105,38 +177,77 @@ class BatchLM(nn.Module):
         if self.capture:
             self.features, self.final = self.features[rows], self.final[rows]
 
-    def forward(self, tokens: Tensor, start: int, positions: Tensor, mask: Tensor) -> Tensor:
-        """tokens (B, T) written at cache columns [start, start+T), RoPE at `positions` (B, T), attention under
-        `mask` (B, 1, T, start+T) -> hidden states after the final norm (B, T, d)."""
+    def _kernels(self):
+        """Where the Linears run: an int8 copy's on draftsmith's kernel (`decode.runtime.kernels.native_kernels`)."""
+        return native_kernels() if self.int8 else contextlib.nullcontext()
+
+    def forward(self, tokens: Tensor, start: int, positions: Tensor, mask: Tensor, rows: slice = slice(None),
+                first: int = 0) -> Tensor:
+        """tokens (B, T) of batch rows `rows` (all by default) written at cache columns [start, start+T), RoPE at
+        `positions` (B, T), attention over columns [first, start+T) under `mask` (B, 1, T, start+T-first) -> hidden
+        states after the final norm (B, T, d)."""
         B, T = tokens.shape
         end = start + T
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # (B, 1, T, D)
         x = self.embed(tokens)
         seen = {}
-        for i, layer in enumerate(self.layers):
-            if i in self.capture:
-                seen[i] = x
-            H, Hkv, D = layer.n_heads, layer.n_kv, layer.head_dim
-            h = rms_norm(x, layer.norm_in, layer.eps)
-            q = linear(h, layer.q).view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
-            k = linear(h, layer.k).view(B, T, Hkv, D).transpose(1, 2)
-            v = linear(h, layer.v).view(B, T, Hkv, D).transpose(1, 2)
-            q = q * cos + rotate_half(q) * sin
-            self.k[i, :, :, start:end] = k * cos + rotate_half(k) * sin
-            self.v[i, :, :, start:end] = v
-            o = _attend(q, self.k[i], self.v[i], end, mask)
-            x = x + linear(o.transpose(1, 2).reshape(B, T, H * D), layer.o)
-            h = rms_norm(x, layer.norm_post, layer.eps)
-            x = x + linear(F.silu(linear(h, layer.gate)) * linear(h, layer.up), layer.down)
+        starts = (end - mask[:, 0, -1].sum(-1)).tolist() if self.alone and T == 1 else None  # each row's first key
+        with self._kernels():
+            for i, layer in enumerate(self.layers):
+                if i in self.capture:
+                    seen[i] = x
+                H, Hkv, D = layer.n_heads, layer.n_kv, layer.head_dim
+                h = rms_norm(x, layer.norm_in, layer.eps)
+                q, k, v = _qkv(h, layer)
+                q = q.reshape(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
+                k = k.reshape(B, T, Hkv, D).transpose(1, 2)
+                v = v.reshape(B, T, Hkv, D).transpose(1, 2)
+                q = q * cos + rotate_half(q) * sin
+                keys, values = self.k[i, rows], self.v[i, rows]  # views of the cache
+                keys[:, :, start:end] = k * cos + rotate_half(k) * sin
+                values[:, :, start:end] = v
+                if starts is not None:
+                    o = _attend_alone(q, keys, values, end, starts)
+                else:
+                    o = _attend(q, keys[:, :, first:], values[:, :, first:], end - first, mask)
+                x = x + _linear(o.transpose(1, 2).reshape(B, T, H * D), layer.o)
+                x = x + _mlp(rms_norm(x, layer.norm_post, layer.eps), layer)
         h = rms_norm(x, self.norm, self.eps)
         if self.capture:
-            self.features[:, start:end] = torch.cat([seen[i] for i in self.capture], dim=-1).half()
-            self.final[:, start:end] = h.half()
+            self.features[rows, start:end] = torch.cat([seen[i] for i in self.capture], dim=-1).half()
+            self.final[rows, start:end] = h.half()
         return h
 
     def logits(self, h: Tensor) -> Tensor:
-        logits = linear(h, self.lm_head)
+        with self._kernels():
+            logits = _linear(h, self.lm_head)
         return logits if logits.dtype == torch.float64 else logits.float()
+
+
+def _linear(x: Tensor, layer: nn.Module) -> Tensor:
+    """`decode.runtime.kernels.linear` over x (..., d): a float Linear takes it as it is, a quantised one (int4,
+    int8: kernels over 2-D rows) as rows."""
+    if type(layer) is nn.Linear:
+        return linear(x, layer)
+    y = linear(x.reshape(-1, x.shape[-1]), layer)
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def _qkv(h: Tensor, layer) -> tuple[Tensor, Tensor, Tensor]:
+    """A layer's q, k, v projections of h (B, T, d): one Linear where a quantised copy stacked them."""
+    if layer.qkv is not None:
+        H, Hkv, D = layer.n_heads, layer.n_kv, layer.head_dim
+        q, k, v = _linear(h, layer.qkv).split([H * D, Hkv * D, Hkv * D], dim=-1)
+        return q, k, v
+    return _linear(h, layer.q), _linear(h, layer.k), _linear(h, layer.v)
+
+
+def _mlp(h: Tensor, layer) -> Tensor:
+    """A layer's MLP on h (B, T, d): gate and up as one Linear where a quantised copy stacked them."""
+    if layer.gate_up is not None:
+        gate, up = _linear(h, layer.gate_up).chunk(2, dim=-1)
+        return _linear(F.silu(gate) * up, layer.down)
+    return _linear(F.silu(_linear(h, layer.gate)) * _linear(h, layer.up), layer.down)
 
 
 @dataclass
@@ -196,7 +307,10 @@ class _BatchDecode:
 
     def prefill(self) -> Tensor:
         """Every distinct prompt read once, left-padded to P (samples of one prompt share its prefill, whose cache
-        is then copied) -> the logits (B, V) each row's first new token comes from."""
+        is then copied) -> the logits (B, V) each row's first new token comes from. A runner's quantised copy reads
+        each prompt but its last token on its own, unpadded, then the last tokens together, one a row: as
+        `decode.speculative.generate` feeds that runner, so its int8 inputs round as they do there (and no padding
+        is computed)."""
         prompts, P, device = self.prompts, self.P, self.device
         B, S = len(prompts), P + self.max_new_tokens
         distinct: dict[tuple[int, ...], int] = {}
@@ -214,7 +328,16 @@ class _BatchDecode:
         eye = torch.eye(P, dtype=torch.bool, device=device)
         causal = torch.ones(P, P, dtype=torch.bool, device=device).tril()
         mask = (valid_u[:, None, None, :P] & causal) | eye  # pads see themselves
-        h = lm(ids.to(device), 0, positions_u[:, :P], mask)
+        ids = ids.to(device)
+        if lm.alone and not self.capture:  # the same bits as the runner's own decode of each prompt
+            for u, p in enumerate(firsts):
+                c, n = P - len(p), len(p) - 1  # its first column, the tokens before its last
+                if n:
+                    lm(ids[u : u + 1, c : P - 1], c, positions_u[u : u + 1, c : P - 1], causal[None, None, :n, :n],
+                       rows=slice(u, u + 1), first=c)
+            h = lm(ids[:, -1:], P - 1, positions_u[:, P - 1 : P], valid_u[:, None, None, :P])
+        else:
+            h = lm(ids, 0, positions_u[:, :P], mask)
         logits = lm.logits(h[:, -1])[src]  # (B, V)
         self.nxt_prompt = [None] * B
         if self.capture:  # the greedy next token at every prompt position, a distinct prompt at a time (U x P x V)
@@ -312,13 +435,13 @@ def decode_batch(
     topk: int = 0,
     deadline: float | None = None,
 ) -> BatchOutput:
-    """Plain decoding of several prompts at once with a Llama-family HF model through `BatchLM` (see
-    `generate_batch` for the contract). With `capture` (a head's aux layers) every row's final token is fed
-    once more so that its features exist, and the output carries what a head trains on. With `topk` it also
-    keeps, for every new token, the k largest log-probabilities (temperature 1) of the logits it was drawn
-    from: the teacher's top-k cache of distillation, with no second pass. At `deadline` (a `time.perf_counter()`
-    value) the rows still sampling stop where they are (`halted`): a time budget cuts answers short, it does not
-    change a token of them."""
+    """Plain decoding of several prompts at once with a Llama-family HF model, or a lean runner's int4 / int8 copy
+    of one (`quantized_writer`), through `BatchLM` (see `generate_batch` for the contract). With `capture` (a
+    head's aux layers) every row's final token is fed once more so that its features exist, and the output
+    carries what a head trains on. With `topk` it also keeps, for every new token, the k largest
+    log-probabilities (temperature 1) of the logits it was drawn from: the teacher's top-k cache of
+    distillation, with no second pass. At `deadline` (a `time.perf_counter()` value) the rows still sampling
+    stop where they are (`halted`): a time budget cuts answers short, it does not change a token of them."""
     generators = _check_call(prompts, max_new_tokens, sampling, generators)
     run = _BatchDecode(model, prompts, max_new_tokens, sampling, eos_ids, generators, vocab_size, capture, topk)
     logits = run.prefill()
@@ -353,12 +476,13 @@ def generate_batch(
     EOS leave the batch. Row b samples from `generators[b]` (needed at temperature > 0) with the very step
     `decode.speculative.generate` takes without a draft, so a row's tokens are the ones that decoding it
     alone gives. `vocab_size` cuts or pads (-inf) the logits to another model's vocabulary. Llama-family
-    models run through `decode_batch` (`lean=False`: Hugging Face's forward for them too).
+    models run through `decode_batch` (`lean=False`: Hugging Face's forward for them too), and so does a lean
+    runner (`quantized_writer`: a draft's int4 or int8 copy), whose rows are the ones it decodes alone.
     """
     from transformers import DynamicCache
 
     generators = _check_call(prompts, max_new_tokens, sampling, generators)
-    if lean_supported(model.config)[0] and lean:
+    if isinstance(model, LeanLM) or (lean and lean_supported(model.config)[0]):
         return decode_batch(model, prompts, max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=eos_ids,
                             generators=generators, vocab_size=vocab_size).tokens
     B = len(prompts)
@@ -402,4 +526,5 @@ def generate_batch(
     return out
 
 
-__all__ = ["GEN_DTYPES", "BatchLM", "BatchOutput", "TargetVocab", "decode_batch", "generate_batch", "writer_model"]
+__all__ = ["GEN_DTYPES", "WRITER_QUANTS", "BatchLM", "BatchOutput", "TargetVocab", "decode_batch", "generate_batch",
+           "quantized_writer", "writer_model", "writer_quant"]

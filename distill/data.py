@@ -8,8 +8,11 @@ Where the continuations come from (`source`):
 - "target": the target's own text, sampled at `temperature` (greedy at 0) by the speculative decoder with the
   draft as int8 proposer: exact (the output law is the target's), only faster. At temperature > 0 which
   sample a seed yields depends on the draft too, so the draft's identity is part of the folder's settings.
-- "draft": on-policy text sampled from the current draft alone (full precision); the target scores it at
-  training time.
+- "draft": on-policy text sampled from the current draft alone: as loaded (full precision), or with
+  `draft_quant="int4"` / `"int8"` in its quantised copy (`decode.batch.quantized_writer`, the weights an int4 /
+  int8 draft runs), many rows at once on draftsmith's kernel: the fast writer of on-policy data. The target
+  scores it afterwards by a batched prefill (`distill.teacher_cache.build_teacher_cache`, gen-data's teacher
+  cache) or at training time.
 - "mixed": round(mix * n) prompts, chosen by a permutation seeded from `seed`, from the draft, the rest
   from the target.
 
@@ -21,14 +24,16 @@ rows, and the target's with `speculative=False`) are generated together by `deco
 left-padded, one Hugging Face forward per token for the whole batch, finished rows dropped from it. Each row
 keeps its own generator and sampling step, so it gets the tokens that model decodes for it alone (barring
 exact floating-point ties). Speculative rows are decoded one prompt at a time. `batch_size=1` decodes every
-row alone through `decode.speculative.generate`, as before batching existed. At temperature > 0 a seed
+row alone through `decode.speculative.generate`, as before batching existed (a quantised writer's rows go
+through `decode.batch` at every batch size: one row at a time there gives the same tokens). At temperature > 0 a seed
 samples other (equally distributed) target text through the speculative decoder than plainly, so
 `settings.json` records which (`speculative`).
 
 Folder `out`: `settings.json` (what the rows depend on; a rerun with other settings is refused),
 `rows.partial.jsonl` (finished prompts, appended a batch at a time, in prompt order), and at the end
 `dataset/` (a `datasets.save_to_disk` folder, renamed into place so that it is always complete), and
-`stats.json` (rows, new tokens, seconds and tokens/s of generation, summed over the sessions that generated). Prompt i
+`stats.json` (rows, new tokens, seconds and tokens/s of generation, summed over the sessions that generated; the
+seconds spent making runners and quantised copies apart, `setup_seconds`). The progress bar shows tokens/s. Prompt i
 samples from its own generator seeded from (seed, i), so an interrupted run resumes after the last saved
 prompt and yields the same rows as an uninterrupted one, whatever the batch size.
 
@@ -40,6 +45,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,14 +55,15 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from draftsmith.decode.batch import TargetVocab, decode_batch, generate_batch
+from draftsmith.decode.batch import (WRITER_QUANTS, TargetVocab, decode_batch, generate_batch, quantized_writer,
+                                     writer_quant)
 from draftsmith.decode.runtime.errors import DraftsmithError
 from draftsmith.decode.runtime.io import atomic_path, atomic_write_json, folder_identity, read_json
 from draftsmith.decode.runtime.lean import lean_supported
 from draftsmith.decode.runtime.loading import Loaded, eos_ids
 from draftsmith.decode.runtime.pair import check_vocab
 from draftsmith.decode.prompts import Prompt
-from draftsmith.decode.runtime.quant import draft_quant
+from draftsmith.decode.runtime.quant import Calibration, draft_quant, read_calib
 from draftsmith.decode.rows import append_rows, read_partial, save_rows
 from draftsmith.decode.runtime.runner import make_runner
 from draftsmith.decode.sampling import SamplingParams
@@ -118,16 +125,22 @@ def _settings(target: Loaded, draft: Loaded, prompts: list[Prompt], source: str,
     }
 
 
+# keys written only where they differ from these: a folder without one was made with this value (an older
+# draftsmith's on-policy rows came from the draft as loaded), so a rerun with another value is refused
+UNSET = {"draft_quant": None, "draft_calib": None}
+
+
 def _check_settings(out: Path, settings: dict) -> None:
     """Write settings.json on the first run; refuse a folder made with other settings. A key the folder lacks
     was added to draftsmith after the folder was made (what it would have said is not known), so it counts as
-    unchanged."""
+    unchanged; except the keys of UNSET, whose absence means their default."""
     path = out / SETTINGS
     if path.is_file():
         old = read_json(path, what="settings file")  # a file that is not JSON: a one-line error naming it
         if isinstance(old, dict):
             differ = {k for k in settings if k in old and old[k] != settings[k]}
-            changed = sorted(differ | (old.keys() - settings.keys()))
+            differ |= {k for k, d in UNSET.items() if old.get(k, d) != settings.get(k, d)}
+            changed = sorted(differ | (old.keys() - settings.keys() - UNSET.keys()))
         else:
             changed = ["unreadable settings"]
         if changed:
@@ -139,7 +152,23 @@ def _check_settings(out: Path, settings: dict) -> None:
     atomic_write_json(path, settings)
 
 
-def _check_args(source: str, mix: float, max_new_tokens: int, temperature: float, prompts: list[Prompt]) -> None:
+def _open_folder(out: Path, settings: dict) -> None:
+    """Make `out` and write its settings, or check them against those it holds."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        _check_settings(out, settings)
+    except OSError as e:
+        raise DraftsmithError(f"cannot write training data under {out}: {e.strerror}") from None
+
+
+def _check_args(source: str, mix: float, max_new_tokens: int, temperature: float, prompts: list[Prompt],
+                batch_size: int, engine: str, speculative: bool) -> None:
+    if engine not in ("hf", "vllm"):
+        raise DraftsmithError(f"engine must be hf or vllm, got {engine!r}")
+    if engine == "vllm" and speculative:
+        raise DraftsmithError("engine vllm decodes the target's rows itself: drop speculative (use --plain-data)")
+    if batch_size < 1:
+        raise DraftsmithError(f"batch_size must be >= 1, got {batch_size}")
     if source not in SOURCES:
         raise DraftsmithError(f"source must be one of {', '.join(SOURCES)}, got {source!r}")
     if not 0.0 <= mix <= 1.0:
@@ -170,6 +199,8 @@ def generate_data(
     topk: int = 0,
     shard: tuple[int, int] | None = None,
     engine: str = "hf",
+    draft_quant: str | None = None,
+    draft_calib: str | Path | None = None,
 ) -> datasets.Dataset | None:
     """Prompt + continuation rows for distillation (see the module docstring); resumes or loads `out`.
 
@@ -186,25 +217,22 @@ def generate_data(
     `accelerate launch`.
 
     `engine="vllm"` decodes the target's rows with vLLM where it is installed (`vllm_rows`: its own batching,
-    its own sampler, so other text for a seed than `hf`; the engine is part of the folder's settings)."""
-    _check_args(source, mix, max_new_tokens, temperature, prompts)
-    if engine not in ("hf", "vllm"):
-        raise DraftsmithError(f"engine must be hf or vllm, got {engine!r}")
-    if engine == "vllm" and speculative:
-        raise DraftsmithError("engine vllm decodes the target's rows itself: drop speculative (use --plain-data)")
-    if batch_size < 1:
-        raise DraftsmithError(f"batch_size must be >= 1, got {batch_size}")
+    its own sampler, so other text for a seed than `hf`; the engine is part of the folder's settings).
+
+    `draft_quant="int4"` | `"int8"` writes the on-policy rows with the draft's int4 / int8 copy
+    (`decode.batch.quantized_writer`; int4 GPTQ-rounded on `draft_calib`, a `decode.runtime.quant.write_calib`
+    file), many rows at once (`batch_size`); the copy in force (`decode.batch.writer_quant`: none where the model
+    cannot take it) is part of the folder's settings."""
+    _check_args(source, mix, max_new_tokens, temperature, prompts, batch_size, engine, speculative)
     check_vocab(target, draft)
     out = Path(out)
+    quant, calib = _writer_choice(draft, source, draft_quant, draft_calib)
     settings = _settings(target, draft, prompts, source, mix, max_new_tokens, temperature, seed, chat,
                          speculative)
     if engine != "hf":  # absent for hf, so folders made before engines existed still resume
         settings["engine"] = engine
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        _check_settings(out, settings)
-    except OSError as e:
-        raise DraftsmithError(f"cannot write training data under {out}: {e.strerror}") from None
+    settings.update({k: v for k, v in (("draft_quant", quant), ("draft_calib", calib and calib.key)) if v})
+    _open_folder(out, settings)
     final = out / DATASET_DIR
     if final.is_dir():
         return datasets.load_from_disk(str(final))
@@ -222,9 +250,9 @@ def generate_data(
     rows = read_partial(part, prompts)
     if len(rows) < len(prompts):
         before, t0 = len(rows), time.perf_counter()
-        _generate_rows(target, draft, prompts, rows, part, from_draft, max_new_tokens, temperature, seed, chat,
-                       progress, speculative, batch_size, topk, offset, engine)
-        _record_speed(home / STATS, rows[before:], time.perf_counter() - t0, batch_size)
+        setup = _generate_rows(target, draft, prompts, rows, part, from_draft, max_new_tokens, temperature, seed,
+                               chat, progress, speculative, batch_size, topk, offset, engine, quant, calib)
+        _record_speed(home / STATS, rows[before:], time.perf_counter() - t0 - setup, batch_size, setup)
     if shard is not None:
         return None
 
@@ -236,11 +264,13 @@ def generate_data(
 def _generate_rows(
     target: Loaded, draft: Loaded, prompts: list[Prompt], rows: list[dict], part: Path, from_draft: set[int],
     max_new_tokens: int, temperature: float, seed: int, chat: bool, progress: bool, speculative: bool = True,
-    batch_size: int = 1, topk: int = 0, offset: int = 0, engine: str = "hf",
-) -> None:
+    batch_size: int = 1, topk: int = 0, offset: int = 0, engine: str = "hf", quant: str | None = None,
+    calib: Calibration | None = None,
+) -> float:
     """Generate the rows after `rows`, `batch_size` prompts at a time, appending each finished batch to `part`
-    (in prompt order) and to `rows`. Prompt i samples from a generator seeded by (seed, offset + i): its
-    index in the whole list when these prompts are one shard of it."""
+    (in prompt order) and to `rows`; -> the seconds spent making the runners (quantised copies), not decoding.
+    Prompt i samples from a generator seeded by (seed, offset + i): its index in the whole list when these
+    prompts are one shard of it. The bar shows new tokens/s."""
     ids = [prompt_ids(target.tokenizer, p.prompt, chat=chat) for p in prompts]
     for p, x in zip(prompts, ids):
         if not x:
@@ -254,9 +284,11 @@ def _generate_rows(
                 f"a prompt plus {max_new_tokens} new tokens needs {max_seq_len} positions; "
                 f"{who.name} supports {limit} (use shorter prompts or fewer new tokens)"
             )
+    t0 = time.perf_counter()
     writer = _row_writer(target, draft, ids, from_draft, todo, max_seq_len, max_new_tokens=max_new_tokens,
                          temperature=temperature, speculative=speculative, batch_size=batch_size, topk=topk,
-                         engine=engine)
+                         engine=engine, quant=quant, calib=calib)
+    setup, t0, tokens = time.perf_counter() - t0, time.perf_counter(), 0
     bar = tqdm(total=len(prompts), initial=len(rows), desc="distill data", unit="prompt", disable=not progress)
     with part.open("a", encoding="utf-8") as f:
         for start in range(len(rows), len(prompts), batch_size):
@@ -269,8 +301,11 @@ def _generate_rows(
                     "continuation_ids": outs[i]} for i in chunk]
             rows.extend(new)
             append_rows(f, new)  # a checkpoint per batch
+            tokens += sum(len(outs[i]) for i in chunk)
+            bar.set_postfix_str(f"{tokens / max(time.perf_counter() - t0, 1e-9):.1f} tokens/s", refresh=False)
             bar.update(len(chunk))
     bar.close()
+    return setup
 
 
 @dataclass
@@ -278,7 +313,9 @@ class _RowWriter:
     """Who writes each row: the draft (on-policy rows, `from_draft`) or the target, with the decoder the settings
     ask for. `batched`: the rows a model decodes alone go through its HF model a batch at a time (else one at a
     time through a runner); the target's rows are speculative (`t_runner` verifying `proposer`) unless batched
-    plain, or vLLM's (`llm`). `topk` > 0: the target keeps its top-k log-probs as it decodes its rows."""
+    plain, or vLLM's (`llm`). On-policy rows come from the draft's quantised copy (`writer`, through
+    `decode.batch` at any batch size) where the settings name one. `topk` > 0: the target keeps its top-k
+    log-probs as it decodes its rows."""
 
     target: Loaded
     draft: Loaded
@@ -296,6 +333,7 @@ class _RowWriter:
     proposer: object | None
     alone: object | None  # the draft's own runner for on-policy rows one at a time
     llm: object | None
+    writer: object | None = None  # the draft's int4 / int8 copy (`decode.batch.quantized_writer`) for on-policy rows
 
     def continuations(self, chunk: range, seeds: list[int]) -> tuple[dict[int, list[int]], dict[int, tuple]]:
         """New tokens of every prompt in `chunk` (on-policy ones first), and the target's top-k of the rows that
@@ -321,13 +359,15 @@ class _RowWriter:
         if self.llm is not None and not on_policy:
             return vllm_rows(self.llm, prompts, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
                              seeds=[seed_of[i] for i in group], eos_ids=stop, topk=self.topk)
-        if self.batched and (on_policy or not self.speculative):
+        quantized = on_policy and self.writer is not None  # batched at any size: the same kernels as one row
+        if (self.batched and (on_policy or not self.speculative)) or quantized:
             kw = dict(max_new_tokens=self.max_new_tokens, sampling=sampling, eos_ids=stop,
                       generators=[gens[i] for i in group], vocab_size=self.vocab_size)
             if not on_policy and self.topk:  # the target's own rows: keep its top-k as it decodes
                 got = decode_batch(self.target.model, prompts, topk=self.topk, **kw)
                 return got.tokens, list(zip(got.topk_values, got.topk_indices))
-            return generate_batch((self.draft if on_policy else self.target).model, prompts, **kw), None
+            model = (self.writer or self.draft.model) if on_policy else self.target.model
+            return generate_batch(model, prompts, **kw), None
         runner, proposing = (self.alone, None) if on_policy else (self.t_runner, self.proposer)
         return [generate(runner, self.ids[i], draft=proposing, max_new_tokens=self.max_new_tokens, sampling=sampling,
                          eos_ids=stop, generator=gens[i], device=self.device).tokens for i in group], None
@@ -335,7 +375,7 @@ class _RowWriter:
 
 def _row_writer(target: Loaded, draft: Loaded, ids: list[list[int]], from_draft: set[int], todo: range,
                 max_seq_len: int, *, max_new_tokens: int, temperature: float, speculative: bool, batch_size: int,
-                topk: int, engine: str) -> _RowWriter:
+                topk: int, engine: str, quant: str | None = None, calib: Calibration | None = None) -> _RowWriter:
     """The runners (or engine) the rows in `todo` need, and no others."""
     batched = batch_size > 1
     V = target_vocab(target)
@@ -345,8 +385,10 @@ def _row_writer(target: Loaded, draft: Loaded, ids: list[list[int]], from_draft:
     proposer = None
     if need_target and speculative:  # int8 where it can (decode.runtime.quant.draft_quant): cheaper proposals, exact text
         proposer = make_runner(draft.model, max_seq_len, quantize=draft_quant(draft.model))
-    alone = None
-    if need_draft and not batched:  # on-policy text comes from the draft itself, not from its int8 copy
+    alone = writer = None
+    if need_draft and quant is not None:  # on-policy text from the draft's int4 / int8 copy, as the settings say
+        writer = quantized_writer(draft.model, quant, max_seq_len, calib)
+    elif need_draft and not batched:  # on-policy text comes from the draft itself, not from its int8 proposer
         alone = make_runner(draft.model, max_seq_len)
         if alone.vocab_size != V:
             alone = TargetVocab(alone, V)
@@ -354,7 +396,24 @@ def _row_writer(target: Loaded, draft: Loaded, ids: list[list[int]], from_draft:
     device = next(target.model.parameters()).device
     llm = vllm_engine(target) if engine == "vllm" and need_target else None
     return _RowWriter(target, draft, ids, from_draft, max_new_tokens, temperature, eos_ids(target), batched,
-                      speculative, topk if keep_topk else 0, V, device, t_runner, proposer, alone, llm)
+                      speculative, topk if keep_topk else 0, V, device, t_runner, proposer, alone, llm, writer)
+
+
+def _writer_choice(draft: Loaded, source: str, requested: str | None,
+                   calib_file: str | Path | None) -> tuple[str | None, Calibration | None]:
+    """(the copy the on-policy rows are written in, its calibration): what `requested` gives on this machine
+    (`decode.batch.writer_quant`; a note on stderr where that is not what was asked), None without on-policy rows."""
+    if requested not in (None, *WRITER_QUANTS):
+        raise DraftsmithError(f"draft_quant must be one of {', '.join(WRITER_QUANTS)} or None, got {requested!r}")
+    if calib_file and requested != "int4":
+        raise DraftsmithError("a calibration file (draft_calib) rounds an int4 writer: set draft_quant int4")
+    if source == "target" or requested is None:
+        return None, None
+    quant = writer_quant(draft.model, requested)
+    if quant != requested:
+        print(f"draft_quant {requested} -> {quant or 'none'}: the draft writes as loaded here", file=sys.stderr)
+    calib = read_calib(calib_file) if calib_file and quant == "int4" else None
+    return quant, calib
 
 
 def vllm_engine(target: Loaded):
@@ -423,6 +482,7 @@ def merge_shards(out: Path, prompts: list[Prompt], world: int) -> datasets.Datas
         stats["rows"] += s.get("rows", 0)
         stats["new_tokens"] += s.get("new_tokens", 0)
         stats["seconds"] = max(stats["seconds"], s.get("seconds", 0.0))
+        stats["setup_seconds"] = max(stats.get("setup_seconds", 0.0), s.get("setup_seconds", 0.0))
         stats["batch_size"] = s.get("batch_size")
     stats["tokens_per_s"] = stats["new_tokens"] / max(stats["seconds"], 1e-9)
     settings = read_json(out / SETTINGS, what="settings file")
@@ -461,12 +521,14 @@ def captured_topk(out: Path, n_rows: int) -> tuple[list[Tensor], list[Tensor]] |
     return [values[i] for i in range(n_rows)], [indices[i] for i in range(n_rows)]
 
 
-def _record_speed(path: Path, new_rows: list[dict], seconds: float, batch_size: int) -> None:
-    """Add this session's rows to `stats.json` (generation tokens/s over every session that generated)."""
+def _record_speed(path: Path, new_rows: list[dict], seconds: float, batch_size: int, setup: float = 0.0) -> None:
+    """Add this session's rows to `stats.json` (generation tokens/s over every session that generated; the
+    seconds spent making runners and quantised copies apart, as `setup_seconds`)."""
     stats = read_json(path, missing_ok=True, what="data stats") or {"rows": 0, "new_tokens": 0, "seconds": 0.0}
     stats["rows"] += len(new_rows)
     stats["new_tokens"] += sum(len(r["continuation_ids"]) for r in new_rows)
     stats["seconds"] += seconds
+    stats["setup_seconds"] = stats.get("setup_seconds", 0.0) + setup
     stats["tokens_per_s"] = stats["new_tokens"] / max(stats["seconds"], 1e-9)
     stats["batch_size"] = batch_size
     atomic_write_json(path, stats)

@@ -49,6 +49,8 @@ class DistillConfig:
     speculative_data: bool = False  # generate the target's rows with the draft's proposals (pays once alpha is high)
     gen_batch_size: int = 8  # prompts decoded together where a model decodes alone
     engine: str = "hf"  # hf | vllm: what decodes the target's rows (vllm where installed: its own batching and GPUs)
+    onpolicy_quant: str | None = None  # int4 | int8 | null: the draft's copy writing its rows, many at once (null: as loaded)
+    onpolicy_calib: str = ""  # a calibration file (decode.runtime.quant.write_calib) to GPTQ-round the int4 writer on
     eval_per_domain: int = 6  # held-out prompts per domain, never trained on
     speed_prompts: int = 0  # held-out prompts timed before/after distillation (0 = leave it to the validate stage)
     speed_k: int = 3  # K for that before/after timing
@@ -64,6 +66,10 @@ class DistillConfig:
             raise ValueError(f"data_temperature must be >= 0, got {self.data_temperature}")
         if self.engine not in ("hf", "vllm"):
             raise ValueError(f"engine must be hf or vllm, got {self.engine!r}")
+        if self.onpolicy_quant not in (None, "int4", "int8"):
+            raise ValueError(f"onpolicy_quant must be int4, int8 or null, got {self.onpolicy_quant!r}")
+        if self.onpolicy_calib and self.onpolicy_quant != "int4":
+            raise ValueError("onpolicy_calib rounds an int4 writer: set onpolicy_quant to int4")
         for name in ("max_new_tokens", "eval_per_domain", "gen_batch_size", "speed_k"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -163,6 +169,7 @@ def gen_data(target_spec: str, out: Path, cfg: DistillConfig, *, prompts: str = 
     ds = generate_data(target, draft, rows, out, source=cfg.data, mix=cfg.mix, max_new_tokens=cfg.max_new_tokens,
                        temperature=cfg.data_temperature, seed=cfg.train.seed, speculative=cfg.speculative_data,
                        batch_size=cfg.gen_batch_size, topk=topk, shard=shard, engine=cfg.engine,
+                       draft_quant=cfg.onpolicy_quant, draft_calib=cfg.onpolicy_calib or None,
                        progress=progress and (state is None or state.is_local_main_process))
     if shard is not None:
         state.wait_for_everyone()
@@ -213,7 +220,8 @@ def run_distill(target_spec: str, draft_spec: str, out: Path, cfg: DistillConfig
     else:
         data = generate_data(target, draft, train_p, out / "data", source=cfg.data, mix=cfg.mix,
                              max_new_tokens=cfg.max_new_tokens, temperature=cfg.data_temperature, seed=cfg.train.seed,
-                             speculative=cfg.speculative_data, batch_size=cfg.gen_batch_size)
+                             speculative=cfg.speculative_data, batch_size=cfg.gen_batch_size,
+                             draft_quant=cfg.onpolicy_quant, draft_calib=cfg.onpolicy_calib or None)
     refs = reference_continuations(target, held, max_new_tokens=cfg.max_new_tokens)
     summary = train(target, draft, data, refs, out, cfg.train, resume=resume)
     tuned = load(summary["paths"]["best"], device=device) if "best" in summary.get("paths", {}) else None

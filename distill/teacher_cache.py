@@ -11,6 +11,11 @@ at temperature 1: the top-k set is the same at every temperature and log-probs d
 per-position constant, so one cache serves every `TrainConfig.temperature`. `logits` rebuilds them with
 `distill.divergences.topk_teacher_logits` (-inf outside the top k): at k = V that is the target itself.
 
+They come from a batched prefill of the rows (teacher-forced: far cheaper a token than the target writing them):
+rows of like length batched together, a Llama-family target's LM head run only at the scored positions; the
+progress bar counts rows and shows continuation tokens scored a second. `dtype="float16"` keeps the values in
+half the space (ids are int32 either way): the compact form, 6 bytes an entry.
+
 Folder `root/<key>/`, key = sha256 of the target (folder identity and a sample of its weights), the rows,
 k, the value dtype and FORMAT_VERSION, so a cache made for another target, other data or another k is never
 read: a new one is built, and complete caches under other keys are removed once it is done.
@@ -26,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -35,6 +41,7 @@ from tqdm.auto import tqdm
 
 from draftsmith.decode.runtime.errors import DraftsmithError
 from draftsmith.decode.runtime.io import atomic_path, atomic_write_json, atomic_write_text, folder_identity
+from draftsmith.decode.runtime.lean import lean_supported
 from draftsmith.decode.runtime.loading import Loaded
 from draftsmith.distill.data import collate
 from draftsmith.distill.divergences import topk_teacher_logits
@@ -121,18 +128,48 @@ class TeacherTopK:
 
 @torch.no_grad()
 def _shard(target: Loaded, rows: Rows, lo: int, hi: int, k: int, dtype: torch.dtype, batch_size: int,
-           device: torch.device) -> dict[str, Tensor]:
-    values, indices = [], []
-    for a in range(lo, hi, batch_size):
-        idx = list(range(a, min(a + batch_size, hi)))
+           device: torch.device, bar=None) -> dict[str, Tensor]:
+    """Rows [lo, hi)'s top-k, `batch_size` rows a prefill: rows of like length together (less padding), each
+    row's numbers back in its place. `bar` (a `_Rate`) is told the rows and continuation tokens of each batch."""
+    values: dict[int, Tensor] = {}
+    indices: dict[int, Tensor] = {}
+    order = sorted(range(lo, hi), key=lambda i: len(rows[i][0]) + len(rows[i][1]))
+    for a in range(0, len(order), batch_size):
+        idx = order[a : a + batch_size]
         ids, attn, mask = collate(rows, idx, device)
-        logits = target.model(input_ids=ids, attention_mask=attn, use_cache=False).logits[mask]  # (N, V)
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        top = torch.topk(logp, k, dim=-1)
-        values.append(top.values.to(dtype).cpu())
-        indices.append(top.indices.to(torch.int32).cpu())
+        top = torch.topk(torch.log_softmax(_masked_logits(target.model, ids, attn, mask).float(), dim=-1), k, dim=-1)
+        v, j = top.values.to(dtype).cpu(), top.indices.to(torch.int32).cpu()
+        n = [len(rows[i][1]) for i in idx]
+        for i, vi, ji in zip(idx, v.split(n), j.split(n)):
+            values[i], indices[i] = vi, ji
+        if bar is not None:
+            bar(len(idx), sum(n))
     lengths = torch.tensor([len(rows[i][1]) for i in range(lo, hi)], dtype=torch.long)
-    return {"values": torch.cat(values).contiguous(), "indices": torch.cat(indices).contiguous(), "lengths": lengths}
+    return {"values": torch.cat([values[i] for i in range(lo, hi)]).contiguous(),
+            "indices": torch.cat([indices[i] for i in range(lo, hi)]).contiguous(), "lengths": lengths}
+
+
+class _Rate:
+    """A tqdm bar counting rows, its postfix the continuation tokens scored a second."""
+
+    def __init__(self, bar) -> None:
+        self.bar, self.tokens, self.t0 = bar, 0, time.perf_counter()
+
+    def __call__(self, rows: int, tokens: int) -> None:
+        self.tokens += tokens
+        self.bar.set_postfix_str(f"{self.tokens / max(time.perf_counter() - self.t0, 1e-9):.1f} tokens/s",
+                                 refresh=False)
+        self.bar.update(rows)
+
+
+def _masked_logits(model, ids: Tensor, attn: Tensor, mask: Tensor) -> Tensor:
+    """The logits (N, V) at the N positions `mask` marks (those predicting continuation tokens). A Llama-family
+    model's LM head runs on those positions only (its logits are the head of the final hidden state); other
+    models through their own forward, whole."""
+    if lean_supported(model.config)[0] and hasattr(model, "model"):
+        h = model.model(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
+        return model.get_output_embeddings()(h[mask])
+    return model(input_ids=ids, attention_mask=attn, use_cache=False).logits[mask]
 
 
 def build_teacher_cache(
@@ -167,12 +204,13 @@ def build_teacher_cache(
         device = next(target.model.parameters()).device
         was_training = target.model.training
         target.model.eval()
-        bar = tqdm(total=len(mine), desc=f"teacher top-{k}", unit="shard", disable=not progress)
+        spans = [(j * ROWS_PER_SHARD, min((j + 1) * ROWS_PER_SHARD, len(rows))) for j in mine]
+        bar = tqdm(total=sum(hi - lo for lo, hi in spans), desc=f"teacher top-{k}", unit="row", disable=not progress)
+        rate = _Rate(bar)
         try:
-            for j in mine:
-                lo, hi = j * ROWS_PER_SHARD, min((j + 1) * ROWS_PER_SHARD, len(rows))
-                _write_shard(folder / _shard_name(j), _shard(target, rows, lo, hi, k, DTYPES[dtype], batch_size, device))
-                bar.update(1)
+            for j, (lo, hi) in zip(mine, spans):
+                _write_shard(folder / _shard_name(j), _shard(target, rows, lo, hi, k, DTYPES[dtype], batch_size, device,
+                                                             rate))
         finally:
             bar.close()
             target.model.train(was_training)

@@ -1,7 +1,8 @@
 """Batched plain decoding: each row of a left-padded batch gets the very tokens that decoding it alone gives
 (greedy and sampled, rows finishing at different steps, through the lean batch runner and through Hugging
-Face's forward), the lean runner's captured head features are the target's teacher-forced ones, and logits
-fitted to another vocabulary never let a padded row be sampled."""
+Face's forward, and in a draft's int4 / int8 copy against that copy's single-sequence runner), the lean runner's
+captured head features are the target's teacher-forced ones, and logits fitted to another vocabulary never let a
+padded row be sampled."""
 
 from __future__ import annotations
 
@@ -187,3 +188,122 @@ def test_bfloat16_one_token_attention_matches_a_float64_reference_and_ignores_co
     torch.testing.assert_close(_attend(q.bfloat16(), kb, vb, end, mask), got, rtol=0, atol=0)
     wrong = _attend(q.bfloat16(), kb.flip(1), vb.flip(1), end, mask)  # kv heads paired with the wrong queries
     assert (wrong.double() - ref).abs().max() > 0.1
+
+
+def _needs(quant: str) -> None:
+    from draftsmith.decode.runtime import native
+    from draftsmith.decode.runtime.quant import int4_ok
+
+    if native.kernels() is None or (quant == "int4" and not int4_ok()):
+        pytest.skip(f"no draftsmith {quant} kernel here: {native.why_not()}")
+
+
+def _alone_quantized(model, quant: str, prompt: list[int], temperature: float, seed: int, n: int) -> list[int]:
+    """The single-sequence runner of the same int4 / int8 copy decoding `prompt` alone. The int8 one runs its few-row
+    forwards on draftsmith's kernel as the batch does (its row plan gives them to fbgemm on some machines, which
+    quantises the inputs: another copy's numbers)."""
+    runner = make_runner(model, 64, quantize=quant)
+    if quant == "int8":
+        runner.native_rows = frozenset(range(1, 13))
+    gen = torch.Generator().manual_seed(seed) if temperature > 0 else None
+    return generate(runner, prompt, max_new_tokens=n, sampling=SamplingParams(temperature), eos_ids=[EOS],
+                    generator=gen).tokens
+
+
+@pytest.mark.parametrize("quant", ["int4", "int8"])
+@pytest.mark.parametrize("temperature", [0.0, 1.3])
+def test_a_quantized_copys_rows_equal_that_copy_decoding_each_alone(model, quant, temperature) -> None:
+    """The draft's int4 / int8 copy writing many rows at once (BatchLM on the copy's fused, quantised Linears):
+    each row is what the single-sequence runner of that copy (`make_runner(..., quantize=...)`) decodes for it,
+    with the same generator; rows finish at different steps and leave the batch."""
+    from draftsmith.decode.batch import quantized_writer
+    from draftsmith.decode.runtime.kernels import DYNAMIC_INT8
+    from draftsmith.decode.runtime.quant import Int4Linear
+
+    _needs(quant)
+    n = 20
+    writer = quantized_writer(model, quant, 64)
+    kinds = {type(m) for m in [*writer.layers.modules(), writer.lm_head]}
+    assert torch.nn.Linear not in kinds  # every Linear, the head's too, is the quantised copy's
+    assert kinds & {Int4Linear, DYNAMIC_INT8} == {Int4Linear if quant == "int4" else DYNAMIC_INT8}
+    gens = [torch.Generator().manual_seed(100 + b) for b in range(len(PROMPTS))] if temperature else None
+    rows = generate_batch(writer, PROMPTS, max_new_tokens=n, sampling=SamplingParams(temperature), eos_ids=[EOS],
+                          generators=gens)
+    assert rows == [_alone_quantized(model, quant, p, temperature, 100 + b, n) for b, p in enumerate(PROMPTS)]
+    if temperature:  # rows left the batch at different steps
+        assert min(len(r) for r in rows) < n == max(len(r) for r in rows)
+    samples = [torch.Generator().manual_seed(300 + b) for b in range(len(SAMPLES))] if temperature else None
+    shared = generate_batch(writer, SAMPLES, max_new_tokens=8, sampling=SamplingParams(temperature), eos_ids=[EOS],
+                            generators=samples)  # samples of one prompt share its prefill
+    assert shared == [_alone_quantized(model, quant, p, temperature, 300 + b, 8) for b, p in enumerate(SAMPLES)]
+
+
+def test_a_quantized_copy_is_made_once_per_model_and_weights(model) -> None:
+    """The last copy made for a model is reused while its weights are unchanged and it holds the positions asked
+    for; a changed weight (an optimizer step, in place) makes a new one."""
+    from draftsmith.decode.batch import quantized_writer
+
+    _needs("int4")
+    m = helpers.tiny_llama(3, V, eos_id=EOS, layers=2)
+    first = quantized_writer(m, "int4", 32)
+    assert quantized_writer(m, "int4", 16) is first and quantized_writer(m, "int4", 32) is first
+    longer = quantized_writer(m, "int4", 48)
+    assert longer is not first and longer.max_seq_len == 48
+    assert quantized_writer(m, "int8", 48) is not longer
+    again = quantized_writer(m, "int4", 48)
+    with torch.no_grad():
+        m.lm_head.weight.add_(1.0)
+    assert quantized_writer(m, "int4", 48) is not again
+    with pytest.raises(ValueError, match="quantize must be"):
+        quantized_writer(m, "int3", 48)
+
+
+def test_which_copy_a_model_writes_in(model, monkeypatch) -> None:
+    """int4 where draftsmith's int4 kernel runs (else int8), int8 only where its kernel is built (fbgemm would share one
+    input scale across the batch's rows), never for a model the CPU kernels do not take (float64 here)."""
+    from draftsmith.decode.batch import writer_quant
+    from draftsmith.decode.runtime import native
+
+    _needs("int4")
+    assert writer_quant(model, "int4") == "int4" and writer_quant(model, "int8") == "int8"
+    assert writer_quant(model, None) is None
+    assert writer_quant(helpers.tiny_llama(3, V, eos_id=EOS, dtype=torch.float64), "int4") is None
+    with pytest.raises(ValueError, match="quantisation"):
+        writer_quant(model, "fp8")
+    monkeypatch.setattr(native, "kernels", lambda: None)
+    assert writer_quant(model, "int4") is None and writer_quant(model, "int8") is None
+
+
+@pytest.mark.parametrize("quant", ["int4", "int8"])
+def test_a_quantized_copys_logits_are_its_runners_bit_for_bit(model, quant, monkeypatch) -> None:
+    """Every logit a row of the batch samples from has the very bits the copy's runner gives when it decodes that
+    row alone (`decode.speculative.generate`'s feeding: the prompt but its last token, then a token a forward):
+    prompts prefilled unpadded, one new token attending over its own row's keys, so no summation order differs
+    and no int8 input rounds otherwise. Sampled rows of different lengths, so the batch pads and compacts."""
+    import draftsmith.decode.batch as batch
+    from draftsmith.decode.batch import decode_batch, quantized_writer
+
+    _needs(quant)
+    seen: dict[int, list[torch.Tensor]] = {b: [] for b in range(len(PROMPTS))}
+    sample = batch._BatchDecode.sample
+
+    def record(self, logits):
+        for j, b in enumerate(self.rows):
+            if self.alive[b]:
+                seen[b].append(logits[j].clone())
+        return sample(self, logits)
+
+    monkeypatch.setattr(batch._BatchDecode, "sample", record)
+    gens = [torch.Generator().manual_seed(40 + b) for b in range(len(PROMPTS))]
+    out = decode_batch(quantized_writer(model, quant, 64), PROMPTS, max_new_tokens=12, sampling=SamplingParams(1.3),
+                       eos_ids=[EOS], generators=gens)
+    assert min(len(t) for t in out.tokens) < 12  # some rows left the batch early
+    for b, p in enumerate(PROMPTS):
+        runner = make_runner(model, 64, quantize=quant)
+        runner.native_rows = frozenset(range(1, 13)) if quant == "int8" else runner.native_rows
+        seq = p + out.tokens[b]
+        with torch.inference_mode():
+            if len(p) > 1:
+                runner.forward(torch.tensor(p[:-1]), 0, keep=1)
+            alone = [runner.forward(torch.tensor([seq[t]]), t)[-1] for t in range(len(p) - 1, len(seq) - 1)]
+        assert len(alone) == len(seen[b]) and all(torch.equal(a, s) for a, s in zip(alone, seen[b])), b

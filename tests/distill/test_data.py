@@ -1,6 +1,7 @@
-"""Distillation data: each source yields what its model decodes (batched or alone, the same tokens), a run
-resumes without losing or repeating a row, "mixed" takes a seeded, exact fraction from the draft, and a
-finished folder is loaded, not regenerated."""
+"""Distillation data: each source yields what its model decodes (batched or alone, the same tokens; on-policy rows
+in the draft's int4 copy are that copy's), a run resumes without losing or repeating a row, "mixed" takes a seeded,
+exact fraction from the draft, a folder is refused to another writer, and a finished folder is loaded, not
+regenerated."""
 
 from __future__ import annotations
 
@@ -315,3 +316,120 @@ def test_engine_vllm_for_real(pair, tmp_path) -> None:
     target, draft = pair
     ds = generate_data(target, draft, PROMPTS, tmp_path / "real", source="target", engine="vllm", progress=False)
     assert len(ds) == len(PROMPTS) and all(1 <= len(c) <= 8 for c in ds["continuation_ids"])
+
+
+def _needs_int4() -> None:
+    from draftsmith.decode.runtime import native
+    from draftsmith.decode.runtime.quant import int4_ok
+
+    if not int4_ok():
+        pytest.skip(f"no draftsmith int4 kernel here: {native.why_not()}")
+
+
+def _alone_int4(draft: Loaded, row: dict, seed: int, index: int, n: int) -> list[int]:
+    """What the draft's int4 copy (the decoder's `quantize="int4"` runner) decodes alone for a row's prompt."""
+    gen = torch.Generator().manual_seed(prompt_seed(seed, index))
+    return generate(make_runner(draft.model, 64, quantize="int4"), row["prompt_ids"], max_new_tokens=n,
+                    sampling=SamplingParams(1.0), eos_ids=[EOS], generator=gen).tokens
+
+
+def test_on_policy_rows_from_the_int4_copy_are_its_own_at_every_batch_size(pair, tmp_path, calls) -> None:
+    """draft_quant="int4": every on-policy row is what the draft's int4 copy samples for it alone (batched or one at a
+    time: the same rows), the target's rows of a mixed folder are untouched, and settings.json names the writer."""
+    _needs_int4()
+    target, draft = pair
+    prompts = make_prompts(10)
+    kw = dict(source="draft", max_new_tokens=12, temperature=1.0, seed=4, progress=False, draft_quant="int4")
+    batched = generate_data(target, draft, prompts, tmp_path / "b4", batch_size=4, **kw)
+    assert calls.batches == 3 and calls.speculative == 0
+    for i, row in enumerate(batched):
+        assert row["source"] == "draft" and row["continuation_ids"] == _alone_int4(draft, row, 4, i, 12)
+    lengths = [len(c) for c in batched["continuation_ids"]]
+    assert min(lengths) < 12 == max(lengths)  # rows left the batch at different steps
+    assert generate_data(target, draft, prompts, tmp_path / "b1", batch_size=1, **kw).to_list() == batched.to_list()
+    assert json.loads((tmp_path / "b4" / data_mod.SETTINGS).read_text())["draft_quant"] == "int4"
+    float_rows = generate_data(target, draft, prompts, tmp_path / "f", batch_size=4, **{**kw, "draft_quant": None})
+    assert "draft_quant" not in json.loads((tmp_path / "f" / data_mod.SETTINGS).read_text())  # as before the key
+    assert float_rows["continuation_ids"] != batched["continuation_ids"]  # the int4 copy wrote, not the draft
+    mixed = generate_data(target, draft, prompts, tmp_path / "m", source="mixed", mix=0.5, max_new_tokens=12,
+                          temperature=1.0, seed=4, batch_size=4, progress=False, draft_quant="int4")
+    for i, row in enumerate(mixed):
+        if row["source"] == "draft":
+            assert row["continuation_ids"] == batched[i]["continuation_ids"]
+        else:
+            assert row["continuation_ids"] == _alone(target, row, 1.0, 4, i, n=12)
+    target_only = generate_data(target, draft, prompts, tmp_path / "t", source="target", max_new_tokens=4,
+                                temperature=1.0, seed=4, progress=False, draft_quant="int4")
+    assert "draft_quant" not in json.loads((tmp_path / "t" / data_mod.SETTINGS).read_text())  # no on-policy rows
+    assert len(target_only) == 10
+
+
+def test_an_int4_writers_run_resumes_to_the_same_rows(pair, tmp_path, calls) -> None:
+    _needs_int4()
+    target, draft = pair
+    kw = dict(source="draft", max_new_tokens=10, temperature=1.0, seed=6, progress=False, batch_size=2,
+              draft_quant="int4")
+    whole = generate_data(target, draft, PROMPTS, tmp_path / "a", **kw)
+    calls.reset(fail_after=3)
+    with pytest.raises(Interrupted):
+        generate_data(target, draft, PROMPTS, tmp_path / "b", **kw)
+    assert len((tmp_path / "b" / data_mod.PARTIAL).read_text().splitlines()) == 2
+    calls.reset()
+    resumed = generate_data(target, draft, PROMPTS, tmp_path / "b", **kw)
+    assert calls.n == len(PROMPTS) - 2 and resumed.to_list() == whole.to_list()
+
+
+def test_a_folder_is_refused_to_another_writer(pair, tmp_path, calls) -> None:
+    """A folder written by one copy of the draft is refused to another (float, int8, int4, another calibration),
+    including a folder from before the key existed (its on-policy rows came from the draft as loaded); one line."""
+    from draftsmith.decode.runtime.quant import write_calib
+
+    _needs_int4()
+    target, draft = pair
+    kw = dict(source="draft", max_new_tokens=4, temperature=1.0, seed=1, progress=False)
+    calls.reset(fail_after=0)  # nothing is generated: the settings alone decide
+    for made, rerun in ((None, "int4"), ("int4", None), ("int4", "int8"), ("int8", "int4")):
+        folder = tmp_path / f"{made}-{rerun}"
+        folder.mkdir()
+        settings = data_mod._settings(target, draft, PROMPTS, "draft", 0.5, 4, 1.0, 1, True, False)
+        (folder / data_mod.SETTINGS).write_text(json.dumps({**settings, **({"draft_quant": made} if made else {})}))
+        with pytest.raises(DraftsmithError, match="other settings.*draft_quant") as e:
+            generate_data(target, draft, PROMPTS, folder, draft_quant=rerun, **kw)
+        assert "\n" not in str(e.value)
+    calib = write_calib(tmp_path / "calib.json", [[1, 2, 3, 4, 5, 6]])
+    (tmp_path / "c").mkdir()
+    settings = data_mod._settings(target, draft, PROMPTS, "draft", 0.5, 4, 1.0, 1, True, False)
+    (tmp_path / "c" / data_mod.SETTINGS).write_text(json.dumps({**settings, "draft_quant": "int4"}))
+    with pytest.raises(DraftsmithError, match="other settings.*draft_calib"):
+        generate_data(target, draft, PROMPTS, tmp_path / "c", draft_quant="int4", draft_calib=calib, **kw)
+    for bad, match in (({"draft_quant": "int3"}, "draft_quant"), ({"draft_calib": calib}, "calibration")):
+        with pytest.raises(DraftsmithError, match=match):
+            generate_data(target, draft, PROMPTS, tmp_path / "x", **{**kw, **bad})
+
+
+def test_a_calibrated_int4_writer_is_the_gptq_copy(pair, tmp_path, monkeypatch) -> None:
+    """draft_calib: the on-policy rows come from the int4 copy GPTQ-rounded on that file, as `int4:MODEL:calib=FILE`
+    would run it; the calibration is part of the settings."""
+    from draftsmith.decode.runtime.quant import read_calib, write_calib
+
+    _needs_int4()
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
+    target, draft = pair
+    calib = write_calib(tmp_path / "calib.json", [[(3 * i) % EOS for i in range(40)]])
+    ds = generate_data(target, draft, PROMPTS, tmp_path / "d", source="draft", max_new_tokens=8, temperature=1.0,
+                       seed=2, progress=False, batch_size=3, draft_quant="int4", draft_calib=calib)
+    runner = make_runner(draft.model, 64, quantize="int4", calib=read_calib(calib))
+    for i, row in enumerate(ds):
+        gen = torch.Generator().manual_seed(prompt_seed(2, i))
+        assert row["continuation_ids"] == generate(runner, row["prompt_ids"], max_new_tokens=8,
+                                                   sampling=SamplingParams(1.0), eos_ids=[EOS], generator=gen).tokens
+    assert json.loads((tmp_path / "d" / data_mod.SETTINGS).read_text())["draft_calib"] == read_calib(calib).key
+
+
+def test_the_writers_bar_shows_tokens_per_second(pair, tmp_path, capsys) -> None:
+    target, draft = pair
+    generate_data(target, draft, PROMPTS, tmp_path / "p", source="draft", max_new_tokens=4, temperature=0.0,
+                  batch_size=3)
+    assert "tokens/s" in capsys.readouterr().err
+    stats = data_mod.data_stats(tmp_path / "p")
+    assert stats["new_tokens"] > 0 and stats["seconds"] > 0 and stats["setup_seconds"] >= 0

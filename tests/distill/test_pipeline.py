@@ -1,6 +1,7 @@
 """The distillation run's held-out split: evaluation never sees a training prompt."""
 
 import pytest
+import torch
 
 from draftsmith.decode.runtime.errors import DraftsmithError
 from draftsmith.decode.prompts import Prompt, load_prompts
@@ -78,3 +79,26 @@ def test_distill_trains_on_a_data_folder_made_before(tmp_path) -> None:
     r = run_distill(str(target), cfg.draft, tmp_path / "out", cfg, prompts=str(prompts))
     assert r["data_rows"] == 7 and r["train_prompts"] == 7 and r["held_out_prompts"] == 2
     assert not (tmp_path / "out" / "data").exists()  # nothing generated
+
+
+def test_gen_data_writes_on_policy_rows_in_the_drafts_int4_copy_and_scores_them(tmp_path) -> None:
+    """`onpolicy_quant`: gen-data's on-policy rows come from the draft's int4 copy (recorded in the folder's
+    settings), and the target's compact top-k cache of them is computed where training finds it."""
+    import json
+
+    from draftsmith.decode.runtime.quant import int4_ok
+    from draftsmith.distill.pipeline import DistillConfig, gen_data
+    from draftsmith.distill.train import TrainConfig
+
+    if not int4_ok():
+        pytest.skip("no draftsmith int4 kernel here")
+    target, prompts = _tiny_target_and_prompts(tmp_path, 3)
+    cfg = DistillConfig(draft=str(target), data="draft", onpolicy_quant="int4", max_new_tokens=5, gen_batch_size=4,
+                        train=TrainConfig(teacher="cache", teacher_topk=4, teacher_cache_dtype="float16"))
+    got = gen_data(str(target), tmp_path / "rows", cfg, prompts=str(prompts), progress=False)
+    assert len(got["dataset"]) == 6 and got["how"] == "computed" and got["cache"].k == 4
+    assert got["cache"].values.dtype == torch.float16 and len(got["cache"]) == 6
+    assert json.loads((tmp_path / "rows" / "settings.json").read_text())["draft_quant"] == "int4"
+    for bad in ({"onpolicy_quant": "int2"}, {"onpolicy_calib": "c.json"}):
+        with pytest.raises(ValueError, match="onpolicy"):
+            DistillConfig(**bad)

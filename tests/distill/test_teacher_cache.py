@@ -203,3 +203,38 @@ def test_top_k_kept_while_generating_is_the_cache_training_finds(pair, tmp_path,
     ds2 = generate_data(target, draft, prompts, tmp_path / "mixed", source="mixed", mix=0.5, max_new_tokens=6,
                         temperature=1.0, batch_size=3, topk=5, progress=False)
     assert captured_topk(tmp_path / "mixed", len(ds2)) is None
+
+
+def test_on_policy_rows_top_k_is_the_targets_own(pair, tmp_path, capsys) -> None:
+    """The on-policy path: the draft's int4 copy writes the rows (where draftsmith's int4 kernel runs; the draft as
+    loaded elsewhere), the target scores them by a batched prefill into the compact cache (float16 values, int32
+    ids). Each row's top-k is the target's own, computed for that row alone in float64: values to float16's
+    rounding, ids exactly wherever the log-probs around them are not tied. The bar shows tokens/s."""
+    import copy
+
+    from draftsmith.decode.runtime.quant import int4_ok
+    from draftsmith.distill.data import generate_data, training_rows
+    from tests.distill.test_data import make_prompts
+
+    target, draft = pair
+    ds = generate_data(target, draft, make_prompts(9), tmp_path / "data", source="draft", max_new_tokens=10,
+                       temperature=1.0, seed=1, batch_size=4, draft_quant="int4" if int4_ok() else None,
+                       progress=False)
+    rows = training_rows(ds)
+    assert len({len(p) + len(c) for p, c in rows}) > 2  # rows of several lengths: batches padded and reordered
+    k = 6
+    cache = build_teacher_cache(target, rows, tmp_path / "cache", k=k, dtype="float16", batch_size=4)
+    assert "tokens/s" in capsys.readouterr().err
+    assert cache.values.dtype == torch.float16 and cache.indices.dtype == torch.int32
+    exact = copy.deepcopy(target.model).double()
+    clear = 0
+    for i, (p, c) in enumerate(rows):
+        with torch.no_grad():
+            logits = exact(input_ids=torch.tensor([p + c])).logits[0, len(p) - 1 : len(p) + len(c) - 1]
+        want = torch.topk(torch.log_softmax(logits, -1), k + 1, dim=-1)  # one more: a tie at the k-th place
+        values, indices = cache.row(i)
+        torch.testing.assert_close(values.double(), want.values[:, :k], rtol=1e-3, atol=2e-3)
+        untied = (want.values[:, :-1] - want.values[:, 1:]).min(-1).values > 1e-4  # (C,) positions with no near-tie
+        assert torch.equal(indices[untied].long(), want.indices[untied, :k])
+        clear += int(untied.sum())
+    assert clear >= 0.9 * sum(len(c) for _, c in rows)
