@@ -487,7 +487,7 @@ def cmd_leaderboard(args: argparse.Namespace) -> int:
 
 # the DistillConfig settings `gen-data` takes (the rest are training settings)
 GEN_DATA_SETTINGS = {"draft", "data", "mix", "max_new_tokens", "data_temperature", "speculative_data", "gen_batch_size", "engine",
-                     "seed", "teacher", "teacher_topk", "teacher_cache_dtype"}
+                     "seed", "teacher", "teacher_topk", "teacher_cache_dtype", "onpolicy_quant", "onpolicy_calib"}
 
 
 def build_parser() -> argparse.ArgumentParser:

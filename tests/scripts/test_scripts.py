@@ -21,7 +21,7 @@ SCRIPTS = ROOT / "scripts"
 PACKAGES = ("decode", "pairing", "distill", "recipes")
 WORDS = "the a of to and in is it that for on with as was be by this are or at from code data list sort print".split()
 TESTED = {"allocator_bench.py", "distill_table.py", "draft_agreement.py", "gptq_agreement.py", "head_data_bench.py",
-          "head_train_bench.py", "kernel_bench.py", "linear_bench.py", "native_bench.py", "q4_prefetch.py"}
+          "head_train_bench.py", "kernel_bench.py", "linear_bench.py", "native_bench.py", "onpolicy_bench.py", "q4_prefetch.py"}
 
 
 @pytest.fixture(scope="module")
