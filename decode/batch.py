@@ -198,7 +198,7 @@ class BatchLM(nn.Module):
                     seen[i] = x
                 H, Hkv, D = layer.n_heads, layer.n_kv, layer.head_dim
                 h = rms_norm(x, layer.norm_in, layer.eps)
-                q, k, v = _qkv(h, layer)
+                q, k, v = layer.project_qkv(h, _linear)
                 q = q.reshape(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
                 k = k.reshape(B, T, Hkv, D).transpose(1, 2)
                 v = v.reshape(B, T, Hkv, D).transpose(1, 2)
@@ -211,7 +211,7 @@ class BatchLM(nn.Module):
                 else:
                     o = _attend(q, keys[:, :, first:], values[:, :, first:], end - first, mask)
                 x = x + _linear(o.transpose(1, 2).reshape(B, T, H * D), layer.o)
-                x = x + _mlp(rms_norm(x, layer.norm_post, layer.eps), layer)
+                x = x + layer.feed_forward(rms_norm(x, layer.norm_post, layer.eps), _linear)
         h = rms_norm(x, self.norm, self.eps)
         if self.capture:
             self.features[rows, start:end] = torch.cat([seen[i] for i in self.capture], dim=-1).half()
@@ -231,23 +231,6 @@ def _linear(x: Tensor, layer: nn.Module) -> Tensor:
         return linear(x, layer)
     y = linear(x.reshape(-1, x.shape[-1]), layer)
     return y.view(*x.shape[:-1], y.shape[-1])
-
-
-def _qkv(h: Tensor, layer) -> tuple[Tensor, Tensor, Tensor]:
-    """A layer's q, k, v projections of h (B, T, d): one Linear where a quantised copy stacked them."""
-    if layer.qkv is not None:
-        H, Hkv, D = layer.n_heads, layer.n_kv, layer.head_dim
-        q, k, v = _linear(h, layer.qkv).split([H * D, Hkv * D, Hkv * D], dim=-1)
-        return q, k, v
-    return _linear(h, layer.q), _linear(h, layer.k), _linear(h, layer.v)
-
-
-def _mlp(h: Tensor, layer) -> Tensor:
-    """A layer's MLP on h (B, T, d): gate and up as one Linear where a quantised copy stacked them."""
-    if layer.gate_up is not None:
-        gate, up = _linear(h, layer.gate_up).chunk(2, dim=-1)
-        return _linear(F.silu(gate) * up, layer.down)
-    return _linear(F.silu(_linear(h, layer.gate)) * _linear(h, layer.up), layer.down)
 
 
 @dataclass

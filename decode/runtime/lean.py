@@ -38,6 +38,9 @@ def lean_supported(config) -> tuple[bool, str]:
     return True, ""
 
 
+FUSED = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}  # `LeanLayer.fuse_projections`: stacked -> own
+
+
 class LeanLayer(nn.Module):
     """One decoder block over the HF layer's own weights (shared, not copied: no extra memory)."""
 
@@ -67,8 +70,29 @@ class LeanLayer(nn.Module):
                     out.bias.copy_(torch.cat([l.bias for l in layers]))
             return out
 
-        self.qkv, self.gate_up = stack(self.q, self.k, self.v), stack(self.gate, self.up)
-        self.q = self.k = self.v = self.gate = self.up = None
+        for fused, own in FUSED.items():
+            setattr(self, fused, stack(*(getattr(self, name) for name in own)))
+            for name in own:
+                setattr(self, name, None)
+
+    def project_qkv(self, h: Tensor, lin=None) -> tuple[Tensor, Tensor, Tensor]:
+        """The q, k, v projections of h (..., d): one Linear where `fuse_projections` stacked them. `lin(x, layer)`
+        runs each Linear (default `decode.runtime.kernels.linear`; `decode.batch` passes one for (B, T, d) rows)."""
+        lin = lin or linear
+        if self.qkv is not None:
+            H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
+            q, k, v = lin(h, self.qkv).split([H * D, Hkv * D, Hkv * D], dim=-1)
+            return q, k, v
+        return lin(h, self.q), lin(h, self.k), lin(h, self.v)
+
+    def feed_forward(self, h: Tensor, lin=None) -> Tensor:
+        """The MLP on h (..., d): gate and up as one Linear where `fuse_projections` stacked them (`lin`: as in
+        `project_qkv`)."""
+        lin = lin or linear
+        if self.gate_up is not None:
+            gate, up = lin(h, self.gate_up).chunk(2, dim=-1)
+            return lin(F.silu(gate) * up, self.down)
+        return lin(F.silu(lin(h, self.gate)) * lin(h, self.up), self.down)
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, layer: int, pos: int | Tensor,
@@ -77,10 +101,7 @@ class LeanLayer(nn.Module):
         T = x.shape[0]
         H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
         h = rms_norm(x, self.norm_in, self.eps)
-        if self.qkv is not None:
-            q, k, v = linear(h, self.qkv).split([H * D, Hkv * D, Hkv * D], dim=-1)
-        else:
-            q, k, v = linear(h, self.q), linear(h, self.k), linear(h, self.v)  # (T, H D), (T, Hkv D) x 2
+        q, k, v = self.project_qkv(h)  # (T, H D), (T, Hkv D) x 2
         q = q.reshape(T, H, D).transpose(0, 1)  # (H, T, D)
         k = k.reshape(T, Hkv, D).transpose(0, 1)  # (Hkv, T, D)
         v = v.reshape(T, Hkv, D).transpose(0, 1)
@@ -94,11 +115,7 @@ class LeanLayer(nn.Module):
             q[None], keys[None], values[None], attn_mask=mask, enable_gqa=Hkv != H
         )[0]  # (H, T, D)
         x = x + linear(o.transpose(0, 1).reshape(T, H * D), self.o)
-        h = rms_norm(x, self.norm_post, self.eps)
-        if self.gate_up is not None:
-            gate, up = linear(h, self.gate_up).chunk(2, dim=-1)
-            return x + linear(F.silu(gate) * up, self.down)
-        return x + linear(F.silu(linear(h, self.gate)) * linear(h, self.up), self.down)
+        return x + self.feed_forward(rms_norm(x, self.norm_post, self.eps))
 
 
 def lean_parts(hf_model, max_seq_len: int, who: str):

@@ -29,7 +29,6 @@ from draftsmith.decode.runtime.kernels import linear
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
 _KEY = re.compile(r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj\.lora_([AB])\.weight")
-_FUSED = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ COST_CONTEXT = 64  # tokens of context when timing a forward: pair and validate 
 PLAN_ROWS = 12  # row counts planned: verify steps up to K = 11
 PLAN_MIN_BYTES = 256 * 10**6  # smaller models (tests' tiny ones) are never timed: their steps are overhead
 NATIVE_GAIN = 0.90  # a row count runs draftsmith's own kernel only where it timed > 10% faster than torch's
-_PLANS: dict[tuple, dict[int, int]] = {}  # per process: (model identity) -> row plan
+_PLANS: dict[tuple, tuple[dict[int, int], frozenset[int], frozenset[int]]] = {}  # per process: model -> plan
 
 
 def weight_bytes(model: nn.Module) -> tuple[int, int]:
@@ -103,24 +103,26 @@ def choose_rows(times: dict[int, float], *, gain: float = 0.95) -> dict[int, int
 def plan_rows(runner, key: tuple, nbytes: int, *, repeats: int = 3, store: Path | None = None) -> dict[int, int]:
     """Give a lean runner on the CPU its `row_plan`, `blas_rows` and `native_rows`: cached forwards over
     1..PLAN_ROWS rows timed once per model (`key`) and machine, kept for the process and, with `store` (a folder:
-    `make_runner` passes `<cache>/plans`), saved there as JSON a person can read (`saved_plan`) and reused by
-    every later process on this machine under the same settings, so no forward is timed again. Timed on oneDNN's kernels and (where the runner has float
-    Linears on them) on BLAS and, over 1..12 rows of float32 or int8 Linears, on `decode.runtime.native`'s kernel,
-    interleaved; each row count runs on the fastest kernels (`choose_kernels`, BLAS then native, native only where
-    it beats the library's by more than 10%: `NATIVE_GAIN`), then at the
-    fastest count at or above it (`choose_rows`). On the AMD EPYC here the float32 Qwen2.5-Coder-1.5B's one-row step ran 228.6 ms
-    planned against 277.9 unpadded; on the Intel Xeon it ran 240.0 ms on BLAS against oneDNN's 267.9
-    (docs/results/floor.md). Models under PLAN_MIN_BYTES of weights (`nbytes`, as loaded) and
+    `make_runner` passes `<cache>/plans`), saved there as JSON a person can read (`saved_plan`) and reused by every
+    later process on this machine under the same settings, so no forward is timed again. Timed on oneDNN's kernels
+    and (where the runner has float Linears on them) on BLAS and, over 1..12 rows of float32 or int8 Linears, on
+    `decode.runtime.native`'s kernel, interleaved; each row count runs on the fastest kernels (`choose_kernels`,
+    BLAS then native, native only where it beats the library's by more than 10%: `NATIVE_GAIN`), then at the
+    fastest count at or above it (`choose_rows`). On the AMD EPYC here the float32 Qwen2.5-Coder-1.5B's one-row
+    step ran 228.6 ms planned against 277.9 unpadded; on the Intel Xeon it ran 240.0 ms on BLAS against oneDNN's
+    267.9 (docs/results/floor.md). Models under PLAN_MIN_BYTES of weights (`nbytes`, as loaded) and
     `RuntimeSettings(rows=False)` get no plan (every forward at its own row count, on oneDNN)."""
     if (not current().rows or not hasattr(runner, "row_plan")
             or runner.max_seq_len < COST_CONTEXT + PLAN_ROWS or runner.cos.device.type != "cpu"):
         return {}
     if nbytes < PLAN_MIN_BYTES:
         return {}
-    path = store / f"{_plan_key(key)}.json" if store is not None else None
-    if key not in _PLANS and path is not None:
-        _PLANS[key] = saved_plan(path)
-    if _PLANS.get(key) is None:
+    path = None
+    if key not in _PLANS and store is not None:  # a later process: the plan an earlier one saved, if any
+        path = store / f"{_plan_key(key)}.json"
+        if (saved := saved_plan(path)) is not None:
+            _PLANS[key] = saved
+    if key not in _PLANS:
         runner.row_plan, runner.blas_rows, runner.native_rows = {}, frozenset(), frozenset()
         rows = list(range(1, PLAN_ROWS + 1))
         on_dnn = any(type(m) is nn.Linear and dnn_layout(m.weight) for m in runner.modules())

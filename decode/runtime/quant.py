@@ -379,7 +379,7 @@ def int4_float_weights(hf_model: nn.Module, calib: Calibration | None = None,
     `Int4Linear.weight_float`, bit for bit; the kernel is not needed. The model is read on the CPU in float32 (a
     copy where it is not there already: an int4 draft decodes from float32 weights on the CPU). `max_seq_len` cuts
     the calibration sequences as a runner that long does (default: the longest, up to CALIB_MAX_TOKENS)."""
-    from draftsmith.decode.runtime.lean import LeanLM
+    from draftsmith.decode.runtime.lean import FUSED, LeanLM
 
     ok, why = lean_supported(hf_model.config)
     if not ok:
@@ -400,7 +400,7 @@ def int4_float_weights(hf_model: nn.Module, calib: Calibration | None = None,
     modules = {id(m): n for n, m in src.named_modules()}
     parts: dict[str, list[str]] = {"lm_head": [modules[id(lean.lm_head)]]}
     for i, layer in enumerate(lean.layers):
-        for fused, own in (("qkv", ("q", "k", "v")), ("gate_up", ("gate", "up")), ("o", ("o",)), ("down", ("down",))):
+        for fused, own in {**FUSED, "o": ("o",), "down": ("down",)}.items():
             parts[f"layers.{i}.{fused}"] = [modules[id(getattr(layer, a))] for a in own]
     names = {n: m for n, m in src.named_modules()}
     out = {}
