@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -747,8 +748,6 @@ def settings_from_env(environ) -> RuntimeSettings:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import os
-
     args = build_parser().parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
     try:
