@@ -30,11 +30,8 @@ from draftsmith.decode.runtime.errors import DraftsmithError
 from draftsmith.decode.runtime.io import read_json
 from draftsmith.decode.prompts import Prompt, load_prompts, load_test_prompts
 from draftsmith.decode.spec import DraftSpec
-from draftsmith.decode.speculative import KPolicy
-from draftsmith.distill.fastest import FASTEST, FastestConfig, make_fastest
 from draftsmith.distill.heads.pipeline import HEAD, HeadRunConfig, head_result, held_rows, run_head
 from draftsmith.distill.pipeline import DistillConfig, run_distill, split_prompts
-from draftsmith.pairing.leaderboard import PairConfig
 from draftsmith.pairing.policy import known_k
 from draftsmith.pairing.validate import DraftUnderTest, ValidateConfig
 
@@ -55,9 +52,7 @@ class RunContext:
     has_data_stage: bool = False  # the recipe has a data section: distill trains on its rows
     test_prompts: str = ""  # the recipe's test_prompts ("" = the built-in test split of `prompts`)
     config: dict = dataclasses.field(default_factory=dict)  # the resolved recipe (for wandb)
-    fastest: FastestConfig = dataclasses.field(default_factory=FastestConfig)  # the `fastest` kind's settings
-    pair: PairConfig | None = None  # the pair stage's settings (the `fastest` kind ranks with them)
-    validate: ValidateConfig | None = None  # the validate stage's settings (the `fastest` kind races with them)
+    validate: ValidateConfig | None = None  # the validate stage's settings
 
     def held_out(self) -> list[Prompt]:
         """The dev prompts: never trained on, used to choose (a checkpoint, K): the first
@@ -85,6 +80,7 @@ class DraftKind(Protocol):
     def settings(self, recipe: dict) -> dict: ...
     def data_draft(self, ctx: RunContext) -> str: ...
     def train(self, ctx: RunContext) -> dict: ...
+    def trained(self, ctx: RunContext) -> dict[str, str]: ...
     def validation(self, ctx: RunContext) -> list[DraftUnderTest]: ...
     def export(self, ctx: RunContext) -> dict: ...
 
@@ -139,6 +135,14 @@ class Standalone:
     def data_draft(self, ctx: RunContext) -> str:
         return self.chosen(ctx)
 
+    def trained(self, ctx: RunContext) -> dict[str, str]:
+        """{the trained draft's spec, as it serves: its untrained equivalent's} ({} before distillation): the
+        served form a run over an int4 base picked (`distill.served`), else the best/ folder."""
+        made = read_json(ctx.folders["distill"] / "distill.json", missing_ok=True, what="distillation result")
+        if not made or not (ctx.folders["distill"] / "best").is_dir():
+            return {}
+        return {made.get("served_spec") or str(ctx.folders["distill"] / "best"): made["draft"]}
+
     def train(self, ctx: RunContext) -> dict:
         draft = self.chosen(ctx)
         _log_recipe_to_wandb(ctx)
@@ -152,7 +156,8 @@ class Standalone:
         result = run_distill(ctx.target, draft, ctx.folders["distill"], cfg, prompts=ctx.prompts,
                              limit_per_domain=ctx.limit_per_domain, resume=True, device=ctx.device)
         return {"draft": draft, "alpha_before": result["alpha_before"], "alpha_after": result["alpha_after"],
-                "alpha_gain": result["alpha_gain"], "skipped_steps": result["skipped_steps"]}
+                "alpha_gain": result["alpha_gain"], "skipped_steps": result["skipped_steps"],
+                "served_spec": result.get("served_spec")}
 
     def validation(self, ctx: RunContext) -> list[DraftUnderTest]:
         """The un-distilled draft beside the distilled one (when distillation ran), the latter choosing K from its
@@ -203,6 +208,9 @@ class Head:
     def data_draft(self, ctx: RunContext) -> str:
         return ctx.target  # the data stage's rows are the target's own
 
+    def trained(self, ctx: RunContext) -> dict[str, str]:
+        return {}  # a head does not race standalone drafts: validate times it beside the best of them
+
     def train(self, ctx: RunContext) -> dict:
         result = run_head(ctx.target, ctx.folders["distill"], ctx.head, prompts=ctx.prompts,
                           limit_per_domain=ctx.limit_per_domain, eval_per_domain=ctx.distill.eval_per_domain,
@@ -241,82 +249,7 @@ class Head:
                 "serving": summary.get("serving"), "k": k, "k_source": source}
 
 
-class Fastest:
-    """The fastest standalone draft: a whole model (`fastest.base`, or the pair stage's top whole model) beside its
-    vocabulary-pruned variants, ranked on dev prompts (`distill.fastest`); nothing is trained. Validation times
-    the ladder from the stock draft at plain K to the winner, each rung at the policy the race walked for it."""
-
-    name = FASTEST
-
-    def __init__(self, draft: str = FASTEST) -> None:
-        self.draft = draft
-
-    def settings(self, recipe: dict) -> dict:
-        return {"fastest": recipe["fastest"], "pair": recipe["pair"]}
-
-    def base(self, ctx: RunContext) -> str:
-        if ctx.fastest.base != "best":
-            return ctx.fastest.base
-        return Standalone("best").chosen(ctx)
-
-    def data_draft(self, ctx: RunContext) -> str:
-        return self.base(ctx)
-
-    def train(self, ctx: RunContext) -> dict:
-        result = make_fastest(ctx.target, self.base(ctx), ctx.fastest, ctx.pair, out=ctx.folders["distill"],
-                              run=ctx.folders["distill"].parent, prompts=ctx.prompts,
-                              limit_per_domain=ctx.limit_per_domain, device=ctx.device, validate=ctx.validate,
-                              dev=ctx.held_out())
-        return {"draft": result["draft"], "alpha": result["alpha"], "measured_speedup": result["measured_speedup"]}
-
-    def validation(self, ctx: RunContext) -> list[DraftUnderTest]:
-        """The ladder (`pairing.ladder`): the stock draft as loaded at its ranking's plain K, then at its walked
-        policy, then its int4 copy, then the best raced pruned variant, each at the policy the race walked for it on
-        the dev prompts (the same search for all). The pick is `draft_after`, the stock at its walked policy
-        `draft_before`: the fair baseline (the same policy search; what differs is int4 weights and pruning)."""
-        made = read_json(ctx.folders["distill"] / "fastest.json", missing_ok=True, what="fastest result")
-        if made is None:
-            raise DraftsmithError("validate: no ranked drafts here; run the distill stage first")
-        ranked = {row["draft"]: row for row in made["ranking"]}
-        base, pick, k = made["base"], made["draft"], made["base_k"]
-        if not ranked[base].get("policy"):
-            raise DraftsmithError("validate: the stock draft has no raced policy in distill/fastest.json (an older "
-                                  "run?); rerun with --restart distill")
-
-        def rung(spec: str, name: str, step: str, label: str) -> DraftUnderTest:
-            row = ranked[spec]
-            return DraftUnderTest(name, spec, label=label, alpha=row["alpha"], chooses=spec == pick, walk=True,
-                                  policy=KPolicy.from_dict(row["policy"]), step=step,
-                                  predicted=row.get("policy_predicted"))
-
-        stock = base.rsplit("/", 1)[-1]
-        q = ctx.validate.draft_quant if ctx.validate else "int8"
-        rungs = [DraftUnderTest("stock_plain", base, label=f"stock {stock} ({q or 'float32'}), plain K = {k}", k=k,
-                                alpha=ranked[base]["alpha"], step=f"stock {stock} as loaded, plain K = {k}",
-                                predicted=ranked[base].get("predicted_speedup")),
-                 rung(base, "draft_before", "its walked policy", f"stock {stock} at its walked policy")]
-        specs = {s: DraftSpec.parse(s) for s in ranked}
-        size = {s: n for s in ranked for n, path in made["vocab_files"].items() if specs[s].vocab == Path(path)}
-        int4 = [s for s in ranked if specs[s].kind == "int4" and ranked[s].get("policy")]
-        for s in int4[:1]:
-            rungs.append(rung(s, "draft_after" if s == pick else "int4", "int4 weights", f"int4 {stock}"))
-        pruned = sorted((s for s in size if ranked[s].get("policy")), key=lambda s: (s != pick, -(
-            ranked[s].get("worst_over_reference") or ranked[s].get("measured_speedup") or 0)))
-        for s in pruned[:1]:
-            four = "int4 " if specs[s].quant == "int4" else ""
-            rungs.append(rung(s, "draft_after" if s == pick else "pruned", f"vocabulary pruned to {size[s]} ids",
-                              f"{four}{stock} pruned to {size[s]} ids"))
-        if pick != base and not any(d.name == "draft_after" for d in rungs):
-            raise DraftsmithError(f"validate: the pick {pick} is neither the int4 copy nor a pruned variant")
-        return rungs
-
-    def export(self, ctx: RunContext) -> dict:
-        raise DraftsmithError("export: an int4 or vocabulary-pruned draft runs in draftsmith's decoder only (no "
-                              "engine takes one); export the whole model instead (distill.draft=MODEL), or leave "
-                              "export out of the recipe's stages")
-
-
-KINDS: dict[str, type] = {HEAD: Head, FASTEST: Fastest}  # distill.draft value -> kind; any other: standalone
+KINDS: dict[str, type] = {HEAD: Head}  # distill.draft value -> kind; any other: standalone
 
 
 def kind_for(draft: str) -> DraftKind:

@@ -14,6 +14,7 @@ speculative speedup of the draft before and after, measured side by side by `dec
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 from dataclasses import asdict, dataclass, field
@@ -29,6 +30,8 @@ from draftsmith.decode.runtime.loading import eos_ids, load
 from draftsmith.decode.prompts import Prompt, load_prompts
 from draftsmith.decode.runtime.quant import draft_quant
 from draftsmith.decode.runtime.runner import make_runner
+from draftsmith.decode.spec import DraftSpec
+from draftsmith.distill.curve import curve_summary
 from draftsmith.distill.data import generate_data, load_data_folder
 from draftsmith.distill.train import TrainConfig, train
 from draftsmith.pairing.derive import resolve_candidate
@@ -46,6 +49,7 @@ class DistillConfig:
     mix: float = 0.5  # fraction of draft (on-policy) rows when data = mixed
     max_new_tokens: int = 64  # continuation length of each data row
     data_temperature: float = 1.0  # sampling temperature of the data rows (0 = greedy)
+    samples_per_prompt: int = 1  # rows written per training prompt (each sampled on its own seed: temperature > 0)
     speculative_data: bool = False  # generate the target's rows with the draft's proposals (pays once alpha is high)
     gen_batch_size: int = 8  # prompts decoded together where a model decodes alone
     engine: str = "hf"  # hf | vllm: what decodes the target's rows (vllm where installed: its own batching and GPUs)
@@ -70,11 +74,24 @@ class DistillConfig:
             raise ValueError(f"onpolicy_quant must be int4, int8 or null, got {self.onpolicy_quant!r}")
         if self.onpolicy_calib and self.onpolicy_quant != "int4":
             raise ValueError("onpolicy_calib rounds an int4 writer: set onpolicy_quant to int4")
-        for name in ("max_new_tokens", "eval_per_domain", "gen_batch_size", "speed_k"):
+        if self.samples_per_prompt > 1 and self.data_temperature == 0:
+            raise ValueError("samples_per_prompt > 1 needs data_temperature > 0 (greedy rows would repeat)")
+        for name in ("max_new_tokens", "eval_per_domain", "gen_batch_size", "speed_k", "samples_per_prompt"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.speed_prompts < 0:
             raise ValueError(f"speed_prompts must be >= 0, got {self.speed_prompts}")
+
+
+def read_log_rows(path: Path) -> list[dict]:
+    """A training log's rows (log.jsonl), a line cut by an interruption left out."""
+    rows = []
+    for line in (path.read_text().splitlines() if path.is_file() else []):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
 
 
 def split_prompts(prompts: list[Prompt], eval_per_domain: int) -> tuple[list[Prompt], list[Prompt]]:
@@ -88,6 +105,12 @@ def split_prompts(prompts: list[Prompt], eval_per_domain: int) -> tuple[list[Pro
     if not train_p or not held:
         raise DraftsmithError(f"need prompts both to train on and to hold out (eval_per_domain={eval_per_domain})")
     return train_p, held
+
+
+def repeat_prompts(prompts: list[Prompt], n: int) -> list[Prompt]:
+    """Each prompt `n` times in a row, the copies after the first with ids `ID~2` ... `ID~n` (each data row is
+    seeded by its place in the list: every copy samples its own answer)."""
+    return [p if j == 0 else dataclasses.replace(p, id=f"{p.id}~{j + 1}") for p in prompts for j in range(n)]
 
 
 def skipped_note(summary: dict) -> str | None:
@@ -162,7 +185,7 @@ def gen_data(target_spec: str, out: Path, cfg: DistillConfig, *, prompts: str = 
     main = state is None or state.is_main_process
     if state is not None and device == "cuda":
         device = str(state.device)
-    rows = load_prompts(prompts, limit_per_domain=limit_per_domain)
+    rows = repeat_prompts(load_prompts(prompts, limit_per_domain=limit_per_domain), cfg.samples_per_prompt)
     target = load(target_spec, device=device)
     draft = load(resolve_candidate(cfg.draft), device=device)
     topk = cfg.train.teacher_topk if cfg.train.teacher == "cache" else 0
@@ -211,14 +234,25 @@ def run_distill(target_spec: str, draft_spec: str, out: Path, cfg: DistillConfig
                 device: str = "cpu") -> dict:
     """The whole distillation into `out`; returns (and writes to out/distill.json) its result."""
     out = Path(out)
+    spec = DraftSpec.parse(draft_spec)
+    if spec.kind not in ("model", "derive", "int4") or spec.adapter is not None:
+        raise DraftsmithError(f"{draft_spec}: distillation trains a whole model or its int4 copy (int4:MODEL), not a "
+                              "vocabulary-pruned draft or one with an adapter")
+    if spec.kind == "int4":  # the served int4 draft itself: LoRA adapters over its frozen int4 weights
+        if not cfg.train.lora_r:
+            raise DraftsmithError(f"{draft_spec}: an int4 draft trains through LoRA adapters over its int4 weights: "
+                                  "set train.lora_r > 0")
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(
+            cfg.train, base_quant="int4", base_calib=str(spec.calib) if spec.calib else None))
     target = load(target_spec, device=device)
-    draft = load(resolve_candidate(draft_spec), device=device)
+    draft = load(resolve_candidate(spec.weights), device=device)
     draft.name = draft_spec
     train_p, held = split_prompts(load_prompts(prompts, limit_per_domain=limit_per_domain), cfg.eval_per_domain)
     if cfg.data_dir:  # rows made before (gen-data: the target's prompts and answers at scale)
         data = load_data_folder(Path(cfg.data_dir), target)
     else:
-        data = generate_data(target, draft, train_p, out / "data", source=cfg.data, mix=cfg.mix,
+        data = generate_data(target, draft, repeat_prompts(train_p, cfg.samples_per_prompt), out / "data",
+                             source=cfg.data, mix=cfg.mix,
                              max_new_tokens=cfg.max_new_tokens, temperature=cfg.data_temperature, seed=cfg.train.seed,
                              speculative=cfg.speculative_data, batch_size=cfg.gen_batch_size,
                              draft_quant=cfg.onpolicy_quant, draft_calib=cfg.onpolicy_calib or None)
@@ -234,7 +268,13 @@ def run_distill(target_spec: str, draft_spec: str, out: Path, cfg: DistillConfig
         "skipped_steps": summary.get("skipped_steps", 0),
         "skipped_note": skipped_note(summary),
         "train_summary": summary,
+        "curve": curve_summary(read_log_rows(out / "log.jsonl")),
     }
+    if cfg.train.base_quant is not None and tuned is not None:  # which form serves: unmerged or re-quantised
+        from draftsmith.distill.served import compare_served, served_specs
+
+        served = compare_served(target, served_specs(spec.weights, out, spec.calib), refs, device=device)
+        result.update(served=served, served_spec=served["forms"][served["pick"]]["spec"])
     if tuned is not None and cfg.speed_prompts:
         with torch.no_grad():
             rows = list(refs)[: cfg.speed_prompts]

@@ -8,7 +8,6 @@ type each, so that readers (the run report, the cross-run leaderboard) never gue
 - `RowStats`: data/rows/stats.json (`distill.data`: the answers generated, and how fast);
 - `DistillResult`: distill/distill.json (`distill.pipeline.run_distill`); `read_log`: distill/log.jsonl;
 - `HeadResult`: distill/head.json (`distill.heads.pipeline.run_head`);
-- `FastestResult`: distill/fastest.json (`distill.fastest.make_fastest`).
 Each is a `decode.runtime.records.Record`: typed fields for the keys readers use, every other key kept as written, a
 `version` (a record without one, written before versions were, reads as version 1).
 """
@@ -85,6 +84,9 @@ class DistillResult(Record):
     skipped_note: str | None = None
     train_summary: TrainSummary = field(default_factory=TrainSummary)
     speed: dict | None = None
+    served: dict | None = None  # a run over an int4 base: its forms compared (`distill.served.compare_served`)
+    served_spec: str | None = None  # the form it serves in, as a draft spec
+    curve: dict | None = None  # alpha against tokens trained on, its fit (`distill.curve.curve_summary`)
 
     def steps_done(self) -> int:
         """Steps trained: the summary's count, else the configured steps."""
@@ -214,42 +216,6 @@ class HeadResult(Record):
     data_cap: DataCap | None = None
 
 
-@dataclass
-class RankedDraft(Part):
-    """One row of fastest.json's `ranking`: a candidate with its alpha, best K, predicted and measured speedup,
-    and (raced) its policy and its worst domain over the base at the base's walked policy."""
-
-    draft: str
-    alpha: float | None = None
-    best_k: int | None = None
-    predicted_speedup: float | None = None
-    measured_speedup: float | None = None
-    policy: dict | None = None
-    policy_predicted: float | None = None
-    worst_over_reference: float | None = None
-    over_reference: dict | None = None
-
-
-@dataclass
-class FastestResult(Record):
-    """distill/fastest.json: the fastest standalone draft among a whole model and its vocabulary-pruned (and int4)
-    variants, with the ranking it won and how it was chosen."""
-
-    NESTED = {"ranking": ("list", RankedDraft)}
-
-    draft: str
-    ranking: list[RankedDraft]
-    base: str | None = None
-    base_k: int | None = None
-    alpha: float | None = None
-    best_k: int | None = None
-    measured_speedup: float | None = None
-    predicted_speedup: float | None = None
-    vocab_files: dict[str, str] = field(default_factory=dict)
-    counted_prompts: list[str] = field(default_factory=list)
-    chosen_by: str = "ranking"
-
-
-__all__ = ["DataCap", "DistillResult", "FastestResult", "HeadData", "HeadResult", "HeadSettings",
-           "HeadTrainSummary", "LogRow", "PromptStats", "RankedDraft", "RowStats", "TrainLog", "TrainSettings",
+__all__ = ["DataCap", "DistillResult", "HeadData", "HeadResult", "HeadSettings",
+           "HeadTrainSummary", "LogRow", "PromptStats", "RowStats", "TrainLog", "TrainSettings",
            "TrainSummary", "read_log"]

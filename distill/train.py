@@ -666,6 +666,12 @@ def _after_step(run: _Run, onpolicy: list[int]) -> bool:
     return finished
 
 
+def first_scored(mask: Tensor) -> int:
+    """The first position (column) of a collated batch's loss mask that any row scores (0 for an empty mask)."""
+    cols = mask.any(0).nonzero()
+    return int(cols[0]) if len(cols) else 0
+
+
 def _step(cfg: TrainConfig, rows, order: DataOrder, model, teacher, cache: TeacherTopK | None, accelerator, params,
           device, nproc: int, rank: int) -> tuple[float, float, int]:
     """Forward/backward over one optimizer step's micro-batches; returns (loss, grad norm, global tokens)."""
@@ -681,16 +687,20 @@ def _step(cfg: TrainConfig, rows, order: DataOrder, model, teacher, cache: Teach
     total = torch.zeros((), dtype=torch.float64, device=device)
     for j, mb in enumerate(micro):
         ids, attn, mask = collate(rows, mb, device)
+        # logits only from the batch's first scored position on: the LM head over prompt positions no loss reads
+        # was up to half a small draft's step (a 151,936-row head)
+        lo = first_scored(mask)
+        keep, mask = ids.shape[1] - lo, mask[:, lo:]
         sync = contextlib.nullcontext() if j == len(micro) - 1 else accelerator.no_sync(model)
         with sync:
             if cache is not None:
                 t_logits = cache.logits(mb, mask)
             else:
                 with torch.no_grad():  # as log-probs at T = 1, as the cache stores them: both paths round alike
-                    t_logits = teacher(input_ids=ids, attention_mask=attn, use_cache=False).logits
+                    t_logits = teacher(input_ids=ids, attention_mask=attn, use_cache=False, logits_to_keep=keep).logits
                     t_logits = torch.log_softmax(t_logits.float(), dim=-1)
             with accelerator.autocast():
-                s_logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
+                s_logits = model(input_ids=ids, attention_mask=attn, use_cache=False, logits_to_keep=keep).logits
             s_logits, t_logits = align_vocab(s_logits, t_logits)
             part, _ = divergence_sum(cfg.loss, s_logits, t_logits, mask, **kw)
             # DDP averages gradients over processes: scale back up so the result is sum / global count

@@ -14,8 +14,8 @@ The target's text comes from one of:
   (`distill.heads.data`: each row's tokens after its prompt);
 - `prompts`: suite names or a prompt file: the target's greedy continuations, `max_new_tokens` each
   (`pairing.reference.reference_continuations`, cached).
-Only continuation tokens count (what a draft has to propose), never the prompts. `count_tokens` is the one count of
-target ids in draftsmith: draft heads choose their vocabulary with it too.
+Only continuation tokens count (what a draft has to propose), never the prompts. `pairing.prune.count_tokens` is the
+one count of target ids in draftsmith: draft heads choose their vocabulary with it too.
 
 Count on prompts the draft is trained or chosen on, not on the test prompts it is timed on: a vocabulary chosen on
 the text it is measured on covers that text better than new text.
@@ -23,30 +23,15 @@ the text it is measured on covers that text better than new text.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
 from pathlib import Path
-
-import torch
-from torch import Tensor
 
 from draftsmith.decode.runtime.errors import DraftsmithError
 from draftsmith.decode.runtime.loading import Loaded, load
 from draftsmith.decode.prompts import Prompt, load_prompts
 from draftsmith.distill.data import load_data_folder
 from draftsmith.distill.heads.data import head_data_texts
-from draftsmith.pairing.prune import KeptVocab, build_vocab, target_rows
+from draftsmith.pairing.prune import KeptVocab, build_vocab, count_tokens, target_rows
 from draftsmith.pairing.reference import reference_continuations
-
-
-def count_tokens(seqs: Iterable[Tensor | Sequence[int]], vocab_size: int) -> Tensor:
-    """How often each id occurs in the token id sequences `seqs` -> counts (vocab_size,) int64. An id outside
-    [0, vocab_size) is an error (text from another tokenizer)."""
-    parts = [torch.as_tensor(s, dtype=torch.long).flatten() for s in seqs]
-    ids = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-        raise DraftsmithError(f"token ids {int(ids.min())}..{int(ids.max())} do not fit a vocabulary of {vocab_size}: "
-                              "text from another tokenizer?")
-    return torch.bincount(ids.cpu(), minlength=vocab_size)
 
 
 def data_texts(folder: str | Path, target: Loaded) -> list[list[int]]:

@@ -22,6 +22,7 @@ the ids it has read in the sequence (`decode.pruned`; false when absent, as file
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -66,11 +67,22 @@ class KeptVocab:
                 f"{self.n} rows")
 
 
+def count_tokens(seqs: Iterable[Tensor | Sequence[int]], vocab_size: int) -> Tensor:
+    """How often each id occurs in the token id sequences `seqs` -> counts (vocab_size,) int64. An id outside
+    [0, vocab_size) is an error (text from another tokenizer)."""
+    parts = [torch.as_tensor(s, dtype=torch.long).flatten() for s in seqs]
+    ids = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise DraftsmithError(f"token ids {int(ids.min())}..{int(ids.max())} do not fit a vocabulary of {vocab_size}: "
+                              "text from another tokenizer?")
+    return torch.bincount(ids.cpu(), minlength=vocab_size)
+
+
 def build_vocab(counts: Tensor, out: str | Path, *, coverage: float | None = 0.99, size: int | None = None,
                 source: dict | None = None, context_ids: bool = True) -> KeptVocab:
     """Keep the `size` target ids counted most often, or the fewest that hold `coverage` of the counts
     (`decode.pruned.coverage_size`); write them to `out` (JSON, atomically) and return them. `counts` (V,) over
-    the target's vocabulary, e.g. `distill.vocab.count_tokens` of text the target wrote. `context_ids`: the draft
+    the target's vocabulary, e.g. `count_tokens` of text the target wrote. `context_ids`: the draft
     also proposes the ids it has read in the sequence (`decode.pruned`)."""
     if (coverage is None) == (size is None):
         raise DraftsmithError("give one of coverage (a share of the counted tokens) or size (a number of ids)")

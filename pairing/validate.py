@@ -8,8 +8,8 @@
 
 Any draft kind goes through here: a model spec (zoo name, HF folder, .gguf, derive:..., prune:MODEL:vocab=FILE) or
 `head:FOLDER`. One draft `chooses`: its evidence picks the round policy (`pairing.policy.choose_policy`) over the
-round cost timed here (or it brings one already chosen on the dev prompts: `DraftUnderTest.policy`, the `fastest`
-kind's raced policy), and every draft without a K of its own runs that policy. The cost is timed the way the draft
+round cost timed here (or it brings one already chosen on the dev prompts: `DraftUnderTest.policy`, the race stage's
+raced policy), and every draft without a K of its own runs that policy. The cost is timed the way the draft
 runs: a draft that reads the target (a head) only inside the decoder (a short calibration decode), any other draft
 step by step in isolation. The result (`ValidationResult`, written as bench.json) records each draft's policy, the
 choice and its evidence, the timings, the machine and the versions. A run whose speculative output differs from the
@@ -30,10 +30,11 @@ from draftsmith.decode.bench import Validation, validate_drafts
 from draftsmith.decode.runtime.records import Part, Record
 from draftsmith.decode.runtime.errors import DraftsmithError
 from draftsmith.decode.runtime.io import atomic_write_json
-from draftsmith.decode.runtime.loading import eos_ids, load
+from draftsmith.decode.runtime.loading import Loaded, eos_ids, load
 from draftsmith.decode.lookup import copy_table
 from draftsmith.decode.runtime.runner import make_runner
 from draftsmith.decode.prompts import Prompt, first_per_domain
+from draftsmith.decode.sampling import SamplingParams
 from draftsmith.decode.spec import DraftSpec
 from draftsmith.decode.speculative import KPolicy, check_siblings
 from draftsmith.decode.runtime.machine import machine_info, versions
@@ -41,7 +42,8 @@ from draftsmith.decode.textgen import prompt_ids
 from draftsmith.pairing.cost import COST_CONTEXT, calibrate_decoder, measure_cost
 from draftsmith.pairing.head_rounds import depth_records, standalone_records
 from draftsmith.pairing.ladder import Rung, ladder
-from draftsmith.pairing.drafts import Opened, open_draft
+from draftsmith.pairing.acceptance import measure_acceptance
+from draftsmith.pairing.drafts import Opened, load_draft, open_draft, runner_quant, spec_runner
 from draftsmith.pairing.reference import reference_continuations
 from draftsmith.pairing.policy import PolicyChoice, choose_policy, taus_from_alpha, taus_from_rates
 
@@ -96,10 +98,12 @@ class DraftUnderTest:
     walk: bool = False  # a standalone chooser: walk its rounds on the target's greedy answers to the dev prompts
     # (`standalone_records`) for K, a stop threshold and sibling rounds (with `ValidateConfig.gate`)
     refs: list[tuple[list[int], list[int]]] | None = None  # those answers (prompt ids, continuation), set by validate
-    policy: KPolicy | None = None  # a policy already chosen on the dev prompts (the `fastest` kind's race, walked as
+    policy: KPolicy | None = None  # a policy already chosen on the dev prompts (the race stage's, walked as
     # validate walks it): a chooser serves it as is, nothing timed to choose it; any other draft runs it
     step: str | None = None  # a rung of the ladder (`pairing.ladder`): what it changes over the draft listed before it
     predicted: float | None = None  # its predicted speedup over the target alone (dev-prompt evidence), for the ladder
+    versus: str | None = None  # another decoder's name it is compared with in every repeat (a trained draft with its
+    # untrained self): bench.json's `versus`
 
 
 @dataclass
@@ -115,6 +119,7 @@ class ValidationResult:
     cost: dict = field(default_factory=dict)  # cost_ratio, verify_cost, decoder_cost (the chooser's)
     kind: str = "standalone"
     roles: dict = field(default_factory=dict)  # which prompts chose the policy, which were timed
+    agreement: dict = field(default_factory=dict)  # `agreement_on`: teacher-forced alpha on the timed prompts
 
     @property
     def k(self) -> int:
@@ -148,6 +153,12 @@ class ValidationResult:
         rungs = [Rung(d.name, d.step, d.predicted) for d in self.drafts if d.step is not None]
         if rungs:
             out["ladder"] = ladder(self.validation, rungs)
+        versus = {d.name: {"versus": d.versus, "spread": self.validation.ratio_by_group(d.name, d.versus)}
+                  for d in self.drafts if d.versus}
+        if versus:
+            out["versus"] = versus
+        if self.agreement:
+            out["agreement_on_test"] = self.agreement
         tps = self.validation.tok_per_s
         if "draft_before" in tps and "draft_after" in tps:
             out["speedup_after_vs_before"] = tps["draft_after"] / tps["draft_before"]
@@ -258,7 +269,7 @@ def validate(target_spec: str, drafts: list[DraftUnderTest], dev: list[Prompt], 
     chooser = next(d for d in drafts if d.chooses)
     eos = eos_ids(target)
     if chooser.policy is not None:
-        choice, cost = PolicyChoice(chooser.policy, None, "raced on the dev prompts (distill/race.json)"), {}
+        choice, cost = PolicyChoice(chooser.policy, None, "raced on the dev prompts (race/race.json)"), {}
     else:
         if _walks(chooser, cfg) and chooser.refs is None:
             refs = reference_continuations(target, dev, max_new_tokens=cfg.max_new_tokens)
@@ -266,14 +277,18 @@ def validate(target_spec: str, drafts: list[DraftUnderTest], dev: list[Prompt], 
         choice, cost = _choose(chooser, opened[chooser.name], t_run, dev_ids, cfg, eos, device)
     policies = {d.name: (KPolicy.fixed(d.k) if d.k else d.policy if d.policy and not d.chooses
                          else choice.policy) for d in drafts}
+    quants = {n: o.quant for n, o in opened.items()}
     val = validate_drafts(t_run, {n: o.runner for n, o in opened.items()}, ids, k=choice.k, policies=policies,
                           max_new_tokens=cfg.max_new_tokens, eos_ids=eos, names=[p.id for p in timed],
                           device=device, repeats=cfg.repeats, groups=[p.domain for p in timed])
     roles = {"chosen_on": [p.id for p in dev], "timed_on": [p.id for p in timed],
              "timed_split": test_source if test else "dev (no test prompts for this source: in-sample)",
              "timed_sha256": prompts_hash(timed)}
-    result = ValidationResult(target_spec, drafts, val, policies, choice, {n: o.quant for n, o in opened.items()},
-                              cost, kind, roles)
+    del opened
+    compared = {n for d in drafts if d.versus for n in (d.name, d.versus)}
+    agreement = agreement_on(target, {d.name: d.spec for d in drafts if d.name in compared}, timed,
+                             max_new_tokens=cfg.max_new_tokens, quant=cfg.draft_quant, device=device)
+    result = ValidationResult(target_spec, drafts, val, policies, choice, quants, cost, kind, roles, agreement)
     atomic_write_json(out, result.to_dict())
     if not result.greedy_equal:
         raise DraftsmithError("validate: speculative output differs from the target's greedy output "
@@ -282,9 +297,32 @@ def validate(target_spec: str, drafts: list[DraftUnderTest], dev: list[Prompt], 
 
 
 @torch.no_grad()
+def agreement_on(target: Loaded, specs: dict[str, str], prompts: list[Prompt], *, max_new_tokens: int,
+                 quant: str | None = "int8", device: str = "cpu") -> dict[str, dict]:
+    """Each named standalone draft's teacher-forced greedy agreement with the target (alpha) on the target's greedy
+    answers to `prompts` (`max_new_tokens` each), overall and by domain, each draft run as the decoder runs it
+    (its quantisation, adapter, kept ids). -> {name: {spec, alpha, alpha_by_domain, positions}} ({} for none)."""
+    if not specs:
+        return {}
+    refs = reference_continuations(target, prompts, max_new_tokens=max_new_tokens, progress=False)
+    max_len = max(len(p) + len(c) for p, c in zip(refs["prompt_ids"], refs["continuation_ids"])) + 2
+    out = {}
+    for name, spec in specs.items():
+        d = load_draft(spec, target, device)
+        if d.loaded is None:
+            raise DraftsmithError(f"{spec}: agreement_on measures standalone drafts, not heads")
+        runner = spec_runner(d.loaded.model, max_len, runner_quant(d.loaded.model, quant, spec), spec)
+        a = measure_acceptance(target, [d.loaded], refs, params=SamplingParams(0.0), progress=False,
+                               kept=[None if d.kept is None else d.kept.proposes], runners=[runner])[0]
+        out[name] = {"spec": spec, "alpha": a.alpha, "alpha_by_domain": a.alpha_by_domain, "positions": a.positions}
+        del d, runner
+    return out
+
+
+@torch.no_grad()
 def race(target_spec: str, specs: list[str], dev: list[Prompt], cfg: ValidateConfig, *, out: Path,
          timed_per_domain: int = 2, reference: str | None = None, device: str = "cpu") -> dict:
-    """Standalone drafts each at its own round policy, decoded side by side: how the `fastest` kind chooses.
+    """Standalone drafts each at its own round policy, decoded side by side: how the race stage chooses.
 
     Each draft's policy is walked on its own rounds over the target's greedy answers to the first
     `cfg.prompts_per_domain` `dev` prompts of each domain, as the validate stage walks the one it serves (K, a
@@ -354,6 +392,7 @@ def _over(val: Validation, name: str, reference: str) -> dict:
 
 # --- the stage's result read back (validate/bench.json), and the run's verdict -----------------------------
 
+RACED = ("race", "fastest")  # bench kinds whose drafts all had the same policy search (fastest: older records)
 DECODERS = {"target_only": "target alone", "draft_before": "un-distilled draft", "draft_after": "distilled draft"}
 
 
@@ -366,7 +405,7 @@ class BenchResult(Record):
     optional: a summary written by hand reads too."""
 
     target: str | None = None
-    kind: str | None = None  # standalone | head | fastest
+    kind: str | None = None  # standalone | head | race (fastest in older records)
     labels: dict[str, str] = field(default_factory=dict)  # how the report names each decoder (beside DECODERS)
     k: int | None = None
     ks: dict[str, int] = field(default_factory=dict)  # drafts timed at another K than `k`
@@ -388,6 +427,9 @@ class BenchResult(Record):
     cost_ratio: float | None = None
     after_vs_before: dict[str, dict] = field(default_factory=dict)  # `after_vs_before`: {"all" | domain: spread}
     ladder: dict | None = None  # pairing.ladder.ladder
+    agreement_on_test: dict[str, dict] = field(default_factory=dict)  # `agreement_on`: {name: {alpha, by domain}}
+    versus: dict[str, dict] = field(default_factory=dict)  # a draft over another, each repeat: {name: {"versus": other
+    # decoder, "spread": {"all" | domain: spread}}} (a trained draft over its untrained self)
     prompt_roles: dict | None = None  # which prompts chose the policy, which were timed (absent in old records)
     in_sample: bool = False
     machine: dict = field(default_factory=dict)
@@ -498,13 +540,25 @@ def verdict(bench: BenchResult | None, export: EngineCheck | None = None) -> tup
                 " — don't serve one.", False)
     text = (f"serve the {bench.label(best)} with draftsmith's decoder at {bench.policy_words(best)}: "
             f"{speed[best]:.2f}x the target alone ({where}).")
-    fair = bench.after_vs_before if bench.kind == "fastest" else {}
+    fair = bench.after_vs_before if bench.kind in RACED else {}
     if fair.get("all"):
         what = bench.steps_between("draft_before", "draft_after")
         text += (f" The race's pick ({bench.label('draft_after')}) over the {bench.label('draft_before')} (the same "
                  "policy search on the same dev prompts" + (f"; what differs: {', '.join(what)}" if what else "")
                  + "): " + "; ".join(f"{g} {v['median']:.2f}x ({v['range'][0]:.2f}-{v['range'][1]:.2f})"
                                      for g, v in fair.items()) + ".")
+    for name, v in bench.versus.items():
+        spread = v.get("spread") or {}
+        if spread:
+            text += (f" The {bench.label(name)} over the {bench.label(v['versus'])} (the same policy search, the same "
+                     "quantisation; what differs: training): " + "; ".join(
+                         f"{g} {s['median']:.2f}x ({s['range'][0]:.2f}-{s['range'][1]:.2f})" for g, s in spread.items())
+                     + ".")
+        a, b = bench.agreement_on_test.get(name), bench.agreement_on_test.get(v["versus"])
+        if a and b:
+            text += (" Teacher-forced alpha on the test answers, untrained -> trained: " + "; ".join(
+                f"{g} {b['alpha_by_domain'][g]:.3f} -> {a['alpha_by_domain'][g]:.3f}" for g in a["alpha_by_domain"]
+                if g in b["alpha_by_domain"]) + f"; all {b['alpha']:.3f} -> {a['alpha']:.3f}.")
     if export is None:
         return text, True
     runs = export.measured_runs()

@@ -25,14 +25,14 @@ from draftsmith.decode.runtime import zoo
 from draftsmith.decode.runtime.errors import DraftsmithError
 from draftsmith.decode.spec import DraftSpec
 from draftsmith.distill.export import ExportConfig
-from draftsmith.distill.fastest import FastestConfig
 from draftsmith.distill.heads.pipeline import HeadRunConfig
 from draftsmith.distill.kinds import is_model_spec
 from draftsmith.distill.pipeline import DataConfig, DistillConfig
 from draftsmith.pairing.leaderboard import PairConfig
+from draftsmith.pairing.race import RaceConfig
 from draftsmith.pairing.validate import ValidateConfig
 
-STAGES = ("pair", "data", "distill", "validate", "export")  # data runs only when the recipe's data.n > 0
+STAGES = ("pair", "data", "distill", "race", "validate", "export")  # data runs only when the recipe's data.n > 0
 DEVICES = ("cpu", "cuda")
 # recipe keys renamed since the first recipes: an old key gets a one-line error naming the new one
 RENAMED = {"pair.limit_per_domain": "pair.prompts_per_domain", "export.gguf_type": "export.gguf_types"}
@@ -60,8 +60,9 @@ class Recipe:
     validate: ValidateConfig = field(default_factory=ValidateConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     head: HeadRunConfig = field(default_factory=HeadRunConfig)  # used when distill.draft is 'head'
-    fastest: FastestConfig = field(default_factory=FastestConfig)  # used when distill.draft is 'fastest'
-    stages: list[str] = field(default_factory=lambda: list(STAGES))  # pair, data, distill, validate, export (a subset)
+    race: RaceConfig = field(default_factory=RaceConfig)  # the race stage: the stock draft, its int4 copy, pruned
+    # variants and trained drafts ranked and raced at their walked policies; validate then times their ladder
+    stages: list[str] = field(default_factory=lambda: [s for s in STAGES if s != "race"])  # a subset of STAGES
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -189,11 +190,13 @@ def _check_models(recipe: Recipe) -> None:
         check_model_spec(spec, f"pair.candidates[{i}]")
     if is_model_spec(recipe.distill.draft):
         check_model_spec(recipe.distill.draft, "distill.draft")
-        if DraftSpec.parse(recipe.distill.draft).decoder_only:
-            raise RecipeError("distill.draft: distillation trains a whole model, not an int4 or vocabulary-pruned one: "
-                              "name its MODEL (and prune the result: prune:RUN/distill/best:vocab=FILE)")
-    if recipe.distill.draft == "fastest" and recipe.fastest.base != "best":
-        check_model_spec(recipe.fastest.base, "fastest.base")
+        d = DraftSpec.parse(recipe.distill.draft)
+        if d.kind == "prune" or d.adapter is not None:
+            raise RecipeError("distill.draft: distillation trains a whole model or its int4 copy (int4:MODEL), not a "
+                              "vocabulary-pruned one or one with an adapter: name its MODEL (prune the result: "
+                              "prune:RUN/distill/best:vocab=FILE)")
+    if "race" in recipe.stages and recipe.race.base != "best":
+        check_model_spec(recipe.race.base, "race.base")
     check_prompts(recipe.prompts, "prompts")
     if recipe.test_prompts:
         check_prompts(recipe.test_prompts, "test_prompts")
@@ -252,6 +255,13 @@ def _upgrade(data: dict[str, Any]) -> dict[str, Any]:
             data["prompts"] = source
         else:
             data.pop("prompts")
+    if "fastest" in data:
+        raise RecipeError("fastest: the fastest kind is now the race stage: put race in stages (e.g. [race, validate]) "
+                          "and its settings under race: (race -> top, race_prompts -> timed_prompts, race_reference -> "
+                          "reference)")
+    if isinstance(data.get("distill"), dict) and data["distill"].get("draft") == "fastest":
+        raise RecipeError("distill.draft: 'fastest' is now the race stage (stages: [race, validate], settings under "
+                          "race:); a distill stage trains")
     for dotted, new in RENAMED.items():
         section, key = dotted.split(".")
         if isinstance(data.get(section), dict) and key in data[section]:

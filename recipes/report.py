@@ -24,11 +24,12 @@ from typing import Any
 from draftsmith.decode.runtime.io import atomic_write_bytes, atomic_write_text, png_bytes, read_json
 from draftsmith.distill.export.model_card import PREDICTION_HEADERS, llama_cpp_result, prediction_lines, prediction_rows
 from draftsmith.distill.export.results import DraftExport, HeadExport, read_export
-from draftsmith.distill.results import (DataCap, DistillResult, FastestResult, HeadData, HeadResult, HeadSettings,
-                                        PromptStats, RowStats, TrainLog, read_log)
+from draftsmith.distill.results import (DataCap, DistillResult, HeadData, HeadResult, HeadSettings, PromptStats,
+                                        RowStats, TrainLog, read_log)
 from draftsmith.pairing.ladder import waterfall
 from draftsmith.pairing.leaderboard import PairLeaderboard, table_rows
-from draftsmith.pairing.validate import BenchResult, verdict
+from draftsmith.pairing.race import PICK, RaceResult
+from draftsmith.pairing.validate import RACED, BenchResult, verdict
 
 _STYLE = ("<style>body{font-family:sans-serif;margin:2em;max-width:70em}table{border-collapse:collapse}"
           "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}td:first-child{text-align:left}"
@@ -133,7 +134,7 @@ class RunResults:
     prompts: PromptStats | None = None
     rows: RowStats | None = None
     head: HeadResult | None = None
-    fastest: FastestResult | None = None
+    race: RaceResult | None = None
     distill: DistillResult | None = None
     log: TrainLog = field(default_factory=lambda: TrainLog([], []))
     bench: BenchResult | None = None
@@ -145,7 +146,7 @@ _RESULTS: dict[str, tuple[str, str, Callable]] = {  # field -> (file, what it is
     "prompts": ("data/prompts/stats.json", "prompt statistics", PromptStats.from_dict),
     "rows": ("data/rows/stats.json", "data stats", RowStats.from_dict),
     "head": ("distill/head.json", "head result", HeadResult.from_dict),
-    "fastest": ("distill/fastest.json", "fastest result", FastestResult.from_dict),
+    "race": (f"race/{PICK}", "race result", RaceResult.from_dict),
     "distill": ("distill/distill.json", "distill result", DistillResult.from_dict),
     "bench": ("validate/bench.json", "bench result", BenchResult.from_dict),
     "export": ("export/export.json", "export result", read_export),
@@ -160,6 +161,9 @@ def read_results(run: Path) -> RunResults:
     for name, (rel, what, read) in _RESULTS.items():
         d = read_json(run / rel, missing_ok=True, what=what)
         found[name] = read(d, str(run / rel)) if d else None
+    if found["race"] is None:  # a run from before the race stage: its distill stage ranked and raced
+        d = read_json(run / "distill" / "fastest.json", missing_ok=True, what="race result")
+        found["race"] = RaceResult.from_dict(d, str(run / "distill" / "fastest.json")) if d else None
     return RunResults(state["stages"], log=read_log(run / "distill" / "log.jsonl"), **found)
 
 
@@ -268,11 +272,16 @@ def _weights(b: BenchResult) -> str:
     return f"draft weights {b.draft_quant or 'float32'}"
 
 
-def _fastest(doc: Doc, made: FastestResult) -> None:
-    doc.h("Fastest draft: the whole model beside its variants (int4, vocabulary-pruned)")
-    doc.p(f"Kept ids counted on the target's greedy answers to {len(made.counted_prompts)} dev prompts the "
-          f"ranking does not read; ranked on dev prompts. Winner: `{made.draft}` (in draft.txt: "
-          "`draftsmith pair --candidates \"$(cat draft.txt)\"` ranks it again).")
+def _race(doc: Doc, made: RaceResult | None) -> None:
+    if made is None:
+        return
+    doc.h("Race: the stock draft beside its variants (int4, vocabulary-pruned, trained)")
+    counted = (f"Kept ids counted on the target's greedy answers to {len(made.counted_prompts)} dev prompts the "
+               "ranking does not read; r" if made.counted_prompts else "R")
+    lines = ("the trained draft's spec and its untrained equivalent's, one a line" if made.trained else
+             "`draftsmith pair --candidates \"$(cat draft.txt)\"` ranks it again")
+    doc.p(f"{counted}anked and raced on dev prompts, each draft at the policy walked for it. Winner: `{made.draft}` "
+          f"(draft.txt: {lines}).")
     worst = any(r.worst_over_reference is not None for r in made.ranking)
     doc.table(["draft", "alpha", "best K", "predicted speedup", "measured speedup (dev)"]
               + (["worst domain over the base at its walked policy (dev)"] if worst else []),
@@ -284,9 +293,6 @@ def _fastest(doc: Doc, made: FastestResult) -> None:
 def _distill(doc: Doc, res: RunResults) -> None:
     if res.head is not None:
         _head(doc, res.head)
-        return
-    if res.fastest is not None:
-        _fastest(doc, res.fastest)
         return
     log, result = res.log, res.distill
     if not log and result is None:
@@ -302,7 +308,43 @@ def _distill(doc: Doc, res: RunResults) -> None:
               f"{fmt(result.alpha_after)} (gain {fmt(result.alpha_gain)}).")
         if result.skipped_note:
             doc.p(f"Warning: {result.skipped_note}.")
+        if result.served:
+            forms = result.served["forms"]
+            doc.p(f"Trained over its int4 weights (LoRA); the forms it can serve in, measured on the held-out "
+                  f"references: it serves `{result.served_spec}` ({result.served['pick']}: the faster of those within "
+                  f"{result.served['tie']} agreement of the best).")
+            doc.table(["form", "spec", "agreement (held out)", "draft step (ms)"],
+                      [[n, f["spec"], f["agreement"], f["step_ms"]] for n, f in forms.items()])
     _training(doc, log, result.train_summary.best_step if result is not None else None)
+    if result is not None and result.curve and len(result.curve.get("points", [])) > 1:
+        _curve(doc, result.curve)
+
+
+def _curve(doc: Doc, curve: dict) -> None:
+    """alpha against the tokens trained on (held out), the fitted curve and what it predicts."""
+    pts, fit = curve["points"], curve.get("fit")
+    doc.h("alpha against the tokens trained on")
+    need = curve.get("tokens_for_gain")
+    if fit:
+        doc.p(f"Held-out alpha at each evaluation against the training tokens seen so far; fitted alpha = "
+              f"{fit['a']:.4f} + {fit['b']:.4f} ln(tokens) on {fit['points']} points after training began. "
+              + (f"It predicts {need:,.0f} tokens for +{curve['gain']} alpha over the untrained draft "
+                 f"({need / max(curve['tokens_seen'], 1):.1f}x the {curve['tokens_seen']:,} seen here): an "
+                 "extrapolation, what a longer run would have to budget." if need else
+                 f"The fit does not rise: it predicts no token count for +{curve['gain']} alpha."))
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    ax.plot([max(p["tokens"], 1) for p in pts], [p["alpha"] for p in pts], "o", label="measured (held out)")
+    if fit:
+        import math
+
+        hi = max(need or 0, pts[-1]["tokens"]) * 1.2
+        lo = min(p["tokens"] for p in pts if p["tokens"] > 0)
+        xs = [lo * (hi / lo) ** (i / 40) for i in range(41)]
+        ax.plot(xs, [fit["a"] + fit["b"] * math.log(x) for x in xs], "-", lw=1, label="fit: a + b ln(tokens)")
+    ax.set_xscale("log"), ax.set_xlabel("tokens trained on"), ax.set_ylabel("alpha (held out)"), ax.legend(fontsize=7)
+    ax.set_title("learning curve", fontsize=9)
+    doc.image("learning_curve.png", png_bytes(fig))
 
 
 def _training(doc: Doc, log: TrainLog, best_step: int | None) -> None:
@@ -364,7 +406,7 @@ def _validation(doc: Doc, b: BenchResult | None) -> None:
         what = ("Head vs standalone draft (not the same policy search: the head's rounds walked on dev prompts, the "
                 "standalone draft at its ranking's plain K)" if b.kind == "head" else
                 f"{b.label('draft_after')} vs {b.label('draft_before')} (the same policy search)"
-                if b.kind == "fastest" else "Distilled vs un-distilled draft (both at the distilled draft's policy)")
+                if b.kind in RACED else "Distilled vs un-distilled draft (both at the distilled draft's policy)")
         per = "".join(f"; {g} {v['median']:.2f}x ({v['range'][0]:.2f}-{v['range'][1]:.2f})"
                       for g, v in (b.after_vs_before or {}).items())
         doc.p(f"{what}: {val.tok_per_s['draft_after'] / val.tok_per_s['draft_before']:.2f}x tokens/s"
@@ -430,6 +472,10 @@ def _ladder(doc: Doc, b: BenchResult) -> None:
                *(f"{g}: over the target alone" for g in groups)],
               [[b.label(r.name), r.step, fmt(r.predicted, 2), *(_spread(r.spread(g, below=True)) for g in groups),
                 *(_spread(r.spread(g)) for g in groups)] for r in rungs])
+    for name, v in b.versus.items():
+        doc.p(f"{b.label(name)} over {b.label(v['versus'])} (the same policy search, the same quantisation; what "
+              "differs: training), each repeat's ratio, median and range: "
+              + "; ".join(f"{g} {_spread(s)}" for g, s in (v.get("spread") or {}).items()) + ".")
     plt = _plt()
     fig, axes = plt.subplots(1, len(groups), figsize=(3.4 * len(groups) + 1, 3.8), sharey=True, squeeze=False)
     top = max(max(lo, hi) for g in groups for _, lo, hi in waterfall(table, g))
@@ -569,6 +615,7 @@ def write_report(run: Path) -> Path:
     _pairing(doc, res.board)
     _data(doc, res.prompts, res.rows)
     _distill(doc, res)
+    _race(doc, res.race)
     _validation(doc, res.bench)
     _export(doc, res.export, res.bench)
     _engines(doc, res.bench, res.export)

@@ -1,4 +1,4 @@
-"""Run a recipe: pair -> distill -> validate -> export into one run folder, resumable, with a report.
+"""Run a recipe: pair -> data -> distill -> race -> validate -> export into one run folder, resumable, with a report.
 
     .venv/bin/draftsmith run recipes/quickstart.yaml [distill.train.steps=200 ...] [--out runs/NAME]
         [--stages pair,validate] [--restart distill]
@@ -8,6 +8,7 @@ Run folder (`runs/<name>/` by default):
     state.json                per stage: running | done, its settings, seconds
     pairing/leaderboard.*     the pair stage (json, md, csv, html, plots)
     distill/                  data/ (datasets on disk), checkpoints/, best/ (HF folder), log.jsonl, distill.json
+    race/                     ranking/, race.json, pick.json: drafts raced at their walked policies (a race stage)
     validate/bench.json       target alone vs un-distilled vs distilled draft, same prompts, same run
     export/                   hf/, draft-*.gguf, export.json, README.md (serving lines)
     report.md, report.html, report/*.png
@@ -44,13 +45,15 @@ from draftsmith.decode.runtime.allocator import keep_freed_memory, release_freed
 from draftsmith.decode.runtime.settings import RuntimeSettings, configure, current
 from draftsmith.decode.runtime.errors import DraftsmithError
 from draftsmith.decode.runtime.io import atomic_write_json, read_json
-from draftsmith.distill.kinds import RunContext, kind_for
+from draftsmith.distill.kinds import RunContext, Standalone, kind_for
 from draftsmith.pairing.leaderboard import run_pair
+from draftsmith.pairing.race import PICK, ladder_drafts, run_race
 from draftsmith.pairing.validate import validate
 from draftsmith.recipes.config import STAGES, Recipe, dump_recipe
 from draftsmith.recipes.report import write_report
 
-STAGE_DIRS = {"pair": "pairing", "data": "data", "distill": "distill", "validate": "validate", "export": "export"}
+STAGE_DIRS = {"pair": "pairing", "data": "data", "distill": "distill", "race": "race", "validate": "validate",
+              "export": "export"}
 
 
 def _now() -> str:
@@ -89,8 +92,12 @@ def stage_settings(recipe: Recipe, stage: str, state: dict) -> dict:
     if stage == "distill":
         return {**base, **kind_for(recipe.distill.draft).settings(recipe.to_dict())}
     upstream = state.get("distill", {}).get("settings")
+    if stage == "race":
+        return {**base, "race": asdict(recipe.race), "pair": asdict(recipe.pair), "validate": asdict(recipe.validate),
+                "distill": upstream}
     if stage == "validate":
-        return {**base, "validate": asdict(recipe.validate), "distill": upstream}
+        return {**base, "validate": asdict(recipe.validate), "distill": upstream,
+                "race": state.get("race", {}).get("settings")}
     return {"target": recipe.target, "export": asdict(recipe.export), "distill": upstream,
             "validate": state.get("validate", {}).get("settings")}
 
@@ -123,8 +130,7 @@ def context(recipe: Recipe, run: RunFolder) -> RunContext:
                       limit_per_domain=recipe.limit_per_domain, device=recipe.device, distill=recipe.distill,
                       head=recipe.head, export_cfg=recipe.export,
                       folders={stage: run.path(stage) for stage in STAGE_DIRS}, has_data_stage=bool(recipe.data.n),
-                      config=recipe.to_dict(), test_prompts=recipe.test_prompts, fastest=recipe.fastest,
-                      pair=recipe.pair, validate=recipe.validate)
+                      config=recipe.to_dict(), test_prompts=recipe.test_prompts, validate=recipe.validate)
 
 
 # --- stages -----------------------------------------------------------------------------------------
@@ -142,12 +148,33 @@ def stage_distill(recipe: Recipe, run: RunFolder) -> dict:
     return kind_for(recipe.distill.draft).train(context(recipe, run))
 
 
+def stage_race(recipe: Recipe, run: RunFolder) -> dict:
+    """The race stage (`pairing.race`): the stock draft (race.base, or the pair stage's top whole model), its int4
+    copy, its pruned variants and what the distill stage trained, ranked and raced on the dev prompts."""
+    kind, ctx = kind_for(recipe.distill.draft), context(recipe, run)
+    base = recipe.race.base if recipe.race.base != "best" else Standalone("best").chosen(ctx)
+    trained = kind.trained(ctx) if "distill" in recipe.stages else {}
+    made = run_race(recipe.target, base, recipe.race, recipe.pair, out=run.path("race"), run=run.out,
+                    prompts=recipe.prompts, limit_per_domain=recipe.limit_per_domain, device=recipe.device,
+                    validate=recipe.validate, dev=ctx.held_out(), trained=trained)
+    return {"draft": made["draft"], "alpha": made["alpha"], "measured_speedup": made["measured_speedup"],
+            "trained": made["trained"]}
+
+
 def stage_validate(recipe: Recipe, run: RunFolder) -> dict:
+    """The drafts timed on the test prompts: with a race stage, the ladder of the raced drafts
+    (`pairing.race.ladder_drafts`); else what the draft's kind asks for."""
     kind, ctx = kind_for(recipe.distill.draft), context(recipe, run)
     test, source = ctx.test()
-    result = validate(recipe.target, kind.validation(ctx), ctx.held_out(), test, recipe.validate,
-                      out=run.path("validate") / "bench.json", kind=kind.name, test_source=source,
-                      device=recipe.device)
+    if "race" in recipe.stages:
+        made = read_json(run.path("race") / PICK, missing_ok=True, what="race result")
+        if made is None:
+            raise DraftsmithError("validate: the recipe has a race stage but it has not run here; add race to --stages")
+        drafts, name = ladder_drafts(made, recipe.validate), "race"
+    else:
+        drafts, name = kind.validation(ctx), kind.name
+    result = validate(recipe.target, drafts, ctx.held_out(), test, recipe.validate,
+                      out=run.path("validate") / "bench.json", kind=name, test_source=source, device=recipe.device)
     return {"k": result.k, "policy": result.to_dict()["policies"],
             "speedup_vs_target_only": result.validation.speedup_vs_target_only,
             "speedup_range": result.validation.speedup_range, "timed_split": result.roles["timed_split"],
@@ -176,9 +203,10 @@ def stage_data(recipe: Recipe, run: RunFolder) -> dict:
 
 
 STAGE_FUNCS: dict[str, Callable[[Recipe, RunFolder], dict]] = {
-    "pair": stage_pair, "data": stage_data, "distill": stage_distill, "validate": stage_validate, "export": stage_export,
+    "pair": stage_pair, "data": stage_data, "distill": stage_distill, "race": stage_race, "validate": stage_validate,
+    "export": stage_export,
 }
-FRESH_PROCESS_STAGES = ("validate",)  # they time decoders: after another stage, in a process of their own
+FRESH_PROCESS_STAGES = ("race", "validate")  # they time decoders: after another stage, in a process of their own
 
 
 def _stage_in_child(func: Callable[[Recipe, RunFolder], dict], recipe: Recipe, out: str, settings: dict) -> dict:

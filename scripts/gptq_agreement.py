@@ -4,7 +4,7 @@ teacher-forced through each runner as it decodes (`pairing.acceptance.measure_ac
     .venv/bin/python scripts/gptq_agreement.py --out docs/results/pruned/gptq    # -> .../gptq-agreement.json
 
 Calibration (`int4:MODEL:calib=FILE`, `decode.runtime.quant.write_calib`): the qwen-draft recipe's counted prompts (each
-domain's dev prompts after the first `--calib-skip`, `--calib-per-domain` of them: `distill.fastest.
+domain's dev prompts after the first `--calib-skip`, `--calib-per-domain` of them: `pairing.race.
 counting_prompts`) with the target's `--calib-tokens`-token greedy answers. Measured on each domain's prompts after
 its first `--skip` (64-token answers by default): neither calibrated on nor read by the recipe's ranking or race.
 Smoke run on a tiny model folder:
@@ -25,7 +25,7 @@ from draftsmith.decode.runtime.machine import machine_info, versions
 from draftsmith.decode.prompts import first_per_domain, load_prompts
 from draftsmith.decode.runtime.quant import read_calib, write_calib
 from draftsmith.decode.runtime.runner import make_runner
-from draftsmith.distill.fastest import counting_prompts
+from draftsmith.pairing.race import counting_prompts
 from draftsmith.pairing.acceptance import measure_acceptance
 from draftsmith.pairing.reference import reference_continuations
 

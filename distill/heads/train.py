@@ -44,7 +44,7 @@ from draftsmith.decode.head import Eagle3Head, HeadConfig, save_head, ttt_hidden
 from draftsmith.decode.runtime.io import atomic_dir, atomic_write_json, read_json
 from draftsmith.decode.runtime.kernels import dense
 from draftsmith.decode.runtime.loading import Loaded
-from draftsmith.distill.vocab import count_tokens
+from draftsmith.pairing.prune import count_tokens
 
 
 @dataclass

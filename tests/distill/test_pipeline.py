@@ -102,3 +102,17 @@ def test_gen_data_writes_on_policy_rows_in_the_drafts_int4_copy_and_scores_them(
     for bad in ({"onpolicy_quant": "int2"}, {"onpolicy_calib": "c.json"}):
         with pytest.raises(ValueError, match="onpolicy"):
             DistillConfig(**bad)
+
+
+def test_several_samples_per_prompt_are_copies_with_their_own_ids() -> None:
+    from draftsmith.distill.pipeline import DistillConfig, repeat_prompts
+
+    prompts = [Prompt("a", "code", "x"), Prompt("b", "chat", "y")]
+    rows = repeat_prompts(prompts, 3)
+    assert [p.id for p in rows] == ["a", "a~2", "a~3", "b", "b~2", "b~3"]
+    assert [p.prompt for p in rows] == ["x"] * 3 + ["y"] * 3 and [p.domain for p in rows][3:] == ["chat"] * 3
+    assert repeat_prompts(prompts, 1) == prompts
+    with pytest.raises(ValueError, match="samples_per_prompt > 1 needs data_temperature > 0"):
+        DistillConfig(samples_per_prompt=2, data_temperature=0.0)
+    with pytest.raises(ValueError, match="samples_per_prompt must be >= 1"):
+        DistillConfig(samples_per_prompt=0)

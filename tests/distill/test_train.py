@@ -351,3 +351,38 @@ def test_a_base_quant_student_of_a_bfloat16_draft_is_float32_on_its_int4_weights
            for n, p in student.named_parameters()}
     assert all(p.dtype == torch.float32 for p in got.values()) and next(bf16.parameters()).dtype == torch.bfloat16
     assert all(torch.equal(got[n], w) for n, w in want.items())
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_logits_from_the_first_scored_position_give_the_same_loss_and_gradients(arch: str) -> None:
+    """A step computes the LM head only from the batch's first scored position on (`first_scored`): the loss and
+    every gradient equal those of the full logits (float64 of both paths). The control: cut one position further
+    and the loss changes (that position is scored)."""
+    from draftsmith.distill.data import collate
+    from draftsmith.distill.divergences import divergence_sum
+    from tests.helpers import tiny_llama
+
+    torch.manual_seed(0)
+    student, teacher = tiny_llama(0, 40, arch=arch).double(), tiny_llama(1, 40, arch=arch).double()
+    rows = [([1, 2, 3, 4, 5, 6], [7, 8, 9]), ([3, 4, 5, 6, 7, 8, 9, 10], [11, 12]), ([5, 6, 7, 8, 9], [10, 11, 12, 13])]
+    ids, attn, mask = collate(rows, [0, 1, 2])
+    lo = train_mod.first_scored(mask)
+    assert lo == 4 and not mask[:, :lo].any() and mask[:, lo].any()
+
+    def loss(keep: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        student.zero_grad()
+        s = student(input_ids=ids, attention_mask=attn, use_cache=False, logits_to_keep=keep).logits
+        with torch.no_grad():
+            t = torch.log_softmax(teacher(input_ids=ids, attention_mask=attn, use_cache=False,
+                                          logits_to_keep=keep).logits, dim=-1)
+        value, _ = divergence_sum("fkl", s, t, mask[:, ids.shape[1] - keep:])
+        value.backward()
+        return value.detach(), [p.grad.clone() for p in student.parameters()]
+
+    full, g_full = loss(ids.shape[1])
+    cut, g_cut = loss(ids.shape[1] - lo)
+    assert torch.allclose(full, cut, rtol=1e-12, atol=1e-12)
+    assert all(torch.allclose(a, b, rtol=1e-9, atol=1e-12) for a, b in zip(g_full, g_cut))
+    too_far, _ = loss(ids.shape[1] - lo - 1)
+    assert not torch.allclose(full, too_far)
+    assert train_mod.first_scored(torch.zeros(2, 3, dtype=torch.bool)) == 0

@@ -15,7 +15,8 @@ from draftsmith.decode.runtime.loading import load
 from draftsmith.decode.prompts import Prompt, load_prompts
 from draftsmith.distill.data import generate_data
 from draftsmith.distill.heads.data import HeadDataConfig, build_head_data, load_head_data
-from draftsmith.distill.vocab import count_tokens, data_texts, make_vocab
+from draftsmith.distill.vocab import data_texts, make_vocab
+from draftsmith.pairing.prune import count_tokens
 from draftsmith.pairing.prune import read_vocab
 from draftsmith.pairing.reference import reference_continuations
 from tests import helpers

@@ -202,7 +202,7 @@ def test_a_pruned_candidate_ranks_beside_its_whole_model(setup, tmp_path: Path, 
     tokens in the references (the whole copy's is 1). Both validate greedy-equal; the row says what was kept and
     that llama.cpp cannot run it pruned."""
     from draftsmith.decode.prompts import load_prompts
-    from draftsmith.distill.vocab import count_tokens
+    from draftsmith.pairing.prune import count_tokens
     from draftsmith.pairing.leaderboard import PairConfig, run_pair
     from draftsmith.pairing.reference import reference_continuations
 

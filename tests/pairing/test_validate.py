@@ -62,7 +62,7 @@ def test_a_paying_draft_is_named_with_its_policy_and_where_else_it_was_measured(
 
 
 def test_the_fastest_kind_compares_its_pick_with_the_stock_draft_at_the_same_policy_search() -> None:
-    """The fastest kind's verdict adds its fair line: the race's pick over the stock draft at its walked policy,
+    """The race stage's verdict adds its fair line: the race's pick over the stock draft at its walked policy,
     overall and per domain, naming the ladder's steps between them."""
     def st(seconds: float) -> Stats:
         return Stats({1: 16}, 0, 0, 16, 0.0, seconds)
@@ -80,7 +80,7 @@ def test_the_fastest_kind_compares_its_pick_with_the_stock_draft_at_the_same_pol
                              chooses=True, step="vocabulary pruned to 64 ids")]
     policy = KPolicy.fixed(4)
     written = ValidationResult("t", drafts, val, {d.name: policy for d in drafts}, PolicyChoice(policy, 2.0, "raced"),
-                               {d.name: "int8" for d in drafts}, kind="fastest").to_dict()
+                               {d.name: "int8" for d in drafts}, kind="race").to_dict()
     b = BenchResult.from_dict(json.loads(json.dumps(written)))
     assert b.after_vs_before == after_vs_before(val) and b.validation == Validation.from_dict(written)
     text, pays = verdict(b)

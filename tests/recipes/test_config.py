@@ -134,8 +134,19 @@ def test_a_recipe_takes_every_spec_the_cli_takes(tmp_path: Path) -> None:
         recipe_from_dict({**MINIMAL, "pair": {"candidates": [f"head:{tmp_path / 'none'}"]}})
     with pytest.raises(DraftsmithError, match="target: .*whole model"):
         recipe_from_dict({**MINIMAL, "target": "int4:smollm2-135m-instruct"})
-    with pytest.raises(DraftsmithError, match="distill.draft: distillation trains a whole model"):
-        recipe_from_dict({**MINIMAL, "distill": {"draft": "int4:smollm2-135m-instruct"}})
+    # the served int4 draft trains (LoRA over its int4 weights); a pruned one or one with an adapter does not
+    assert recipe_from_dict({**MINIMAL, "distill": {"draft": specs[0]}}).distill.draft == specs[0]
+    with pytest.raises(DraftsmithError, match="distill.draft: distillation trains a whole model or its int4 copy"):
+        recipe_from_dict({**MINIMAL, "distill": {"draft": specs[2]}})
+
+
+def test_the_fastest_kind_is_now_the_race_stage_and_says_so() -> None:
+    with pytest.raises(DraftsmithError, match="fastest: the fastest kind is now the race stage"):
+        recipe_from_dict({**MINIMAL, "fastest": {"sizes": [8]}})
+    with pytest.raises(DraftsmithError, match="distill.draft: 'fastest' is now the race stage"):
+        recipe_from_dict({**MINIMAL, "distill": {"draft": "fastest"}})
+    assert "race" not in recipe_from_dict(MINIMAL).stages  # a recipe names the race stage to run it
+    assert recipe_from_dict({**MINIMAL, "stages": ["race", "validate"], "race": {"top": 2}}).race.top == 2
 
 
 def test_a_built_in_recipe_runs_by_name_from_any_folder(tmp_path, monkeypatch) -> None:

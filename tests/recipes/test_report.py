@@ -110,8 +110,8 @@ def test_validation_section_splits_speedups_by_domain(tmp_path: Path) -> None:
 
 
 def test_fastest_validation_names_its_two_drafts(tmp_path: Path) -> None:
-    """A fastest-draft run whose pick is the whole model (at its own policy) names both drafts by their labels,
-    not as a pruned and a whole draft."""
+    """A fastest-draft run (an older record: kind fastest) whose pick is the whole model (at its own policy) names
+    both drafts by their labels, not as a pruned and a whole draft."""
     from draftsmith.decode.bench import Validation
     from draftsmith.decode.speculative import Stats
 
@@ -245,7 +245,7 @@ def test_report_shows_llama_cpp_predicted_beside_measured(tmp_path: Path) -> Non
 
 
 def test_a_ladder_renders_as_a_table_and_a_waterfall_and_the_verdict_names_what_differs(tmp_path: Path) -> None:
-    """The fastest kind's bench.json carries a ladder: the report shows each rung over the one above and over the
+    """The race stage's bench.json carries a ladder: the report shows each rung over the one above and over the
     target alone with its prediction, draws ladder.png, and the verdict compares the pick with the stock at its
     walked policy, naming the steps between them."""
     from draftsmith.decode.bench import Validation
@@ -266,7 +266,7 @@ def test_a_ladder_renders_as_a_table_and_a_waterfall_and_the_verdict_names_what_
              Rung("int4", "int4 weights", 2.1), Rung("draft_after", "vocabulary pruned to 64 ids", 2.4)]
     labels = {"stock_plain": "stock m0 (int8), plain K = 4", "draft_before": "stock m0 at its walked policy",
               "int4": "int4 m0", "draft_after": "int4 m0 pruned to 64 ids"}
-    bench = {**val.to_dict(), "kind": "fastest", "labels": labels, "k_reason": "raced on the dev prompts",
+    bench = {**val.to_dict(), "kind": "race", "labels": labels, "k_reason": "raced on the dev prompts",
              "draft_quant": "int8", "machine": {"cpu": "test cpu", "cpu_count": 2}, "ladder": ladder(val, rungs),
              "after_vs_before": after_vs_before(val)}
     run = write_run_folder(tmp_path / "ladder", candidates={"d1": 0.4}, distilled=("d1", 0.4, 0.5), bench=bench)

@@ -18,11 +18,12 @@ from draftsmith.distill.export.results import (DraftExport, GgufExport, HeadExpo
                                                LlamaServerRun, read_export)
 from draftsmith.distill.heads.pipeline import HeadRunConfig
 from draftsmith.distill.pipeline import DistillConfig
-from draftsmith.distill.results import (DataCap, DistillResult, FastestResult, HeadData, HeadResult, HeadSettings,
-                                        HeadTrainSummary, LogRow, PromptStats, RankedDraft, RowStats, TrainSettings,
+from draftsmith.distill.results import (DataCap, DistillResult, HeadData, HeadResult, HeadSettings,
+                                        HeadTrainSummary, LogRow, PromptStats, RowStats, TrainSettings,
                                         TrainSummary, read_log)
 from draftsmith.distill.train import TrainConfig
 from draftsmith.pairing.leaderboard import PairLeaderboard
+from draftsmith.pairing.race import RaceResult, RankedDraft
 from draftsmith.pairing.validate import BenchResult, LadderRung
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,7 +62,7 @@ RECORDS = {
         "curve": [{"tokens": 0, "agreement_by_depth": [0.0, 0.0, 0.0]}],
         "train_summary": {"steps": 16, "total_steps": 16, "seconds": 0.79, "tokens_seen": 228, "best_step": 16,
                           "draft_vocab_coverage": 0.898, "train_rows": 16}}),
-    "distill/fastest.json": (FastestResult, {
+    "race/pick.json": (RaceResult, {
         "draft": "int4:m", "base": "m", "base_k": 1, "alpha": 0.0, "best_k": 1, "measured_speedup": 0.65,
         "predicted_speedup": 0.76, "vocab_files": {"6": "vocab-6.json"}, "counted_prompts": ["code-4"],
         "ranking": [{"draft": "int4:m", "alpha": 0.0, "best_k": 1, "predicted_speedup": 0.76, "measured_speedup": 0.65,
@@ -115,9 +116,10 @@ def test_the_typed_fields_say_what_readers_read() -> None:
     assert isinstance(head.config, HeadSettings) and isinstance(head.train_summary, HeadTrainSummary)
     assert isinstance(head.data, HeadData) and head.written_data is None and isinstance(head.data_cap, DataCap)
     assert head.config.samples == HeadRunConfig().samples and not head.data_cap.cut()
-    fastest = FastestResult.from_dict(RECORDS["distill/fastest.json"][1])
-    assert all(isinstance(r, RankedDraft) for r in fastest.ranking) and fastest.ranking[1].policy is None
-    assert FastestResult.from_dict({"draft": "m", "ranking": []}).chosen_by == "ranking"  # before it was recorded
+    raced = RaceResult.from_dict(RECORDS["race/pick.json"][1])
+    assert all(isinstance(r, RankedDraft) for r in raced.ranking) and raced.ranking[1].policy is None
+    assert RaceResult.from_dict({"draft": "m", "ranking": []}).chosen_by == "ranking"  # before it was recorded
+    assert raced.trained == {} and raced.int4 is None  # an older run's distill/fastest.json reads too
     draft = read_export(RECORDS["export/export.json (draft)"][1])
     assert isinstance(draft, DraftExport) and isinstance(draft.hf, HfExport) and isinstance(draft.gguf[0], GgufExport)
     assert isinstance(draft.llama_cpp["q8_0"], LlamaServerRun) and draft.llama_cpp_before.draft == "d"
@@ -188,7 +190,7 @@ def test_a_part_keeps_absent_keys_absent_and_unknown_keys_as_they_are() -> None:
     assert "gguf" not in fresh.to_dict() and fresh.to_dict()["k"] == 2 and fresh.to_dict()["version"] == 1
 
 
-DOCS = {"bench*.json": BenchResult, "head.json": HeadResult, "fastest.json": FastestResult,
+DOCS = {"bench*.json": BenchResult, "head.json": HeadResult, "fastest.json": RaceResult,
         "leaderboard.json": PairLeaderboard}
 
 

@@ -376,42 +376,42 @@ def test_a_recipe_with_a_data_section_trains_on_what_the_target_wrote(world: dic
     assert "## Data the target wrote" in report and "4 requests kept (code 2, chat 2)" in report
 
 
-def test_a_fastest_recipe_ranks_pruned_variants_and_writes_the_winner(world: dict) -> None:
-    """`distill.draft: fastest`: the distill stage counts the target's text on dev prompts the ranking does not
+def test_a_race_stage_ranks_pruned_variants_and_writes_the_winner(world: dict) -> None:
+    """A race stage (no distill stage: nothing trained) counts the target's text on dev prompts the ranking does not
     read, writes kept-ids files, ranks the whole model beside its pruned variants, and writes the winner's spec to
     RUN/draft.txt, which `draftsmith pair --candidates` takes; validate times the winner beside the whole model
     on test prompts, greedy-equal."""
     root = world["root"]
-    test = root / "test-fastest.jsonl"
+    test = root / "test-race.jsonl"
     test.write_text("".join(json.dumps({"id": f"t{i}", "prompt": p, "domain": d}) + "\n" for i, (d, p) in
                             enumerate([("code", "sort the list of data"), ("chat", "print this code for a list")])))
     target, base = root / "target", root / "other"
     recipe = {
-        "name": "tiny-fastest", "target": str(target), "prompts": str(root / "prompts.jsonl"),
-        "test_prompts": str(test), "stages": ["pair", "distill", "validate"],
+        "name": "tiny-race", "target": str(target), "prompts": str(root / "prompts.jsonl"),
+        "test_prompts": str(test), "stages": ["pair", "race", "validate"],
         "pair": {"candidates": [str(base)], "prompts_per_domain": 2, "max_new_tokens": 8, "draft_quant": None,
                  "calibrate_prompts": 0, "validate": 2, "validate_prompts": 1},
-        "distill": {"draft": "fastest", "eval_per_domain": 2},
-        "fastest": {"sizes": [6, 20], "prompts_per_domain": 2, "max_new_tokens": 8, "calib": True},
+        "distill": {"eval_per_domain": 2},  # the dev prompts: each domain's first 2
+        "race": {"sizes": [6, 20], "prompts_per_domain": 2, "max_new_tokens": 8, "calib": True},
         "validate": {"prompts_per_domain": 1, "max_new_tokens": 8, "max_k": 3, "draft_quant": None},
     }
-    path = root / "tiny-fastest.yaml"
+    path = root / "tiny-race.yaml"
     path.write_text(yaml.safe_dump(recipe))
-    out = root / "runs" / "fastest"
+    out = root / "runs" / "race"
     r = draftsmith(world, "run", str(path), "--out", str(out))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    made = json.loads((out / "distill" / "fastest.json").read_text())
+    made = json.loads((out / "race" / "pick.json").read_text())
     int4 = bool(int4_chunk())  # the tiny models' rows (32 wide) take draftsmith's int4 kernel where it is built
     assert made["base"] == str(base) and len(made["ranking"]) == 3 + int4  # whole, [int4,] two pruned variants
     assert any(DraftSpec.parse(r["draft"]).kind == "int4" for r in made["ranking"]) == int4
     # the int4 copy (and the pruned variants of it) GPTQ-rounded on the counted prompts and answers
-    calib = out / "distill" / "calib.json"
+    calib = out / "race" / "calib.json"
     assert calib.is_file() == int4 and all(f"int4:{base}:calib={calib}" in r["draft"]
                                            for r in made["ranking"] if "int4:" in r["draft"])
     assert len(made["counted_prompts"]) == 4  # prompts 3-4 of each domain: the ranking reads 1-2
     # all of them raced side by side, each at its own walked policy, on dev prompts, the whole model among them at
     # its own walked policy (the fair reference: the same search); the one whose worst domain ran fastest over it won
-    race = json.loads((out / "distill" / "race.json").read_text())
+    race = json.loads((out / "race" / "race.json").read_text())
     assert made["chosen_by"] == "race, worst domain over the base at its walked policy"
     assert sorted(race["drafts"]) == sorted(r["draft"] for r in made["ranking"])
     assert race["reference"] == {"draft": str(base), "policy": "walked", "name": race["reference"]["name"]}
@@ -426,7 +426,7 @@ def test_a_fastest_recipe_ranks_pruned_variants_and_writes_the_winner(world: dic
     assert set(race["timed_on"]) <= set(race["chosen_on"]) and not set(race["timed_on"]) & {"t0", "t1"}
     assert made["measured_speedup"] == race["drafts"][made["draft"]]["measured_speedup"]
     for n in (6, 20):
-        kept = json.loads((out / "distill" / f"vocab-{n}.json").read_text())
+        kept = json.loads((out / "race" / f"vocab-{n}.json").read_text())
         assert len(kept["ids"]) == n
     line = (out / "draft.txt").read_text().strip()
     assert line == made["draft"] and "\n" not in line
@@ -455,6 +455,66 @@ def test_a_fastest_recipe_ranks_pruned_variants_and_writes_the_winner(world: dic
                        "--draft-quant", "null", "--calibrate-prompts", "0", "--out", str(root / "runs" / "again"))
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
     assert (out / "report.md").is_file()
+
+
+def test_a_trained_draft_races_beside_its_untrained_self_and_tops_the_ladder(world: dict) -> None:
+    """distill -> race -> validate (recipes/qwen-distill.yaml's shape): the distill stage trains the served draft
+    (where the int4 kernel is built, LoRA over the int4 copy's own weights on rows that int4 copy wrote, and picks
+    the form it serves in); the race ranks and races it beside the stock draft and its untrained int4 copy, each at
+    its walked policy; validate times the ladder on test prompts with the trained rung last, compares it with its
+    untrained self in every repeat and measures both drafts' agreement on the test answers; draft.txt holds the
+    trained spec and the untrained one; the learning curve and its fit are in distill.json."""
+    root = world["root"]
+    test = root / "test-trained.jsonl"
+    test.write_text("".join(json.dumps({"id": f"t{i}", "prompt": p, "domain": d}) + "\n" for i, (d, p) in
+                            enumerate([("code", "sort the list of data"), ("chat", "print this code for a list")])))
+    target, base = root / "target", root / "other"
+    int4 = bool(int4_chunk())
+    draft = f"int4:{base}" if int4 else str(base)
+    recipe = {
+        "name": "tiny-trained", "target": str(target), "prompts": str(root / "prompts.jsonl"),
+        "test_prompts": str(test), "stages": ["distill", "race", "validate"],
+        "pair": {"candidates": [str(base)], "prompts_per_domain": 2, "max_new_tokens": 8, "draft_quant": None,
+                 "calibrate_prompts": 0},
+        "distill": {"draft": draft, "data": "draft", "onpolicy_quant": "int4" if int4 else None,
+                    "max_new_tokens": 8, "eval_per_domain": 2,
+                    "train": {"steps": 6, "batch_size": 2, "lr": 1e-2, "warmup_steps": 1, "eval_every": 2,
+                              "save_every": 2, "lora_r": 4, "lora_alpha": 8}},
+        "race": {"base": str(base), "top": 4, "timed_prompts": 1},
+        "validate": {"prompts_per_domain": 1, "max_new_tokens": 8, "max_k": 3, "draft_quant": None},
+    }
+    path = root / "tiny-trained.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    out = root / "runs" / "trained"
+    r = draftsmith(world, "run", str(path), "--out", str(out))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    distilled = json.loads((out / "distill" / "distill.json").read_text())
+    curve = distilled["curve"]
+    assert [p["tokens"] for p in curve["points"]][0] == 0 and len(curve["points"]) == 4  # before, steps 2, 4, 6
+    assert curve["fit"]["points"] == 3 and curve["tokens_seen"] == curve["points"][-1]["tokens"] > 0
+    trained = distilled["served_spec"] if int4 else str(out / "distill" / "best")
+    if int4:  # the adapter unmerged, or merged and re-quantised: the one that measured faster at equal agreement
+        assert set(distilled["served"]["forms"]) == {"unmerged", "merged"} and distilled["config"]["base_quant"] == "int4"
+        assert trained == distilled["served"]["forms"][distilled["served"]["pick"]]["spec"]
+    made = json.loads((out / "race" / "pick.json").read_text())
+    assert made["trained"] == {trained: draft}
+    assert (out / "draft.txt").read_text().splitlines() == [trained, draft]
+    race = json.loads((out / "race" / "race.json").read_text())
+    assert {trained, draft, str(base)} <= set(race["drafts"])  # the trained draft and its untrained self raced
+    bench = json.loads((out / "validate" / "bench.json").read_text())
+    assert all(bench["greedy_equal"].values()) and bench["prompts"] == ["t0", "t1"]
+    rungs = bench["ladder"]["rungs"]
+    last = rungs[-1]["name"]
+    assert rungs[-1]["step"].startswith("trained") and [r["name"] for r in rungs][:2] == ["stock_plain", "draft_before"]
+    untrained = next(r["name"] for r in rungs if bench["labels"][r["name"]] == bench["labels"][last].removesuffix(
+        ", trained"))
+    assert bench["versus"][last]["versus"] == untrained
+    assert set(bench["versus"][last]["spread"]) == {"all", "code", "chat"}
+    assert set(bench["agreement_on_test"]) == {last, untrained}
+    assert bench["agreement_on_test"][last]["spec"] == trained
+    assert set(bench["agreement_on_test"][last]["alpha_by_domain"]) == {"code", "chat"}
+    report = (out / "report.md").read_text()
+    assert "what differs: training" in report and "alpha against the tokens trained on" in report
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")

@@ -1,11 +1,11 @@
-"""`distill.fastest.winner`: the measured speedup picks, alpha breaks a tie on a few dev prompts."""
+"""`pairing.race.winner`: the measured speedup picks, alpha breaks a tie on a few dev prompts."""
 
 from __future__ import annotations
 
 import pytest
 
 from draftsmith.decode.runtime.errors import DraftsmithError
-from draftsmith.distill.fastest import TIE, raced, winner
+from draftsmith.pairing.race import TIE, raced, winner
 
 
 def row(draft: str, alpha: float, measured: float | None, predicted: float = 1.5, compatible: bool = True) -> dict:
@@ -65,7 +65,7 @@ def test_with_a_reference_the_best_worst_domain_wins_not_the_fastest_overall() -
 def test_a_race_is_reused_only_against_the_same_walked_reference() -> None:
     """Resuming: a race.json is reused when it raced the same drafts against the base at its walked policy; one
     written before the fair reference (the base at a fixed K) is raced again."""
-    from draftsmith.distill.fastest import race_reusable
+    from draftsmith.pairing.race import race_reusable
 
     drafts = {"stock": {}, "int4:stock": {}}
     fair = {"drafts": drafts, "reference": {"draft": "stock", "policy": "walked", "name": "draft0"}}
