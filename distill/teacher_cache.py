@@ -12,7 +12,8 @@ per-position constant, so one cache serves every `TrainConfig.temperature`. `log
 `distill.divergences.topk_teacher_logits` (-inf outside the top k): at k = V that is the target itself.
 
 They come from a batched prefill of the rows (teacher-forced: far cheaper a token than the target writing them):
-rows of like length batched together, a Llama-family target's LM head run only at the scored positions; the
+rows of like length batched together, a Llama-family target's LM head run only at the scored positions, and rows
+answering one prompt (`samples_per_prompt`) scored over one prefill of it, its KV cache shared; the
 progress bar counts rows and shows continuation tokens scored a second. `dtype="float16"` keeps the values in
 half the space (ids are int32 either way): the compact form, 6 bytes an entry.
 
@@ -133,17 +134,30 @@ def _shard(target: Loaded, rows: Rows, lo: int, hi: int, k: int, dtype: torch.dt
     row's numbers back in its place. `bar` (a `_Rate`) is told the rows and continuation tokens of each batch."""
     values: dict[int, Tensor] = {}
     indices: dict[int, Tensor] = {}
-    order = sorted(range(lo, hi), key=lambda i: len(rows[i][0]) + len(rows[i][1]))
-    for a in range(0, len(order), batch_size):
-        idx = order[a : a + batch_size]
-        ids, attn, mask = collate(rows, idx, device)
-        top = torch.topk(torch.log_softmax(_masked_logits(target.model, ids, attn, mask).float(), dim=-1), k, dim=-1)
+
+    def keep(idx: list[int], logits: Tensor) -> None:
+        top = torch.topk(torch.log_softmax(logits.float(), dim=-1), k, dim=-1)
         v, j = top.values.to(dtype).cpu(), top.indices.to(torch.int32).cpu()
         n = [len(rows[i][1]) for i in idx]
         for i, vi, ji in zip(idx, v.split(n), j.split(n)):
             values[i], indices[i] = vi, ji
         if bar is not None:
             bar(len(idx), sum(n))
+
+    single = list(range(lo, hi))
+    if _lean_body(target.model):  # answers to one prompt (samples_per_prompt): the prompt prefilled once for them
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i in range(lo, hi):
+            groups.setdefault(tuple(rows[i][0]) if rows[i][1] else ("row", i), []).append(i)
+        single = [g[0] for g in groups.values() if len(g) == 1]
+        for g in (g for g in groups.values() if len(g) > 1):
+            for a in range(0, len(g), batch_size):
+                keep(g[a : a + batch_size], _shared_prompt_logits(target.model, rows, g[a : a + batch_size], device))
+    order = sorted(single, key=lambda i: len(rows[i][0]) + len(rows[i][1]))
+    for a in range(0, len(order), batch_size):
+        idx = order[a : a + batch_size]
+        ids, attn, mask = collate(rows, idx, device)
+        keep(idx, _masked_logits(target.model, ids, attn, mask))
     lengths = torch.tensor([len(rows[i][1]) for i in range(lo, hi)], dtype=torch.long)
     return {"values": torch.cat([values[i] for i in range(lo, hi)]).contiguous(),
             "indices": torch.cat([indices[i] for i in range(lo, hi)]).contiguous(), "lengths": lengths}
@@ -162,11 +176,43 @@ class _Rate:
         self.bar.update(rows)
 
 
+def _lean_body(model) -> bool:
+    """Whether `model` is a Llama-family causal LM whose logits are its LM head over its body's last hidden state."""
+    return lean_supported(model.config)[0] and hasattr(model, "model")
+
+
+def _shared_prompt_logits(model, rows: Rows, idx: list[int], device) -> Tensor:
+    """The logits (N, V) at the positions predicting the continuation tokens of rows `idx`, which share one
+    prompt: the prompt prefilled once (its last position predicts every row's first token), its KV cache repeated
+    for the rows, then all continuations (right-padded, each but its last token) in one forward over that cache.
+    Rows in `idx` order, each row's positions in order: what `_masked_logits` of the rows collated gives."""
+    prompt = rows[idx[0]][0]
+    body, head = model.model, model.get_output_embeddings()
+    out = body(input_ids=torch.tensor([prompt], device=device), use_cache=True)
+    first = out.last_hidden_state[0, -1:]
+    conts = [rows[i][1] for i in idx]
+    L = max(len(c) for c in conts) - 1
+    if L < 1:
+        return head(first.expand(len(idx), -1))
+    cache = out.past_key_values
+    cache.batch_repeat_interleave(len(idx))
+    P = len(prompt)
+    ids = torch.zeros(len(idx), L, dtype=torch.long, device=device)
+    attn = torch.zeros(len(idx), P + L, dtype=torch.long, device=device)
+    attn[:, :P] = 1
+    for b, c in enumerate(conts):
+        ids[b, : len(c) - 1] = torch.tensor(c[:-1], dtype=torch.long)
+        attn[b, P : P + len(c) - 1] = 1
+    h = body(input_ids=ids, attention_mask=attn, past_key_values=cache, use_cache=False,
+             position_ids=torch.arange(P, P + L, device=device).expand(len(idx), -1)).last_hidden_state
+    return head(torch.cat([torch.cat([first, h[b, : len(c) - 1]]) for b, c in enumerate(conts)]))
+
+
 def _masked_logits(model, ids: Tensor, attn: Tensor, mask: Tensor) -> Tensor:
     """The logits (N, V) at the N positions `mask` marks (those predicting continuation tokens). A Llama-family
     model's LM head runs on those positions only (its logits are the head of the final hidden state); other
     models through their own forward, whole."""
-    if lean_supported(model.config)[0] and hasattr(model, "model"):
+    if _lean_body(model):
         h = model.model(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
         return model.get_output_embeddings()(h[mask])
     return model(input_ids=ids, attention_mask=attn, use_cache=False).logits[mask]

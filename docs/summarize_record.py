@@ -228,7 +228,7 @@ def main(argv):
                 print(f"NOT A SUMMARY: {p}")
                 bad += 1
             continue
-        dest = out / p if out else p
+        dest = (out / (p.relative_to(p.anchor) if p.is_absolute() else p)) if out else p  # never the source
         dest.parent.mkdir(parents=True, exist_ok=True)
         if not dest.exists() or dest.read_text(encoding="utf-8") != new:
             dest.write_text(new, encoding="utf-8")

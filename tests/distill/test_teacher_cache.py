@@ -123,6 +123,29 @@ def test_cached_values_are_the_targets_top_k(pair, tmp_path) -> None:
         small.logits([0, 0], mask)
 
 
+def test_answers_to_one_prompt_are_scored_over_one_shared_prefill(pair, tmp_path, monkeypatch) -> None:
+    """Rows answering the same prompt (samples_per_prompt) are scored over one prefill of it, its KV cache
+    repeated: the cache equals each row scored alone (values to float tolerance, ids exactly), continuations of
+    different lengths, one of length 1, beside rows with prompts of their own. The control: the shared path ran
+    (one prompt prefill for the group of 4, chunked by batch_size 3 into 3 + 1)."""
+    target, _ = pair
+    a, b = [3, 9, 4, 7, 2], [5, 6]
+    rows = [(a, [8, 1, 4, 4]), (b, [2, 3, 9]), (a, [8]), (a, [6, 5, 7, 1, 2, 3]), (b, [7, 7]), ([1, 2, 3], [4, 5]),
+            (a, [2, 2])]
+    calls = []
+    real = tc._shared_prompt_logits
+    monkeypatch.setattr(tc, "_shared_prompt_logits", lambda m, r, idx, d: calls.append(list(idx)) or real(m, r, idx, d))
+    cache = build_teacher_cache(target, rows, tmp_path, k=6, batch_size=3, progress=False)
+    assert sorted(map(sorted, calls)) == [[0, 2, 3], [1, 4], [6]]
+    for i, (p, c) in enumerate(rows):
+        with torch.no_grad():
+            logits = target.model(input_ids=torch.tensor([p + c])).logits[0, len(p) - 1 : len(p) + len(c) - 1]
+        want = torch.topk(torch.log_softmax(logits, -1), 6, dim=-1)
+        values, indices = cache.row(i)
+        torch.testing.assert_close(values, want.values, rtol=0, atol=1e-5)
+        assert torch.equal(indices.long(), want.indices)
+
+
 def test_stale_cache_is_rebuilt_and_an_interrupted_build_resumes(pair, tmp_path, shards, monkeypatch) -> None:
     target, draft = pair
     monkeypatch.setattr(tc, "ROWS_PER_SHARD", 3)

@@ -3,6 +3,7 @@ design.md), every tracked run record is a summary of at most 20 KB, and plots st
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -43,3 +44,18 @@ def test_records_are_summaries():
     run = subprocess.run([sys.executable, "docs/summarize_record.py", "--check", *records], cwd=ROOT,
                          capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_summarize_out_writes_beside_never_over_the_source(tmp_path):
+    """`--out DIR FILE` with an absolute FILE writes DIR/<FILE without its root>, and the source stays as it was."""
+    src = tmp_path / "run" / "bench.json"
+    src.parent.mkdir()
+    raw = json.dumps({"k": 2, "stats": {"target_only": {"tokens": 1}}, "tok_per_s": {"a": 1.23456789}})
+    src.write_text(raw)
+    out = tmp_path / "out"
+    run = subprocess.run([sys.executable, "docs/summarize_record.py", "--out", str(out), str(src)], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert src.read_text() == raw
+    written = out / src.relative_to(src.anchor)
+    assert "stats" not in json.loads(written.read_text())
