@@ -18,6 +18,8 @@ from draftsmith.decode.speculative import KPolicy, generate
 from tests import helpers
 from tests.decode.test_speculative import V as LAW_V, chi2_pvalue, sample_counts, target_sequence_law
 
+SLOW = pytest.mark.slow  # the default suite keeps one case of each law; `pytest -m slow` runs the rest
+
 PROMPTS = [[1, 5, 7, 9], [3], [2, 2, 2, 2, 2, 2, 8]]
 
 
@@ -409,8 +411,9 @@ def law_pair(N: int):
     return hf, make_runner(hf, 32), HeadDraft(head, 32)
 
 
-@pytest.mark.parametrize("params,k,N", [(SamplingParams(1.0), 2, 3), (SamplingParams(0.8, top_k=3), 3, 4),
-                                        (SamplingParams(1.2, top_p=0.9), 1, 3)])
+@pytest.mark.parametrize("params,k,N", [(SamplingParams(1.0), 2, 3),
+                                        pytest.param(SamplingParams(0.8, top_k=3), 3, 4, marks=SLOW),
+                                        pytest.param(SamplingParams(1.2, top_p=0.9), 1, 3, marks=SLOW)])
 def test_sampled_output_law_equals_target_law(params: SamplingParams, k: int, N: int) -> None:
     """Chi-square over all 64 continuations of 3 tokens (V = 4), n = 3000 draws, as for standalone drafts
     (the power is stated there). With N = 3 the head's vocabulary leaves one id out: q = 0 there."""

@@ -13,6 +13,8 @@ from draftsmith.decode.sampling import SamplingParams
 from draftsmith.decode.speculative import KPolicy, generate, parse_policy_label, policy_label
 from tests.decode.test_speculative import chi2_pvalue, target_sequence_law, tiny_hf
 
+SLOW = pytest.mark.slow  # the default suite keeps one case of each law; `pytest -m slow` runs the rest
+
 
 def brute_continuation(seq: list[int], limit: int, min_n: int, max_n: int) -> list[int]:
     """Every suffix length from the longest, every earlier start from the latest: the first match wins."""
@@ -141,7 +143,7 @@ def law_check(params: SamplingParams, n: int = 3000):
     return target, draft, chi2_pvalue(counts, law, n)
 
 
-@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.8, top_k=3)])
+@pytest.mark.parametrize("params", [SamplingParams(1.0), pytest.param(SamplingParams(0.8, top_k=3), marks=SLOW)])
 def test_sampled_output_law_with_lookup(params: SamplingParams) -> None:
     """Chi-square over the 64 continuations, n = 3000 draws (power as in test_speculative: a total-variation
     error of 0.1 is detected with power > 0.99 at level 1e-3); the prompt holds every pair "3 x", so a round

@@ -19,6 +19,8 @@ from draftsmith.decode.sampling import SamplingParams, accept_probability, resid
 from draftsmith.decode.speculative import KPolicy, generate
 from tests.decode.test_speculative import chi2_pvalue, sample_counts, target_sequence_law, tiny_hf
 
+SLOW = pytest.mark.slow  # the default suite keeps one case of each law; `pytest -m slow` runs the rest
+
 # --- choosing N: coverage against brute force -------------------------------------------------------------------
 
 
@@ -323,7 +325,7 @@ def law_setup(params: SamplingParams, context: bool = False):
     return make_runner(t_hf, 32), draft, prompt, target_sequence_law(t_hf, prompt, params)
 
 
-@pytest.mark.parametrize("context", [False, True])
+@pytest.mark.parametrize("context", [pytest.param(False, marks=SLOW), True])
 def test_sampled_output_with_a_pruned_draft_follows_the_target_law(context: bool) -> None:
     """The decoder end to end: chi-square over all 64 continuations, n = 3000 draws (power stated in
     tests/decode/test_speculative.py)."""
@@ -332,7 +334,7 @@ def test_sampled_output_with_a_pruned_draft_follows_the_target_law(context: bool
     assert chi2_pvalue(sample_counts(target, draft, prompt, params, 2, n, seed=0), law, n) > 1e-3
 
 
-@pytest.mark.parametrize("context", [False, True])
+@pytest.mark.parametrize("context", [pytest.param(False, marks=SLOW), True])
 def test_the_law_test_rejects_a_decoder_without_the_residual(monkeypatch, context: bool) -> None:
     """Negative control: after a rejection, sample p instead of max(0, p - q) normalised. With a pruned draft
     that over-weights the kept ids; the same test must reject it."""

@@ -16,6 +16,8 @@ from draftsmith.decode.speculative import KPolicy, RoundClock, generate
 from tests.decode.test_head import law_pair, mimic_head, random_head, target_hf
 from tests.decode.test_speculative import Disagree, chi2_pvalue, target_sequence_law, tiny_hf
 
+SLOW = pytest.mark.slow  # the default suite keeps one case of each law; `pytest -m slow` runs the rest
+
 PROMPTS = [[1, 5, 7, 9], [3], [2, 2, 2, 2, 2, 2, 8]]
 
 
@@ -275,7 +277,8 @@ def test_children_are_accepted_through_the_tree_and_counted() -> None:
     assert out.stats.drafted == sum(r[0] for r in drafted)
 
 
-@pytest.mark.parametrize("params,m", [(SamplingParams(1.0), 2), (SamplingParams(0.7, top_k=3), 3)])
+@pytest.mark.parametrize("params,m", [(SamplingParams(1.0), 2),
+                                      pytest.param(SamplingParams(0.7, top_k=3), 3, marks=SLOW)])
 def test_sampled_output_law_with_children(params: SamplingParams, m: int) -> None:
     """As for sibling rounds (3000 draws, chi-square over all 64 continuations of 3 tokens, V = 4); the first
     round of each draw has room for two tokens and drafts children."""

@@ -12,6 +12,8 @@ from draftsmith.decode.sampling import SamplingParams
 from draftsmith.decode.speculative import KPolicy, Stats, generate
 from tests import helpers
 
+SLOW = pytest.mark.slow  # the default suite keeps one case of each law; `pytest -m slow` runs the rest
+
 
 def tiny_hf(seed: int, vocab: int = 61, layers: int = 2, dtype=torch.float64, arch: str = "llama", scale: float = 1.0):
     """`scale` > 1 sharpens the distributions: more structure for the tests to see."""
@@ -175,7 +177,8 @@ def sample_counts(target, draft, prompt, params, k, n, seed) -> dict:
     return counts
 
 
-@pytest.mark.parametrize("params,k", [(SamplingParams(1.0), 2), (SamplingParams(0.8, top_k=3), 3), (SamplingParams(1.2, top_p=0.9), 1)])
+@pytest.mark.parametrize("params,k", [(SamplingParams(1.0), 2), pytest.param(SamplingParams(0.8, top_k=3), 3, marks=SLOW),
+                                      pytest.param(SamplingParams(1.2, top_p=0.9), 1, marks=SLOW)])
 def test_sampled_output_law_equals_target_law(params: SamplingParams, k: int) -> None:
     """Chi-square over all 64 continuations, n = 3000 draws.
 

@@ -43,6 +43,8 @@ from draftsmith.distill.export.heads import export_speculators
 from draftsmith.distill.export.speculators_env import speculators_forward, speculators_python
 from tests import helpers
 
+pytestmark = pytest.mark.slow  # builds speculators' venv from PyPI once (85 s): `pytest -m slow`, and .ci/run
+
 V, L, AUX, STEPS = 61, 4, (3, 1, 2), 3
 VOCABS = (20, V)  # pruned (d2t / t2d) and whole
 ATTN = ("default", "eager")
