@@ -102,18 +102,24 @@ def test_small_k_trains_with_a_finite_loss(pair, tmp_path) -> None:
     assert len(list(root.iterdir())) == 1  # one cache served all four losses
 
 
+def assert_each_row_alone(cache, target, rows, k: int) -> None:
+    """Every row's cached top-k is the target's on that row alone, unpadded: the positions predicting its
+    continuation (values to float tolerance, ids exactly)."""
+    for i, (p, c) in enumerate(rows):
+        with torch.no_grad():
+            logits = target.model(input_ids=torch.tensor([p + c])).logits[0, len(p) - 1 : len(p) + len(c) - 1]
+        want = torch.topk(torch.log_softmax(logits, -1), k, dim=-1)
+        values, indices = cache.row(i)
+        torch.testing.assert_close(values, want.values, rtol=0, atol=1e-5)
+        assert torch.equal(indices.long(), want.indices)
+
+
 def test_cached_values_are_the_targets_top_k(pair, tmp_path) -> None:
     target, _ = pair
     rows = _rows(7)
     cache = build_teacher_cache(target, rows, tmp_path, k=5, batch_size=3, progress=False)
     assert len(cache) == 7 and cache.k == 5
-    for i, (p, c) in enumerate(rows):  # each row alone, unpadded: the positions predicting its continuation
-        with torch.no_grad():
-            logits = target.model(input_ids=torch.tensor([p + c])).logits[0, len(p) - 1 : len(p) + len(c) - 1]
-        want = torch.topk(torch.log_softmax(logits, -1), 5, dim=-1)
-        values, indices = cache.row(i)
-        torch.testing.assert_close(values, want.values, rtol=0, atol=1e-5)
-        assert torch.equal(indices.long(), want.indices)
+    assert_each_row_alone(cache, target, rows, 5)
     mask = torch.tensor([[False, True, True, False], [True, False, False, False]])
     rows2 = [([1], [2, 3]), ([4], [5])]
     small = build_teacher_cache(target, rows2, tmp_path / "b", k=V + 10, progress=False)  # k capped at V
@@ -137,13 +143,7 @@ def test_answers_to_one_prompt_are_scored_over_one_shared_prefill(pair, tmp_path
     monkeypatch.setattr(tc, "_shared_prompt_logits", lambda m, r, idx, d: calls.append(list(idx)) or real(m, r, idx, d))
     cache = build_teacher_cache(target, rows, tmp_path, k=6, batch_size=3, progress=False)
     assert sorted(map(sorted, calls)) == [[0, 2, 3], [1, 4], [6]]
-    for i, (p, c) in enumerate(rows):
-        with torch.no_grad():
-            logits = target.model(input_ids=torch.tensor([p + c])).logits[0, len(p) - 1 : len(p) + len(c) - 1]
-        want = torch.topk(torch.log_softmax(logits, -1), 6, dim=-1)
-        values, indices = cache.row(i)
-        torch.testing.assert_close(values, want.values, rtol=0, atol=1e-5)
-        assert torch.equal(indices.long(), want.indices)
+    assert_each_row_alone(cache, target, rows, 6)
 
 
 def test_stale_cache_is_rebuilt_and_an_interrupted_build_resumes(pair, tmp_path, shards, monkeypatch) -> None:

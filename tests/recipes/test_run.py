@@ -60,6 +60,23 @@ def draftsmith(world: dict, *args: str, env: dict | None = None) -> subprocess.C
                           env=env or world["env"])
 
 
+def two_test_prompts(root: Path, name: str) -> Path:
+    """A test split of one code and one chat prompt (ids t0, t1) the tiny recipes time."""
+    test = root / f"test-{name}.jsonl"
+    test.write_text("".join(json.dumps({"id": f"t{i}", "prompt": p, "domain": d}) + "\n" for i, (d, p) in
+                            enumerate([("code", "sort the list of data"), ("chat", "print this code for a list")])))
+    return test
+
+
+def run_recipe_dict(world: dict, recipe: dict, out: Path) -> Path:
+    """`draftsmith run` of `recipe` (written beside the world's files) into `out`, which it returns; it must pass."""
+    path = world["root"] / f"{recipe['name']}.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    r = draftsmith(world, "run", str(path), "--out", str(out))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return out
+
+
 @pytest.fixture(scope="module")
 def whole(world: dict) -> Path:
     out = world["root"] / "runs" / "whole"
@@ -382,9 +399,7 @@ def test_a_race_stage_ranks_pruned_variants_and_writes_the_winner(world: dict) -
     RUN/draft.txt, which `draftsmith pair --candidates` takes; validate times the winner beside the whole model
     on test prompts, greedy-equal."""
     root = world["root"]
-    test = root / "test-race.jsonl"
-    test.write_text("".join(json.dumps({"id": f"t{i}", "prompt": p, "domain": d}) + "\n" for i, (d, p) in
-                            enumerate([("code", "sort the list of data"), ("chat", "print this code for a list")])))
+    test = two_test_prompts(root, "race")
     target, base = root / "target", root / "other"
     recipe = {
         "name": "tiny-race", "target": str(target), "prompts": str(root / "prompts.jsonl"),
@@ -395,11 +410,7 @@ def test_a_race_stage_ranks_pruned_variants_and_writes_the_winner(world: dict) -
         "race": {"sizes": [6, 20], "prompts_per_domain": 2, "max_new_tokens": 8, "calib": True},
         "validate": {"prompts_per_domain": 1, "max_new_tokens": 8, "max_k": 3, "draft_quant": None},
     }
-    path = root / "tiny-race.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    out = root / "runs" / "race"
-    r = draftsmith(world, "run", str(path), "--out", str(out))
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    out = run_recipe_dict(world, recipe, root / "runs" / "race")
     made = json.loads((out / "race" / "pick.json").read_text())
     int4 = bool(int4_chunk())  # the tiny models' rows (32 wide) take draftsmith's int4 kernel where it is built
     assert made["base"] == str(base) and len(made["ranking"]) == 3 + int4  # whole, [int4,] two pruned variants
@@ -465,9 +476,7 @@ def test_a_trained_draft_races_beside_its_untrained_self_and_tops_the_ladder(wor
     untrained self in every repeat and measures both drafts' agreement on the test answers; draft.txt holds the
     trained spec and the untrained one; the learning curve and its fit are in distill.json."""
     root = world["root"]
-    test = root / "test-trained.jsonl"
-    test.write_text("".join(json.dumps({"id": f"t{i}", "prompt": p, "domain": d}) + "\n" for i, (d, p) in
-                            enumerate([("code", "sort the list of data"), ("chat", "print this code for a list")])))
+    test = two_test_prompts(root, "trained")
     target, base = root / "target", root / "other"
     int4 = bool(int4_chunk())
     draft = f"int4:{base}" if int4 else str(base)
@@ -483,11 +492,7 @@ def test_a_trained_draft_races_beside_its_untrained_self_and_tops_the_ladder(wor
         "race": {"base": str(base), "top": 4, "timed_prompts": 1},
         "validate": {"prompts_per_domain": 1, "max_new_tokens": 8, "max_k": 3, "draft_quant": None},
     }
-    path = root / "tiny-trained.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    out = root / "runs" / "trained"
-    r = draftsmith(world, "run", str(path), "--out", str(out))
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    out = run_recipe_dict(world, recipe, root / "runs" / "trained")
     distilled = json.loads((out / "distill" / "distill.json").read_text())
     curve = distilled["curve"]
     assert [p["tokens"] for p in curve["points"]][0] == 0 and len(curve["points"]) == 4  # before, steps 2, 4, 6
