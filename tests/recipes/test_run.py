@@ -468,6 +468,27 @@ def test_a_race_stage_ranks_pruned_variants_and_writes_the_winner(world: dict) -
     assert (out / "report.md").is_file()
 
 
+def test_a_recipe_whose_candidates_are_int4_pruned_and_head_specs_runs(world: dict, tmp_path: Path) -> None:
+    """Every draft kind the CLI takes is a recipe candidate too: `int4:` (where the int4 kernel is built),
+    `prune:...:vocab=` and `head:` validate and rank in the pair stage of `draftsmith run`."""
+    from draftsmith.pairing.prune import build_vocab
+    from tests.pairing.test_leaderboard import save_random_head
+
+    root = world["root"]
+    target, other = root / "target", root / "other"
+    kept = tmp_path / "kept.json"
+    build_vocab(torch.ones(json.loads((target / "config.json").read_text())["vocab_size"]), kept, coverage=None, size=20)
+    head = save_random_head(tmp_path / "head", target)
+    specs = ([f"int4:{other}"] if int4_chunk() else []) + [f"prune:{other}:vocab={kept}", f"head:{head}"]
+    recipe = {"name": "tiny-kinds", "target": str(target), "prompts": str(root / "prompts.jsonl"), "stages": ["pair"],
+              "pair": {"candidates": specs, "prompts_per_domain": 2, "max_new_tokens": 6, "draft_quant": None,
+                       "calibrate_prompts": 1, "calibrate_tokens": 4}}
+    out = run_recipe_dict(world, recipe, root / "runs" / "kinds")
+    board = json.loads((out / "pairing" / "leaderboard.json").read_text())
+    assert sorted(c["draft"] for c in board["candidates"]) == sorted(specs)
+    assert all(c["alpha"] is not None for c in board["candidates"])
+
+
 def test_a_trained_draft_races_beside_its_untrained_self_and_tops_the_ladder(world: dict) -> None:
     """distill -> race -> validate (recipes/qwen-distill.yaml's shape): the distill stage trains the served draft
     (where the int4 kernel is built, LoRA over the int4 copy's own weights on rows that int4 copy wrote, and picks
