@@ -14,7 +14,6 @@ speculative speedup of the draft before and after, measured side by side by `dec
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 from dataclasses import asdict, dataclass, field
@@ -33,6 +32,7 @@ from draftsmith.decode.runtime.runner import make_runner
 from draftsmith.decode.spec import DraftSpec
 from draftsmith.distill.curve import curve_summary
 from draftsmith.distill.data import generate_data, load_data_folder
+from draftsmith.distill.results import log_lines
 from draftsmith.distill.train import TrainConfig, train
 from draftsmith.pairing.derive import resolve_candidate
 from draftsmith.pairing.reference import reference_continuations
@@ -81,17 +81,6 @@ class DistillConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.speed_prompts < 0:
             raise ValueError(f"speed_prompts must be >= 0, got {self.speed_prompts}")
-
-
-def read_log_rows(path: Path) -> list[dict]:
-    """A training log's rows (log.jsonl), a line cut by an interruption left out."""
-    rows = []
-    for line in (path.read_text().splitlines() if path.is_file() else []):
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
 
 
 def split_prompts(prompts: list[Prompt], eval_per_domain: int) -> tuple[list[Prompt], list[Prompt]]:
@@ -268,7 +257,7 @@ def run_distill(target_spec: str, draft_spec: str, out: Path, cfg: DistillConfig
         "skipped_steps": summary.get("skipped_steps", 0),
         "skipped_note": skipped_note(summary),
         "train_summary": summary,
-        "curve": curve_summary(read_log_rows(out / "log.jsonl")),
+        "curve": curve_summary(log_lines(out / "log.jsonl")),
     }
     if cfg.train.base_quant is not None and tuned is not None:  # which form serves: unmerged or re-quantised
         from draftsmith.distill.served import compare_served, served_specs

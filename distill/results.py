@@ -128,12 +128,12 @@ class TrainLog:
         return next((r for r in self.evals if r.step == step), max(self.evals, key=lambda r: r.alpha))
 
 
-def read_log(path: Path) -> TrainLog:
-    """distill/log.jsonl as a TrainLog (empty when absent; a line cut by an interruption is left out)."""
+def log_lines(path: Path) -> list[dict]:
+    """distill/log.jsonl's lines as written (none when absent; a line cut by an interruption is left out)."""
     try:
         lines = Path(path).read_text().splitlines()
     except FileNotFoundError:
-        return TrainLog([], [])
+        return []
     rows = []
     for line in lines:
         try:
@@ -141,7 +141,13 @@ def read_log(path: Path) -> TrainLog:
         except json.JSONDecodeError:  # a line cut by an interruption
             continue
         if isinstance(row, dict):
-            rows.append(LogRow.from_dict(row, str(path)))
+            rows.append(row)
+    return rows
+
+
+def read_log(path: Path) -> TrainLog:
+    """distill/log.jsonl as a TrainLog (empty when absent; a line cut by an interruption is left out)."""
+    rows = [LogRow.from_dict(row, str(path)) for row in log_lines(path)]
     return TrainLog([r for r in rows if "loss" not in r.absent and not r.eval], [r for r in rows if r.eval])
 
 
@@ -218,4 +224,4 @@ class HeadResult(Record):
 
 __all__ = ["DataCap", "DistillResult", "HeadData", "HeadResult", "HeadSettings",
            "HeadTrainSummary", "LogRow", "PromptStats", "RowStats", "TrainLog", "TrainSettings",
-           "TrainSummary", "read_log"]
+           "TrainSummary", "log_lines", "read_log"]

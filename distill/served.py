@@ -10,7 +10,7 @@ A run with `distill.train.TrainConfig.base_quant` ("int4") trains float LoRA ada
 its draft decodes with and leaves both forms: `best-adapter/` (served unmerged: the int4 kernel plus B A in
 float, `decode.runtime.lora`) and `best/` (merged into float weights; `int4:best` rounds them to int4 again,
 which can lose the part of B A smaller than an int4 step). `compare_served` measures, for each form, the
-teacher-forced greedy agreement with the target on reference rows (`pairing.acceptance.measure_acceptance`
+teacher-forced greedy agreement with the target on reference rows (`pairing.validate.greedy_agreement`
 through the runner the form decodes with) and the time of one draft step; `pick_served` keeps the faster form
 unless the other agrees more often by more than AGREEMENT_TIE. Either form is exact: the target verifies.
 """
@@ -29,11 +29,10 @@ from draftsmith.decode.runtime.errors import DraftsmithError
 from draftsmith.decode.runtime.kernels import best_time
 from draftsmith.decode.runtime.loading import Loaded
 from draftsmith.decode.runtime.quant import Calibration, int4_float_weights
-from draftsmith.decode.sampling import SamplingParams
 from draftsmith.decode.spec import DraftSpec
 from draftsmith.distill.train import ADAPTER_DIR, TrainConfig, merged_model, quantized_base
-from draftsmith.pairing.acceptance import measure_acceptance
-from draftsmith.pairing.drafts import Draft, load_draft, runner_quant, spec_runner
+from draftsmith.pairing.drafts import Draft, standalone_runner
+from draftsmith.pairing.validate import greedy_agreement
 
 AGREEMENT_TIE = 0.005  # agreements this close are equal: the faster form serves
 
@@ -71,8 +70,7 @@ def measure_served(target: Loaded, draft: Draft, runner, refs: datasets.Dataset,
     draft's kept ids restrict it as it decodes) and its draft step's time (`step_ms`, pruned as it decodes, on the
     first reference prompt). -> {agreement, positions, step_ms}. The runner of a pruned draft is cut in place."""
     kept = draft.kept
-    acc = measure_acceptance(target, [draft.loaded], refs, params=SamplingParams(0.0), batch_size=batch_size,
-                             progress=False, kept=[None if kept is None else kept.proposes], runners=[runner])[0]
+    acc = greedy_agreement(target, draft, runner, refs, batch_size=batch_size)
     timed = runner if kept is None else PrunedRunner(runner, kept.ids, context=kept.context)
     prompt = [int(t) for t in refs[0]["prompt_ids"]]
     return {"agreement": acc.alpha, "positions": acc.positions, "step_ms": step_ms(timed, prompt, reps)}
@@ -89,11 +87,7 @@ def compare_served(target: Loaded, specs: dict[str, str], refs: datasets.Dataset
     max_len = max_len or longest + 2
     forms: dict[str, dict] = {}
     for name, spec in specs.items():
-        d = load_draft(spec, target, device)
-        if d.loaded is None:
-            raise DraftsmithError(f"{spec}: compare_served compares standalone drafts, not heads")
-        q = runner_quant(d.loaded.model, quant, spec)
-        runner = spec_runner(d.loaded.model, max_len, q, spec)
+        d, q, runner = standalone_runner(spec, target, max_len, quant, device, what="compare_served")
         forms[name] = {"spec": spec, "quant": q, **measure_served(target, d, runner, refs, reps=reps)}
         del d, runner
     return {"forms": forms, "pick": pick_served(forms), "tie": AGREEMENT_TIE}

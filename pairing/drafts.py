@@ -142,6 +142,18 @@ def spec_runner(model, max_seq_len: int, q: str | None, spec: str = "") -> Runne
     return runner if lora is None else with_lora(runner, lora)
 
 
+def standalone_runner(spec: str, target: Loaded, max_seq_len: int, quant: str | None, device: str = "cpu", *,
+                      what: str = "this") -> tuple[Draft, str | None, Runner]:
+    """A standalone draft spec loaded for `target` and its runner unpruned (`spec_runner`; a pruned draft's kept ids
+    stay on the Draft, to restrict what it proposes): -> (draft, its quantisation, runner). A head is refused in one
+    line naming `what` needs a standalone draft."""
+    d = load_draft(spec, target, device)
+    if d.loaded is None:
+        raise DraftsmithError(f"{spec}: {what} measures standalone drafts, not heads")
+    q = runner_quant(d.loaded.model, quant, spec)
+    return d, q, spec_runner(d.loaded.model, max_seq_len, q, spec)
+
+
 def model_runner(model, kept: KeptVocab | None, max_seq_len: int, quant: str | None,
                  spec: str = "") -> tuple[Runner, str | None]:
     """A standalone draft as the decoder runs it: int8 Linear weights where `quant` asks and the model can take

@@ -174,6 +174,7 @@ def run_race(target: str, base: str, cfg: RaceConfig, pair: PairConfig, *, out: 
     if done:
         return done
     trained = dict(trained or {})
+    pairs = list(dict.fromkeys(s for pair_ in trained.items() for s in pair_))  # each trained draft, its untrained
     if pair.prompts_per_domain < 1:
         raise DraftsmithError("race: pair.prompts_per_domain must be >= 1 (the counted prompts are the ones after "
                               "the ranking's own; 0 would rank on all of them)")
@@ -187,7 +188,7 @@ def run_race(target: str, base: str, cfg: RaceConfig, pair: PairConfig, *, out: 
     del base_model
     candidates = ([base] + ([pruned] if pruned != base else [])
                   + [DraftSpec.pruned(pruned, p).text for p in files.values()])
-    candidates += [s for pair_ in trained.items() for s in pair_ if s not in candidates]
+    candidates += [s for s in pairs if s not in candidates]
     board = run_pair(target, out / "ranking", dataclasses.replace(pair, candidates=candidates), prompts=prompts,
                      limit_per_domain=limit_per_domain, device=device)
     base_k = next(c["best_k"] for c in board["candidates"] if c["draft"] == base)
@@ -195,25 +196,22 @@ def run_race(target: str, base: str, cfg: RaceConfig, pair: PairConfig, *, out: 
         release_freed_memory()  # the ranking's copies, before the race opens its own
         top = [c["draft"] for c in board["candidates"] if c["compatible"]][: cfg.top]
         reference = base if cfg.reference else None
-        always = ([reference] if reference else []) + [s for pair_ in trained.items() for s in pair_]
-        top = list(dict.fromkeys(always + [s for s in top if s not in always][: max(cfg.top - len(always), 0)]))
+        always = list(dict.fromkeys(([reference] if reference else []) + pairs))
+        top = always + [s for s in top if s not in always][: max(cfg.top - len(always), 0)]
         result = read_json(out / "race.json", missing_ok=True, what="race result")
         if result is None or not race_reusable(result, top, reference):
             result = race(target, top, dev, validate or ValidateConfig(), out=out / "race.json",
                           timed_per_domain=cfg.timed_prompts, reference=reference, device=device)
         board = raced(board, result)
     best = winner(board)
-    lines = [s for pair_ in trained.items() for s in pair_][:2] if trained else [best["draft"]]
+    lines = pairs[:2] if trained else [best["draft"]]
     atomic_write_text(run / "draft.txt", "\n".join(lines) + "\n")
     result = {"draft": best["draft"], "base": base, "base_k": base_k, "int4": pruned if pruned != base else None,
               "trained": trained, "alpha": best["alpha"], "best_k": best["best_k"],
               "measured_speedup": best.get("measured_speedup"), "predicted_speedup": best["predicted_speedup"],
               "vocab_files": {str(n): str(p) for n, p in files.items()},
               "counted_prompts": [p.id for p in count_on],
-              "ranking": [{k: c.get(k) for k in ("draft", "alpha", "best_k", "predicted_speedup", "measured_speedup",
-                                                 "policy", "policy_predicted", "worst_over_reference",
-                                                 "over_reference")}
-                          for c in board["candidates"]],
+              "ranking": [{k: c.get(k) for k in RankedDraft.keys()} for c in board["candidates"]],
               "chosen_by": ("race, worst domain over the base at its walked policy"
                             if best.get("worst_over_reference") is not None else
                             "race" if any(c.get("policy") for c in board["candidates"]) else "ranking")}

@@ -42,8 +42,8 @@ from draftsmith.decode.textgen import prompt_ids
 from draftsmith.pairing.cost import COST_CONTEXT, calibrate_decoder, measure_cost
 from draftsmith.pairing.head_rounds import depth_records, standalone_records
 from draftsmith.pairing.ladder import Rung, ladder
-from draftsmith.pairing.acceptance import measure_acceptance
-from draftsmith.pairing.drafts import Opened, load_draft, open_draft, runner_quant, spec_runner
+from draftsmith.pairing.acceptance import Acceptance, measure_acceptance
+from draftsmith.pairing.drafts import Draft, Opened, open_draft, standalone_runner
 from draftsmith.pairing.reference import reference_continuations
 from draftsmith.pairing.policy import PolicyChoice, choose_policy, taus_from_alpha, taus_from_rates
 
@@ -308,15 +308,18 @@ def agreement_on(target: Loaded, specs: dict[str, str], prompts: list[Prompt], *
     max_len = max(len(p) + len(c) for p, c in zip(refs["prompt_ids"], refs["continuation_ids"])) + 2
     out = {}
     for name, spec in specs.items():
-        d = load_draft(spec, target, device)
-        if d.loaded is None:
-            raise DraftsmithError(f"{spec}: agreement_on measures standalone drafts, not heads")
-        runner = spec_runner(d.loaded.model, max_len, runner_quant(d.loaded.model, quant, spec), spec)
-        a = measure_acceptance(target, [d.loaded], refs, params=SamplingParams(0.0), progress=False,
-                               kept=[None if d.kept is None else d.kept.proposes], runners=[runner])[0]
+        d, _, runner = standalone_runner(spec, target, max_len, quant, device, what="agreement_on")
+        a = greedy_agreement(target, d, runner, refs)
         out[name] = {"spec": spec, "alpha": a.alpha, "alpha_by_domain": a.alpha_by_domain, "positions": a.positions}
         del d, runner
     return out
+
+
+def greedy_agreement(target: Loaded, d: Draft, runner, refs, *, batch_size: int = 4) -> Acceptance:
+    """A standalone draft's teacher-forced greedy agreement with the target on reference rows `refs`, through
+    `runner` (unpruned: a pruned draft's kept ids restrict what it proposes, as it decodes)."""
+    return measure_acceptance(target, [d.loaded], refs, params=SamplingParams(0.0), batch_size=batch_size,
+                              progress=False, kept=[None if d.kept is None else d.kept.proposes], runners=[runner])[0]
 
 
 @torch.no_grad()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import html
+import math
 import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -336,8 +337,6 @@ def _curve(doc: Doc, curve: dict) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.2))
     ax.plot([max(p["tokens"], 1) for p in pts], [p["alpha"] for p in pts], "o", label="measured (held out)")
     if fit:
-        import math
-
         hi = max(need or 0, pts[-1]["tokens"]) * 1.2
         lo = min(p["tokens"] for p in pts if p["tokens"] > 0)
         xs = [lo * (hi / lo) ** (i / 40) for i in range(41)]
