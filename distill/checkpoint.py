@@ -130,13 +130,18 @@ def _no_hf_bars():
             hf_logging.enable_progress_bar()
 
 
-def save_hf(model: nn.Module, tokenizer: Any, dest: Path, info: dict) -> None:
-    """A Hugging Face folder of `model` (a plain HF model: merge LoRA first) plus tokenizer and MARKER,
-    replacing `dest` atomically."""
+def save_hf(model: nn.Module, tokenizer: Any, dest: Path, info: dict, groups: dict | None = None) -> None:
+    """A Hugging Face folder of `model` (a plain HF model: merge LoRA first) plus tokenizer and MARKER, and with
+    `groups` the int4 groups its weights are (`decode.runtime.quant.save_int4_groups`), replacing `dest`
+    atomically."""
     with atomic_dir(dest) as tmp:
         with _no_hf_bars():
             model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        if groups:
+            from draftsmith.decode.runtime.quant import save_int4_groups
+
+            save_int4_groups(tmp, groups)
         (tmp / MARKER).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
 
 

@@ -227,10 +227,7 @@ def run_distill(target_spec: str, draft_spec: str, out: Path, cfg: DistillConfig
     if spec.kind not in ("model", "derive", "int4") or spec.adapter is not None:
         raise DraftsmithError(f"{draft_spec}: distillation trains a whole model or its int4 copy (int4:MODEL), not a "
                               "vocabulary-pruned draft or one with an adapter")
-    if spec.kind == "int4":  # the served int4 draft itself: LoRA adapters over its frozen int4 weights
-        if not cfg.train.lora_r:
-            raise DraftsmithError(f"{draft_spec}: an int4 draft trains through LoRA adapters over its int4 weights: "
-                                  "set train.lora_r > 0")
+    if spec.kind == "int4":  # the served int4 draft itself: LoRA over its frozen int4 weights, or its group pairs
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(
             cfg.train, base_quant="int4", base_calib=str(spec.calib) if spec.calib else None))
     target = load(target_spec, device=device)
@@ -262,7 +259,8 @@ def run_distill(target_spec: str, draft_spec: str, out: Path, cfg: DistillConfig
     if cfg.train.base_quant is not None and tuned is not None:  # which form serves: unmerged or re-quantised
         from draftsmith.distill.served import compare_served, served_specs
 
-        served = compare_served(target, served_specs(spec.weights, out, spec.calib), refs, device=device)
+        specs = served_specs(spec.weights, out, spec.calib, adapter=cfg.train.lora_r > 0)
+        served = compare_served(target, specs, refs, device=device)
         result.update(served=served, served_spec=served["forms"][served["pick"]]["spec"])
     if tuned is not None and cfg.speed_prompts:
         with torch.no_grad():

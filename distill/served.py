@@ -37,11 +37,14 @@ from draftsmith.pairing.validate import greedy_agreement
 AGREEMENT_TIE = 0.005  # agreements this close are equal: the faster form serves
 
 
-def served_specs(base: str, out: str | Path, calib: str | Path | None = None) -> dict[str, str]:
-    """The two draft specs a `base_quant` run in `out` serves in: its adapter over `base` (the draft spec it
-    trained, calibrated on `calib` as it trained) unmerged, and its merged best/ re-quantised (on the same
-    calibration)."""
+def served_specs(base: str, out: str | Path, calib: str | Path | None = None, adapter: bool = True) -> dict[str, str]:
+    """The draft specs a `base_quant` run in `out` serves in: its adapter over `base` (the draft spec it trained,
+    calibrated on `calib` as it trained) unmerged, and its merged best/ re-quantised (on the same calibration);
+    without an `adapter` (the int4 draft's group pairs trained: `distill.groups`), best/ alone, as `int4:best`
+    (its folder carries the trained groups, which serve as they are)."""
     out = Path(out)
+    if not adapter:
+        return {"groups": DraftSpec.int4(str(out / "best")).text}
     return {"unmerged": DraftSpec.int4(base, calib, out / ADAPTER_DIR).text,
             "merged": DraftSpec.int4(str(out / "best"), calib).text}
 

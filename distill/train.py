@@ -130,7 +130,8 @@ class TrainConfig:
     teacher_topk: int = 64  # k of the cache (capped at the vocabulary; k = V is exact)
     teacher_cache_dtype: str = "float32"  # float32 | float16: the cached log-probs
     refresh_every: int = 0  # > 0: every N steps the on-policy (draft) rows are resampled from the current student
-    base_quant: str | None = None  # "int4": LoRA over the int4 draft's own weights, frozen (needs lora_r > 0)
+    base_quant: str | None = None  # "int4": LoRA over the int4 draft's own weights, frozen (lora_r > 0), or
+    # with lora_r = 0 the int4 draft's group pairs themselves (`distill.groups`: served at no cost a step)
     base_calib: str | None = None  # with base_quant: the int4 draft's calibration file (`int4:MODEL:calib=FILE`)
 
     def __post_init__(self) -> None:
@@ -168,8 +169,6 @@ class TrainConfig:
             _bad("refresh_every", "resampled rows need the online teacher (teacher: online): a cache holds fixed rows")
         if self.base_quant is not None:
             _choice("base_quant", self.base_quant, BASE_QUANTS)
-            if self.lora_r == 0:
-                _bad("base_quant", "a quantised base trains through LoRA adapters: set lora_r > 0")
         if self.base_calib is not None and self.base_quant is None:
             _bad("base_calib", "a calibration rounds the int4 base: set base_quant: int4")
 
@@ -253,11 +252,19 @@ def quantized_base(model: nn.Module, cfg: TrainConfig) -> nn.Module:
 
 def make_student(draft_model: nn.Module, cfg: TrainConfig) -> nn.Module:
     """A trainable copy of the draft (the caller's model is left untouched): full, or wrapped with LoRA; with
-    `cfg.base_quant`, the LoRA adapters sit over the served int4 draft's own weights (`quantized_base`), frozen."""
+    `cfg.base_quant`, the LoRA adapters sit over the served int4 draft's own weights (`quantized_base`), frozen,
+    or with `lora_r = 0` the int4 draft's group pairs train (`distill.groups.group_student`)."""
     model = copy.deepcopy(draft_model)
-    if cfg.base_quant is not None:
+    if cfg.base_quant is not None and cfg.lora_r == 0:  # the int4 draft's own group pairs (`distill.groups`)
+        from draftsmith.decode.runtime.quant import read_calib
+        from draftsmith.distill.groups import group_student
+
+        model = group_student(model, read_calib(cfg.base_calib) if cfg.base_calib else None)
+    elif cfg.base_quant is not None:
         quantized_base(model, cfg)
-    if cfg.lora_r > 0:
+    if cfg.base_quant is not None and cfg.lora_r == 0:
+        pass  # group_student chose what trains
+    elif cfg.lora_r > 0:
         from peft import LoraConfig, get_peft_model
 
         lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0, bias="none",
@@ -281,13 +288,22 @@ def merged_model(model: nn.Module) -> nn.Module:
     """The plain HF model of a student: LoRA adapters merged into a copy, a full student as it is."""
     if hasattr(model, "merge_and_unload"):  # a peft model
         return copy.deepcopy(model).merge_and_unload()
-    return model
+    from draftsmith.distill.groups import is_group_student, plain_model
+
+    return plain_model(model)[0] if is_group_student(model) else model
 
 
 def save_best(student: nn.Module, tokenizer, out: Path, info: dict, cfg: TrainConfig) -> None:
     """`out/best/`: the student merged into a plain HF folder (`merged_model`, `save_hf`); with `cfg.base_quant`,
     also `out/best-adapter/`: its adapter unmerged as peft saves it (over the int4 base: `int4:MODEL:lora=FOLDER`),
     with MARKER (`info` and the base's quantisation and calibration), written beside and renamed into place."""
+    from draftsmith.distill.groups import is_group_student, plain_model
+
+    if is_group_student(student):  # the int4 draft's trained groups: best/ decodes as `int4:best` with them
+        model, groups = plain_model(student)
+        save_hf(model, tokenizer, Path(out) / "best", {**info, "base_quant": cfg.base_quant,
+                                                       "base_calib": cfg.base_calib}, groups)
+        return
     save_hf(merged_model(student), tokenizer, Path(out) / "best", info)
     if cfg.base_quant is None or not hasattr(student, "peft_config"):
         return

@@ -53,6 +53,8 @@ class ValidateConfig:
     """The validate stage's settings: the target alone and each draft, same prompts, same run."""
 
     prompts_per_domain: int = 2  # test prompts timed per domain
+    skip_per_domain: int = 0  # test prompts of each domain passed over before the timed ones (those an earlier
+    # run timed, when this run's settings were chosen after looking at its numbers)
     max_new_tokens: int = 64  # tokens decoded per prompt
     repeats: int = 3  # interleaved repeats (the decoder going first rotates); speedups are their median and range
     k: int = 0  # draft tokens per round; 0 = the best predicted from the measured cost and the draft's acceptance
@@ -72,6 +74,8 @@ class ValidateConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.k < 0:
             raise ValueError(f"k must be >= 0 (0 = best measured), got {self.k}")
+        if self.skip_per_domain < 0:
+            raise ValueError(f"skip_per_domain must be >= 0, got {self.skip_per_domain}")
         check_siblings(self.siblings)
         if self.sibling_depth not in (1, 2):
             raise ValueError(f"sibling_depth must be 1 or 2, got {self.sibling_depth}")
@@ -250,7 +254,8 @@ def _max_len(ids: list[list[int]], drafts: list[DraftUnderTest], cfg: ValidateCo
 def validate(target_spec: str, drafts: list[DraftUnderTest], dev: list[Prompt], test: list[Prompt],
              cfg: ValidateConfig, *, out: Path, kind: str = "standalone", test_source: str = "test",
              device: str = "cpu") -> ValidationResult:
-    """Time the target alone and every draft on the first `cfg.prompts_per_domain` `test` prompts of each domain,
+    """Time the target alone and every draft on the first `cfg.prompts_per_domain` `test` prompts of each domain
+    (after its first `cfg.skip_per_domain`),
     `cfg.repeats` times interleaved; choose the round policy on `dev` prompts only (a head's calibration decode);
     write `out` (bench.json, with which prompts did what); refuse (after writing) a run that is not greedy-equal.
     Without test prompts the dev prompts are timed, and the result says the speedup is in-sample."""
@@ -260,7 +265,9 @@ def validate(target_spec: str, drafts: list[DraftUnderTest], dev: list[Prompt], 
         raise DraftsmithError("validate: no held-out (dev) prompts to choose the round policy on")
     target = load(target_spec, device=device)
     dev = first_per_domain(dev, cfg.prompts_per_domain)
-    timed = first_per_domain(test or dev, cfg.prompts_per_domain)
+    timed = first_per_domain(test, cfg.prompts_per_domain, cfg.skip_per_domain) if test else dev
+    if not timed:
+        raise DraftsmithError(f"validate: no test prompts left after skipping {cfg.skip_per_domain} a domain")
     ids = [prompt_ids(target.tokenizer, p.prompt) for p in timed]
     dev_ids = [prompt_ids(target.tokenizer, p.prompt) for p in dev]
     max_len = _max_len(ids + dev_ids, drafts, cfg)

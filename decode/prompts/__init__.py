@@ -93,13 +93,13 @@ def load_test_prompts(source: str | Path) -> list[Prompt]:
                                                                      default_domain=name)]
 
 
-def first_per_domain(prompts: list[Prompt], n: int) -> list[Prompt]:
-    """The first `n` prompts of every domain, in their order."""
+def first_per_domain(prompts: list[Prompt], n: int, skip: int = 0) -> list[Prompt]:
+    """The first `n` prompts of every domain after its first `skip`, in their order."""
     seen: dict[str, int] = {}
     kept = []
     for p in prompts:
         seen[p.domain] = seen.get(p.domain, 0) + 1
-        if seen[p.domain] <= n:
+        if skip < seen[p.domain] <= skip + n:
             kept.append(p)
     return kept
 

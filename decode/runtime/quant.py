@@ -252,10 +252,15 @@ def gptq_groups(weight: Tensor, hessian: Tensor, *, damp: float = GPTQ_DAMP,
 
 def unpack_int4(packed: Tensor, sm: Tensor, n: int) -> Tensor:
     """`pack_int4`'s parts -> the float weight of its first `n` rows (n, K): q * scale + min."""
-    q, sm = deinterleave_int4(packed, sm, n)
-    q = q.reshape(n, -1, GROUP).float()
+    return groups_float(*deinterleave_int4(packed, sm, n))
+
+
+def groups_float(q: Tensor, sm: Tensor) -> Tensor:
+    """`quantize_groups`' parts (q (N, K), sm (N, K / GROUP, 2)) -> the float32 weight they stand for (N, K):
+    q * scale + min, computed as every int4 path here computes it (bit for bit)."""
+    n = q.shape[0]
     sm = sm.float()
-    return torch.addcmul(sm[..., 1:], q, sm[..., :1]).reshape(n, -1)
+    return torch.addcmul(sm[..., 1:], q.reshape(n, -1, GROUP).float(), sm[..., :1]).reshape(n, -1)
 
 
 class Int4Linear(nn.Module):
@@ -352,20 +357,23 @@ class Int4Linear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
 
 
-def quantize_int4(runner: Runner, calib: Calibration | None = None) -> Runner:
+def quantize_int4(runner: Runner, calib: Calibration | None = None,
+                  groups: dict[str, tuple[Tensor, Tensor]] | None = None) -> Runner:
     """An int4 copy of a lean runner (`Int4Linear` for every Linear, its LM head included), for drafts; with
-    `calib`, each weight rounded by GPTQ on the runner's own inputs over its sequences (`calibrated_int4`)."""
+    `calib`, each weight rounded by GPTQ on the runner's own inputs over its sequences (`calibrated_int4`); with
+    `groups` ({lean Linear name: (packed, sm)}, `stored_int4_groups`: a folder that carries its own), those."""
     if not int4_ok():
         raise ValueError(f"int4 drafts need draftsmith's kernel: {native.why_not()}")
     native.tune_q4_ahead()  # the kernel's prefetch distance for this machine (timed once, saved)
-    return _int4_copy(runner, calib)
+    return _int4_copy(runner, calib, groups)
 
 
-def _int4_copy(runner: Runner, calib: Calibration | None) -> Runner:
+def _int4_copy(runner: Runner, calib: Calibration | None,
+               groups: dict[str, tuple[Tensor, Tensor]] | None = None) -> Runner:
     """`quantize_int4` without asking for the kernel: packing and `Int4Linear.weight_float` need none."""
     runner = _fused_copy(runner, "int4")
     places = _linear_places(runner)
-    packed = calibrated_int4(runner, places, calib) if calib is not None else {}
+    packed = groups or (calibrated_int4(runner, places, calib) if calib is not None else {})
     for parent, child_name, name in places:
         setattr(parent, child_name, Int4Linear(getattr(parent, child_name), packed=packed.get(name)))
     return runner
@@ -375,11 +383,19 @@ def int4_float_weights(hf_model: nn.Module, calib: Calibration | None = None,
                        max_seq_len: int | None = None) -> dict[str, Tensor]:
     """{module name in `hf_model`: the float weight (out, in) it decodes with as an int4 draft}: the very rounding
     of `make_runner(hf_model, max_seq_len, quantize="int4", calib=calib)` (`quantize_int4`: every Linear of the
-    decoder and the LM head; the fused q, k, v and gate, up rows split back to their modules), read back by
-    `Int4Linear.weight_float`, bit for bit; the kernel is not needed. The model is read on the CPU in float32 (a
-    copy where it is not there already: an int4 draft decodes from float32 weights on the CPU). `max_seq_len` cuts
-    the calibration sequences as a runner that long does (default: the longest, up to CALIB_MAX_TOKENS)."""
-    from draftsmith.decode.runtime.lean import FUSED, LeanLM
+    decoder and the LM head; the fused q, k, v and gate, up rows split back to their modules), bit for bit
+    (`groups_float` of `int4_groups`); the kernel is not needed."""
+    return {name: groups_float(q, sm) for name, (q, sm) in int4_groups(hf_model, calib, max_seq_len).items()}
+
+
+def int4_groups(hf_model: nn.Module, calib: Calibration | None = None,
+                max_seq_len: int | None = None) -> dict[str, tuple[Tensor, Tensor]]:
+    """{module name in `hf_model`: (q (out, in) uint8 in 0..15, sm (out, in / GROUP, 2) float16)}: the nibbles and
+    group pairs `make_runner(hf_model, max_seq_len, quantize="int4", calib=calib)` decodes with (the fused q, k, v
+    and gate, up rows split back to their modules). The model is read on the CPU in float32 (a copy where it is
+    not there already: an int4 draft decodes from float32 weights on the CPU). `max_seq_len` cuts the calibration
+    sequences as a runner that long does (default: the longest, up to CALIB_MAX_TOKENS)."""
+    from draftsmith.decode.runtime.lean import LeanLM
 
     ok, why = lean_supported(hf_model.config)
     if not ok:
@@ -397,18 +413,88 @@ def int4_float_weights(hf_model: nn.Module, calib: Calibration | None = None,
         longest = max((len(s) for s in calib.sequences), default=1) if calib is not None else 1
         max_seq_len = max(1, min(longest, CALIB_MAX_TOKENS))
     lean = LeanLM(src, max_seq_len, fast_head=False)
-    modules = {id(m): n for n, m in src.named_modules()}
-    parts: dict[str, list[str]] = {"lm_head": [modules[id(lean.lm_head)]]}
-    for i, layer in enumerate(lean.layers):
-        for fused, own in {**FUSED, "o": ("o",), "down": ("down",)}.items():
-            parts[f"layers.{i}.{fused}"] = [modules[id(getattr(layer, a))] for a in own]
-    names = {n: m for n, m in src.named_modules()}
+    parts = _lean_parts(lean, src)
+    names = dict(src.named_modules())
     out = {}
     for name, m in _int4_copy(lean, calib).named_modules():
         if isinstance(m, Int4Linear):
             hf = parts[name]
-            pieces = m.weight_float().split([names[n].out_features for n in hf])
-            out.update((n, w.contiguous()) for n, w in zip(hf, pieces))
+            q, sm = deinterleave_int4(m.packed, m.sm, m.out_features)
+            rows = [names[n].out_features for n in hf]
+            out.update((n, (a.contiguous(), b.contiguous())) for n, a, b in zip(hf, q.split(rows), sm.split(rows)))
+    return out
+
+
+def _lean_parts(lean: nn.Module, hf_model: nn.Module) -> dict[str, list[str]]:
+    """{a lean runner's Linear name once fused ("lm_head", "layers.N.qkv", ...): the HF module names whose rows it
+    stacks, in order}; `lean` is the unfused runner over `hf_model`'s modules."""
+    from draftsmith.decode.runtime.lean import FUSED
+
+    modules = {id(m): n for n, m in hf_model.named_modules()}
+    parts: dict[str, list[str]] = {"lm_head": [modules[id(lean.lm_head)]]}
+    for i, layer in enumerate(lean.layers):
+        for fused, own in {**FUSED, "o": ("o",), "down": ("down",)}.items():
+            parts[f"layers.{i}.{fused}"] = [modules[id(getattr(layer, a))] for a in own]
+    return parts
+
+
+GROUPS_FILE = "int4_groups.safetensors"  # in a model folder: the int4 groups its weights are exactly
+
+
+def pack_nibbles(q: Tensor) -> Tensor:
+    """q (N, K) uint8 in 0..15, K even -> (N, K / 2) uint8, two to a byte (the even column low)."""
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+
+
+def unpack_nibbles(p: Tensor) -> Tensor:
+    """`pack_nibbles` undone."""
+    return torch.stack([p & 15, p >> 4], dim=-1).reshape(p.shape[0], -1)
+
+
+def save_int4_groups(folder: str | Path, groups: dict[str, tuple[Tensor, Tensor]]) -> Path:
+    """`groups` ({HF module name: (q, sm)}, as `int4_groups` gives them) into FOLDER/GROUPS_FILE, atomically: a
+    model folder whose weights are `groups_float` of them decodes as `int4:FOLDER` with these very groups
+    (`stored_int4_groups`), not rounded again (rounding q * scale + min afresh need not give q, scale, min back)."""
+    from safetensors.torch import save_file
+
+    path = Path(folder) / GROUPS_FILE
+    with atomic_path(path) as tmp:
+        save_file({f"{n}.{part}": t.contiguous() for n, (q, sm) in groups.items()
+                   for part, t in (("q4", pack_nibbles(q)), ("sm", sm.to(torch.float16)))}, str(tmp))
+    return path
+
+
+def stored_int4_groups(hf_model: nn.Module, lean: nn.Module) -> dict[str, tuple[Tensor, Tensor]]:
+    """{lean Linear name once fused: (packed, sm)} from GROUPS_FILE in the folder `hf_model` was loaded from
+    (`save_int4_groups`; {} where there is none), each checked to stand for the folder's weights exactly: a file
+    that does not (weights edited after it was written) is one line, never silently used. `lean` is the unfused
+    lean runner over `hf_model`."""
+    from safetensors.torch import load_file
+
+    folder = getattr(hf_model.config, "name_or_path", "") or getattr(hf_model, "name_or_path", "")
+    path = Path(folder) / GROUPS_FILE if folder else None
+    if path is None or not path.is_file():
+        return {}
+    try:
+        saved = load_file(str(path))
+    except Exception as e:  # noqa: BLE001 - a damaged file, said in one line
+        raise DraftsmithError(f"{path}: unreadable ({type(e).__name__}: {e})") from None
+    names = dict(hf_model.named_modules())
+    out = {}
+    for fused, hf in _lean_parts(lean, hf_model).items():
+        qs, sms = [], []
+        for n in hf:
+            if f"{n}.q4" not in saved or f"{n}.sm" not in saved:
+                raise DraftsmithError(f"{path}: no int4 groups for {n}: remove the file to round the weights afresh")
+            q, sm = unpack_nibbles(saved[f"{n}.q4"]), saved[f"{n}.sm"]
+            w = names[n].weight
+            if q.shape != w.shape or sm.shape != (w.shape[0], w.shape[1] // GROUP, 2) or not torch.equal(
+                    groups_float(q, sm), w.detach().float()):
+                raise DraftsmithError(f"{path}: the int4 groups of {n} are not its weights in this folder (edited "
+                                      "since?): remove the file to round the weights afresh")
+            qs.append(q)
+            sms.append(sm)
+        out[fused] = interleave_int4(torch.cat(qs), torch.cat(sms))
     return out
 
 

@@ -76,12 +76,13 @@ class HFRunner:
 def make_runner(hf_model, max_seq_len: int, *, lean: bool | None = None, quantize: str | None = None,
                 calib: Calibration | None = None) -> Runner:
     """The fastest exact runner for `hf_model` (lean when the architecture allows, else HF's own); `calib` (int4
-    only) rounds the int4 weights by GPTQ on those sequences (`decode.runtime.quant.quantize_int4`)."""
+    only) rounds the int4 weights by GPTQ on those sequences (`decode.runtime.quant.quantize_int4`), unless the
+    model's folder carries its own int4 groups (`decode.runtime.quant.stored_int4_groups`), which then serve."""
     # imported here, not at the top: the decoder needs only `Runner`, and importing it must not load the kernels
     from draftsmith.decode.runtime.allocator import release_freed_memory
     from draftsmith.decode.runtime.lean import LeanLM, lean_supported
     from draftsmith.decode.runtime.plan import plan_rows
-    from draftsmith.decode.runtime.quant import quantize_int4, quantize_int8
+    from draftsmith.decode.runtime.quant import quantize_int4, quantize_int8, stored_int4_groups
 
     supported, why = lean_supported(hf_model.config)
     if lean is None:
@@ -96,7 +97,8 @@ def make_runner(hf_model, max_seq_len: int, *, lean: bool | None = None, quantiz
     elif quantize == "int4":
         if not lean:
             raise ValueError("int4 quantisation needs the lean runner")
-        runner = quantize_int4(runner, calib)
+        # a folder training wrote carries the int4 groups its weights are exactly (`distill.groups`): those
+        runner = quantize_int4(runner, calib, stored_int4_groups(hf_model, runner))
     elif quantize not in (None, "none"):
         raise ValueError(f"unknown quantisation {quantize!r} (choose int8, int4 or none)")
     if quantize not in (None, "none"):

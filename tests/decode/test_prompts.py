@@ -302,3 +302,12 @@ def test_built_in_suites_have_a_disjoint_test_split() -> None:
     assert load_test_prompts("code,chat") == [p for p in test if p.domain in ("code", "chat")]
     assert load_test_prompts(Path("some.jsonl")) == [] and load_test_prompts("prompts.jsonl") == []
     assert not {p.id for p in load_prompts(",".join(SUITES))} & {p.id for p in test}
+
+
+def test_first_per_domain_after_skipping_some_of_each() -> None:
+    from draftsmith.decode.prompts import first_per_domain
+
+    ps = [Prompt(f"{d}-{i}", d, f"{d} {i}") for i in range(1, 6) for d in ("a", "b")]  # interleaved domains
+    assert [p.id for p in first_per_domain(ps, 2)] == ["a-1", "b-1", "a-2", "b-2"]
+    assert [p.id for p in first_per_domain(ps, 2, skip=3)] == ["a-4", "b-4", "a-5", "b-5"]
+    assert first_per_domain(ps, 2, skip=5) == []

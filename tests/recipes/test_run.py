@@ -442,7 +442,7 @@ def test_a_race_stage_ranks_pruned_variants_and_writes_the_winner(world: dict) -
     line = (out / "draft.txt").read_text().strip()
     assert line == made["draft"] and "\n" not in line
     bench = json.loads((out / "validate" / "bench.json").read_text())
-    assert all(bench["greedy_equal"].values()) and bench["prompts"] == ["t0", "t1"] and not bench["in_sample"]
+    assert all(bench["greedy_equal"].values()) and bench["prompts"] == (["t2", "t3"] if skip else ["t0", "t1"]) and not bench["in_sample"]
     # the ladder: the stock model at its ranking's plain K, then at its walked policy (draft_before, the fair
     # baseline), then its int4 copy, then the best pruned variant; each raced rung at the policy the race walked
     rungs = [r["name"] for r in bench["ladder"]["rungs"]]
@@ -489,38 +489,48 @@ def test_a_recipe_whose_candidates_are_int4_pruned_and_head_specs_runs(world: di
     assert all(c["alpha"] is not None for c in board["candidates"])
 
 
-def test_a_trained_draft_races_beside_its_untrained_self_and_tops_the_ladder(world: dict) -> None:
+@pytest.mark.parametrize("lora_r", [4, 0], ids=["lora", "groups"])
+def test_a_trained_draft_races_beside_its_untrained_self_and_tops_the_ladder(world: dict, lora_r: int) -> None:
     """distill -> race -> validate (recipes/qwen-distill.yaml's shape): the distill stage trains the served draft
-    (where the int4 kernel is built, LoRA over the int4 copy's own weights on rows that int4 copy wrote, and picks
-    the form it serves in); the race ranks and races it beside the stock draft and its untrained int4 copy, each at
-    its walked policy; validate times the ladder on test prompts with the trained rung last, compares it with its
+    (where the int4 kernel is built, LoRA over the int4 copy's own weights, or its group pairs, on rows that int4
+    copy wrote, and picks the form it serves in); the race ranks and races it beside the stock draft and its
+    untrained int4 copy, each at its walked policy; validate times the ladder on test prompts with the trained rung
+    last (the groups run passes over each domain's first test prompt: `skip_per_domain`), compares it with its
     untrained self in every repeat and measures both drafts' agreement on the test answers; draft.txt holds the
     trained spec and the untrained one; the learning curve and its fit are in distill.json."""
     root = world["root"]
-    test = two_test_prompts(root, "trained")
+    test = two_test_prompts(root, f"trained-{lora_r}")
+    skip = 0 if lora_r else 1
+    if skip:  # a second prompt a domain, the one timed
+        with test.open("a") as f:
+            f.writelines(json.dumps({"id": f"t{i}", "prompt": p, "domain": d}) + "\n" for i, (d, p) in
+                         enumerate([("code", "sort the data list"), ("chat", "print a list for this code")], 2))
     target, base = root / "target", root / "other"
     int4 = bool(int4_chunk())
     draft = f"int4:{base}" if int4 else str(base)
     recipe = {
-        "name": "tiny-trained", "target": str(target), "prompts": str(root / "prompts.jsonl"),
+        "name": f"tiny-trained-{lora_r}", "target": str(target), "prompts": str(root / "prompts.jsonl"),
         "test_prompts": str(test), "stages": ["distill", "race", "validate"],
         "pair": {"candidates": [str(base)], "prompts_per_domain": 2, "max_new_tokens": 8, "draft_quant": None,
                  "calibrate_prompts": 0},
         "distill": {"draft": draft, "data": "draft", "onpolicy_quant": "int4" if int4 else None,
                     "max_new_tokens": 8, "eval_per_domain": 2,
                     "train": {"steps": 6, "batch_size": 2, "lr": 1e-2, "warmup_steps": 1, "eval_every": 2,
-                              "save_every": 2, "lora_r": 4, "lora_alpha": 8}},
+                              "save_every": 2, "lora_r": lora_r, "lora_alpha": 8}},
         "race": {"base": str(base), "top": 4, "timed_prompts": 1},
-        "validate": {"prompts_per_domain": 1, "max_new_tokens": 8, "max_k": 3, "draft_quant": None},
+        "validate": {"prompts_per_domain": 1, "max_new_tokens": 8, "max_k": 3, "draft_quant": None,
+                     "skip_per_domain": skip},
     }
-    out = run_recipe_dict(world, recipe, root / "runs" / "trained")
+    out = run_recipe_dict(world, recipe, root / "runs" / f"trained-{lora_r}")
     distilled = json.loads((out / "distill" / "distill.json").read_text())
     curve = distilled["curve"]
     assert [p["tokens"] for p in curve["points"]][0] == 0 and len(curve["points"]) == 4  # before, steps 2, 4, 6
     assert curve["fit"]["points"] == 3 and curve["tokens_seen"] == curve["points"][-1]["tokens"] > 0
     trained = distilled["served_spec"] if int4 else str(out / "distill" / "best")
-    if int4:  # the adapter unmerged, or merged and re-quantised: the one that measured faster at equal agreement
-        assert set(distilled["served"]["forms"]) == {"unmerged", "merged"} and distilled["config"]["base_quant"] == "int4"
+    if int4:  # the adapter unmerged, or merged and re-quantised: the one that measured faster at equal agreement;
+        # or the trained groups, as they are
+        forms = {"unmerged", "merged"} if lora_r else {"groups"}
+        assert set(distilled["served"]["forms"]) == forms and distilled["config"]["base_quant"] == "int4"
         assert trained == distilled["served"]["forms"][distilled["served"]["pick"]]["spec"]
     made = json.loads((out / "race" / "pick.json").read_text())
     assert made["trained"] == {trained: draft}
@@ -528,7 +538,7 @@ def test_a_trained_draft_races_beside_its_untrained_self_and_tops_the_ladder(wor
     race = json.loads((out / "race" / "race.json").read_text())
     assert {trained, draft, str(base)} <= set(race["drafts"])  # the trained draft and its untrained self raced
     bench = json.loads((out / "validate" / "bench.json").read_text())
-    assert all(bench["greedy_equal"].values()) and bench["prompts"] == ["t0", "t1"]
+    assert all(bench["greedy_equal"].values()) and bench["prompts"] == (["t2", "t3"] if skip else ["t0", "t1"])
     rungs = bench["ladder"]["rungs"]
     last = rungs[-1]["name"]
     assert rungs[-1]["step"].startswith("trained") and [r["name"] for r in rungs][:2] == ["stock_plain", "draft_before"]
