@@ -54,6 +54,7 @@ class TrainSettings(Part):
     batch_size: int
     lr: float
     lora_r: int = 0
+    base_quant: str | None = None  # "int4": trained over the int4 draft's weights (LoRA, or its group pairs)
 
 
 @dataclass

@@ -291,6 +291,15 @@ def _race(doc: Doc, made: RaceResult | None) -> None:
     doc.p(f"Chosen by: {made.chosen_by}.")
 
 
+def _trained_how(cfg) -> str:
+    """What trained: LoRA, the int4 draft's own group pairs (`distill.groups`), or every weight."""
+    if cfg.lora_r:
+        return f"LoRA r={cfg.lora_r}"
+    if cfg.base_quant:
+        return f"the {cfg.base_quant} draft's own group pairs (scale, minimum; nibbles frozen), biases and norms"
+    return "full fine-tuning"
+
+
 def _distill(doc: Doc, res: RunResults) -> None:
     if res.head is not None:
         _head(doc, res.head)
@@ -304,14 +313,15 @@ def _distill(doc: Doc, res: RunResults) -> None:
         doc.p(f"Draft `{result.draft}` distilled toward `{result.target}`: loss {cfg.loss}, data "
               f"{result.data_source} ({result.data_rows} rows from {result.train_prompts} prompts), "
               f"{cfg.steps} steps x batch {cfg.batch_size}, lr {cfg.lr}, "
-              f"{'LoRA r=' + str(cfg.lora_r) if cfg.lora_r else 'full fine-tuning'}. alpha on "
+              f"{_trained_how(cfg)}. alpha on "
               f"{result.held_out_prompts} held-out prompts (never trained on): {fmt(result.alpha_before)} -> "
               f"{fmt(result.alpha_after)} (gain {fmt(result.alpha_gain)}).")
         if result.skipped_note:
             doc.p(f"Warning: {result.skipped_note}.")
         if result.served:
             forms = result.served["forms"]
-            doc.p(f"Trained over its int4 weights (LoRA); the forms it can serve in, measured on the held-out "
+            doc.p(f"Trained over its int4 weights ({'LoRA' if cfg.lora_r else 'its group pairs'}); the forms it "
+                  "can serve in, measured on the held-out "
                   f"references: it serves `{result.served_spec}` ({result.served['pick']}: the faster of those within "
                   f"{result.served['tie']} agreement of the best).")
             doc.table(["form", "spec", "agreement (held out)", "draft step (ms)"],

@@ -43,6 +43,7 @@ from draftsmith.decode.runtime.loading import load
 from draftsmith.decode.runtime.machine import machine_info, versions
 from draftsmith.decode.prompts import load_prompts
 from draftsmith.distill.data import data_stats, generate_data, training_rows
+from draftsmith.distill.pipeline import repeat_prompts
 from draftsmith.distill.teacher_cache import build_teacher_cache
 
 PATHS = ("speculative", "batched", "onpolicy")
@@ -57,6 +58,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--prompts", default="code,json,summarize,chat", help="suite names (dev prompts) or a file")
     ap.add_argument("--per-domain", type=int, default=2, help="the first N prompts of each domain")
     ap.add_argument("--max-new-tokens", type=int, default=32, help="32: 2 rounds in ~10 min on 2 cores")
+    ap.add_argument("--samples", type=int, default=1, help="answers to each prompt (rows ID, ID~2, ...: each its "
+                    "own seed), on every path; the scorer prefills a prompt once for all of its answers")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch-size", type=int, default=8, help="rows written at once (batched, onpolicy)")
@@ -73,6 +76,8 @@ def parse() -> argparse.Namespace:
     args.paths = [p.strip() for p in args.paths.split(",") if p.strip()]
     if not args.paths or any(p not in PATHS for p in args.paths):
         ap.error(f"--paths: comma-separated names of {', '.join(PATHS)}")
+    if args.samples < 1:
+        ap.error("--samples: at least 1")
     return args
 
 
@@ -130,7 +135,7 @@ def summarize(runs: list[dict], paths: list[str]) -> dict:
 
 def table(result: dict) -> str:
     """The result as lines: tokens/s per path, the ratios, the goal."""
-    lines = [f"{result['prompts']} prompts x {result['max_new_tokens']} new tokens, temperature "
+    lines = [f"{result['prompts']} rows ({result.get('samples', 1)} a prompt) x {result['max_new_tokens']} new tokens, temperature "
              f"{result['temperature']}, batch {result['batch_size']}, {result['repeats']} round(s); "
              f"target {result['target']}, draft {result['draft']} (on-policy writer: {result.get('writer')})"]
     for p, s in result["per_path"].items():
@@ -149,7 +154,7 @@ def measure(args) -> dict:
     """Load, warm up, run the rounds -> the result (not yet written)."""
     t_start = time.perf_counter()
     target, draft = load(args.target), load(args.draft)
-    prompts = load_prompts(args.prompts, limit_per_domain=args.per_domain)
+    prompts = repeat_prompts(load_prompts(args.prompts, limit_per_domain=args.per_domain), args.samples)
     loaded = time.perf_counter() - t_start
     runs, warmup = [], []
     with tempfile.TemporaryDirectory() as scratch:
@@ -165,7 +170,7 @@ def measure(args) -> dict:
                 print(json.dumps(runs[-1]), flush=True)
     writer = next((r["writer"] for r in runs if r["path"] == "onpolicy"), None)
     return {"target": args.target, "draft": args.draft, "prompts": len(prompts), "prompt_source": args.prompts,
-            "per_domain": args.per_domain, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+            "per_domain": args.per_domain, "samples": args.samples, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
             "seed": args.seed, "batch_size": args.batch_size, "quant": args.quant, "writer": writer,
             "teacher_topk": args.teacher_topk, "teacher_cache_dtype": args.teacher_cache_dtype,
             "score_batch_size": args.score_batch_size, "repeats": args.repeats, "paths": args.paths, "runs": runs,

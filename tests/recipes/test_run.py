@@ -551,6 +551,7 @@ def test_a_trained_draft_races_beside_its_untrained_self_and_tops_the_ladder(wor
     assert set(bench["agreement_on_test"][last]["alpha_by_domain"]) == {"code", "chat"}
     report = (out / "report.md").read_text()
     assert "what differs: training" in report and "alpha against the tokens trained on" in report
+    assert ("own group pairs" in report) == (int4 and not lora_r)  # what trained, said
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")

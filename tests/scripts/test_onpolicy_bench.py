@@ -42,12 +42,12 @@ def run(world: dict, *args: str) -> subprocess.CompletedProcess:
 
 def test_onpolicy_bench(world: dict, tmp_path: Path) -> None:
     run(world, "--target", world["target"], "--draft", world["draft"], "--prompts", world["prompts"],
-        "--per-domain", "2", "--max-new-tokens", "4", "--batch-size", "3", "--teacher-topk", "4", "--repeats", "2",
+        "--per-domain", "1", "--samples", "2", "--max-new-tokens", "4", "--batch-size", "3", "--teacher-topk", "4", "--repeats", "2",
         "--out", str(tmp_path))
     result = json.loads((tmp_path / "bench.json").read_text(encoding="utf-8"))
     assert {"cpu", "cpu_count", "torch_threads"} <= set(result["machine"])
     assert {"torch", "transformers"} <= set(result["versions"])
-    assert "onpolicy_bench.py" in result["command"] and result["prompts"] == 4
+    assert "onpolicy_bench.py" in result["command"] and result["prompts"] == 4 and result["samples"] == 2
     order = [(r["round"], r["path"]) for r in result["runs"]]
     assert order == [(0, "speculative"), (0, "batched"), (0, "onpolicy"),
                      (1, "onpolicy"), (1, "batched"), (1, "speculative")]  # alternating: drift hits all alike
