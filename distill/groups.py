@@ -107,7 +107,7 @@ def group_student(model: nn.Module, calib: Calibration | None = None) -> nn.Modu
     model.requires_grad_(False)
     for name, (q, sm) in groups.items():
         old = model.get_submodule(name)
-        _set(model, name, GroupLinear(q, sm, old.bias))
+        _set(model, name, GroupLinear(q, sm, old.bias).to(old.weight.device))  # (groups are fitted on the CPU)
     for name, m in model.named_modules():
         if type(m).__name__.endswith("RMSNorm") or isinstance(m, nn.LayerNorm):
             for p in m.parameters(recurse=False):
