@@ -84,10 +84,12 @@ class GroupLinear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
 
 
-def _untie_head(model: nn.Module) -> None:
+def untie_head(model: nn.Module) -> None:
+    """A tied LM head given a weight of its own (in place): the int4 draft rounds a copy of the head; its input
+    embedding stays float. Used here and by `distill.train.quantized_base`."""
     head, embed = model.get_output_embeddings(), model.get_input_embeddings()
-    if head.weight is embed.weight:  # the int4 draft rounds a copy of the head; its input embedding stays float
-        head.weight = nn.Parameter(head.weight.detach().clone(), requires_grad=False)
+    if head.weight is embed.weight:
+        head.weight = nn.Parameter(head.weight.detach().clone(), requires_grad=head.weight.requires_grad)
         model.config.tie_word_embeddings = False
 
 
@@ -103,7 +105,7 @@ def group_student(model: nn.Module, calib: Calibration | None = None) -> nn.Modu
     if any(p.is_floating_point() and p.dtype != torch.float32 for p in model.parameters()):
         model.float()  # the int4 groups are fitted to the float32 weights (the dtype an int4 draft decodes from)
     groups = int4_groups(model, calib)
-    _untie_head(model)
+    untie_head(model)
     model.requires_grad_(False)
     for name, (q, sm) in groups.items():
         old = model.get_submodule(name)
@@ -139,4 +141,4 @@ def plain_model(student: nn.Module) -> tuple[nn.Module, dict[str, tuple[Tensor, 
     return model, groups
 
 
-__all__ = ["GroupLinear", "group_student", "is_group_student", "plain_model"]
+__all__ = ["GroupLinear", "group_student", "is_group_student", "plain_model", "untie_head"]

@@ -234,15 +234,13 @@ def quantized_base(model: nn.Module, cfg: TrainConfig) -> nn.Module:
     the input embedding first, in float32; returns it. The int4 draft is rounded from the weights as given: load
     the draft in float32 (as a CPU int4 draft loads) so that they are the served draft's."""
     from draftsmith.decode.runtime.quant import int4_float_weights, read_calib
+    from draftsmith.distill.groups import untie_head
 
     calib = read_calib(cfg.base_calib) if cfg.base_calib else None
     weights = int4_float_weights(model, calib)
     if any(p.is_floating_point() and p.dtype != torch.float32 for p in model.parameters()):
         model.float()  # the int4 weights are exact in float32 (the dtype an int4 draft decodes from)
-    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
-    if head.weight is embed.weight:  # the int4 draft rounds a copy of the head; its input embedding stays float
-        head.weight = nn.Parameter(head.weight.detach().clone(), requires_grad=head.weight.requires_grad)
-        model.config.tie_word_embeddings = False
+    untie_head(model)
     modules = dict(model.named_modules())
     with torch.no_grad():
         for name, w in weights.items():
@@ -262,15 +260,13 @@ def make_student(draft_model: nn.Module, cfg: TrainConfig) -> nn.Module:
         model = group_student(model, read_calib(cfg.base_calib) if cfg.base_calib else None)
     elif cfg.base_quant is not None:
         quantized_base(model, cfg)
-    if cfg.base_quant is not None and cfg.lora_r == 0:
-        pass  # group_student chose what trains
-    elif cfg.lora_r > 0:
+    if cfg.lora_r > 0:
         from peft import LoraConfig, get_peft_model
 
         lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0, bias="none",
                           target_modules=lora_target_modules(model), task_type="CAUSAL_LM")
         model = get_peft_model(model, lora)
-    else:
+    elif cfg.base_quant is None:  # full fine-tuning (group_student chose what trains)
         model.requires_grad_(True)
     model.train()
     _disable_dropout(model)
