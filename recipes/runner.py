@@ -323,5 +323,7 @@ def _run_recipe(recipe: Recipe, folder: Path, *, stages: list[str] | None, resta
         run.save()
         _report(run, say)
         say(f"[{stage}] done in {run.state[stage]['seconds']:.0f} s")
+    if not ran_here:  # every stage done earlier: the report is still made anew (a newer draftsmith, a lost file)
+        _report(run, say)
     say(f"report: {run.out / 'report.md'}")
     return run.state

@@ -21,8 +21,8 @@ making runners and quantised copies is setup, reported apart, as every path pays
 plus, for onpolicy, the scorer's. One untimed warm-up of each path first (row plans, weight packing, the int4
 copy); then --repeats rounds in alternating order (A B C, C B A, ...) so drift hits every path alike. Prints a
 table and writes <out>/bench.json (atomically) with every run's raw seconds and tokens, tokens/s per path, the
-ratios of onpolicy to each target path and to the faster one (the goal: >= 5x), the machine, the versions and the
-command. `--from FILE` prints a bench.json again. Smoke run on tiny model folders:
+ratios of onpolicy to each target path and to the faster one (the goal: >= 5x), the scorer's tokens/s alone over the
+faster one (what onpolicy would reach with a writer of no cost), the machine, the versions and the command. `--from FILE` prints a bench.json again. Smoke run on tiny model folders:
 
     .venv/bin/python scripts/onpolicy_bench.py --target TINY --draft TINY --prompts prompts.jsonl --per-domain 1 \
         --max-new-tokens 4 --repeats 1 --out /tmp/opb
@@ -130,6 +130,8 @@ def summarize(runs: list[dict], paths: list[str]) -> dict:
         best = [per[p]["tokens_per_s"] for p in TARGET_PATHS if p in per]
         if best:
             ratios["onpolicy_over_best_target"] = b / max(best)
+            # the bound with a writer of no cost: the target's scoring alone against the target writing
+            ratios["score_alone_over_best_target"] = per["onpolicy"]["score_tokens_per_s"] / max(best)
     return {"per_path": per, "ratios": ratios}
 
 

@@ -112,10 +112,12 @@ def test_a_recipe_run_fills_the_run_folder(whole: Path) -> None:
 
 
 def test_finished_stages_are_skipped_and_changed_settings_refused(world: dict, whole: Path) -> None:
+    (whole / "report.md").unlink()
     r = draftsmith(world, "run", str(world["recipe"]), "--out", str(whole), "--stages", "pair,validate")
     assert r.returncode == 0, r.stderr
     assert "[pair] done earlier, skipped" in r.stdout and "[validate] done earlier, skipped" in r.stdout
     assert "[distill]" not in r.stdout
+    assert "Pairing leaderboard" in (whole / "report.md").read_text()  # every stage skipped: the report made anew
     r = draftsmith(world, "run", str(world["recipe"]), "distill.train.steps=81", "--out", str(whole))
     assert r.returncode == 2
     line = r.stderr.strip()

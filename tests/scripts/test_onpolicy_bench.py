@@ -63,6 +63,9 @@ def test_onpolicy_bench(world: dict, tmp_path: Path) -> None:
         per["onpolicy"]["tokens_per_s"] / per["speculative"]["tokens_per_s"])
     best = max(per["speculative"]["tokens_per_s"], per["batched"]["tokens_per_s"])
     assert result["ratios"]["onpolicy_over_best_target"] == pytest.approx(per["onpolicy"]["tokens_per_s"] / best)
+    assert result["ratios"]["score_alone_over_best_target"] == pytest.approx(
+        per["onpolicy"]["score_tokens_per_s"] / best)
+    assert result["ratios"]["score_alone_over_best_target"] > result["ratios"]["onpolicy_over_best_target"]
     assert result["writer"] in ("int4", "int8", "as loaded") and result["goal"] == 5.0
     again = run(world, "--from", str(tmp_path / "bench.json"))
     assert "onpolicy_over_best_target" in again.stdout and "tokens/s" in again.stdout
