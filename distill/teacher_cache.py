@@ -194,7 +194,7 @@ def _shared_prompt_logits(model, rows: Rows, idx: list[int], device) -> Tensor:
     L = max(len(c) for c in conts) - 1
     if L < 1:
         return head(first.expand(len(idx), -1))
-    cache = out.past_key_values
+    cache = out.cache
     cache.batch_repeat_interleave(len(idx))
     P = len(prompt)
     ids = torch.zeros(len(idx), L, dtype=torch.long, device=device)
@@ -203,7 +203,7 @@ def _shared_prompt_logits(model, rows: Rows, idx: list[int], device) -> Tensor:
     for b, c in enumerate(conts):
         ids[b, : len(c) - 1] = torch.tensor(c[:-1], dtype=torch.long)
         attn[b, P : P + len(c) - 1] = 1
-    h = body(input_ids=ids, attention_mask=attn, past_key_values=cache, use_cache=False,
+    h = body(input_ids=ids, attention_mask=attn, cache=cache, use_cache=False,
              position_ids=torch.arange(P, P + L, device=device).expand(len(idx), -1)).last_hidden_state
     return head(torch.cat([torch.cat([first, h[b, : len(c) - 1]]) for b, c in enumerate(conts)]))
 

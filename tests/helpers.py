@@ -10,6 +10,8 @@ The seed alone fixes the weights: the same call gives the same model in every te
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 import torch
@@ -127,3 +129,27 @@ def write_run_folder(run: Path, *, target: str = "tiny-target", candidates: dict
         stages["export"] = {"status": "done", "seconds": 9.0, "finished": "2026-01-01T00:00:56+00:00"}
     (run / "state.json").write_text(json.dumps({"stages": stages}))
     return run
+
+
+SCRIPT_WORDS = "the a of to and in is it that for on with as was be by this are or at from code data list sort print".split()
+
+
+def script_world(root: Path, *, layers: int, per_domain: int, draft_layers: int | None = None) -> dict:
+    """What a script's smoke run needs under `root`: a tiny random Llama target of `layers` layers with BOS / EOS
+    and a word tokenizer (and a draft of `draft_layers` sharing it), a prompts file of `per_domain` prompts in each
+    of code and chat, and a subprocess environment with a model cache of its own, one thread."""
+    tok = word_tokenizer(["[UNK]", "<s>", "</s>", *SCRIPT_WORDS], eos="</s>", bos="<s>", split_punctuation=True)
+    world = {"root": root, "target": str(save_tiny(root / "target", tok, 0, eos_id=2, bos_id=1, layers=layers,
+                                                   head_scale=4.0))}
+    if draft_layers is not None:
+        world["draft"] = str(save_tiny(root / "draft", tok, 1, eos_id=2, bos_id=1, layers=draft_layers,
+                                       head_scale=4.0))
+    rows = [(d, " ".join(SCRIPT_WORDS[(5 * i + j) % len(SCRIPT_WORDS)] for j in range(2 + i % 3)))
+            for i in range(per_domain) for d in ("code", "chat")]
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p, "domain": d}) + "\n" for d, p in rows))
+    world["prompts"] = str(prompts)
+    world["env"] = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1",
+                    "MKL_NUM_THREADS": "1", "DRAFTSMITH_CACHE": str(root / "cache")}
+    return world
+

@@ -5,7 +5,6 @@ the ratios, the machine, the versions and the command; `--from` prints it again.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,22 +14,11 @@ import pytest
 from tests import helpers
 
 ROOT = Path(__file__).resolve().parents[2]
-WORDS = "the a of to and in is it that for on with as was be by this are or at from code data list sort print".split()
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("onpolicy")
-    tok = helpers.word_tokenizer(["[UNK]", "<s>", "</s>", *WORDS], eos="</s>", bos="<s>", split_punctuation=True)
-    target = helpers.save_tiny(root / "target", tok, 0, eos_id=2, bos_id=1, layers=2, head_scale=4.0)
-    draft = helpers.save_tiny(root / "draft", tok, 1, eos_id=2, bos_id=1, layers=1, head_scale=4.0)
-    rows = [(d, " ".join(WORDS[(5 * i + j) % len(WORDS)] for j in range(2 + i % 3)))
-            for i in range(2) for d in ("code", "chat")]
-    prompts = root / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": p, "domain": d}) + "\n" for d, p in rows))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-           "DRAFTSMITH_CACHE": str(root / "cache")}
-    return {"target": str(target), "draft": str(draft), "prompts": str(prompts), "env": env}
+    return helpers.script_world(tmp_path_factory.mktemp("onpolicy"), layers=2, per_domain=2, draft_layers=1)
 
 
 def run(world: dict, *args: str) -> subprocess.CompletedProcess:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import ast
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +18,6 @@ from tests import helpers
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "scripts"
 PACKAGES = ("decode", "pairing", "distill", "recipes")
-WORDS = "the a of to and in is it that for on with as was be by this are or at from code data list sort print".split()
 TESTED = {"allocator_bench.py", "distill_table.py", "draft_agreement.py", "gptq_agreement.py", "head_data_bench.py",
           "head_train_bench.py", "kernel_bench.py", "linear_bench.py", "native_bench.py", "onpolicy_bench.py", "q4_prefetch.py"}
 
@@ -28,16 +26,7 @@ TESTED = {"allocator_bench.py", "distill_table.py", "draft_agreement.py", "gptq_
 def world(tmp_path_factory) -> dict:
     """A 4-layer Llama with BOS/EOS and a word tokenizer (a head reads target layers [2, L/2, L-3]: L >= 4), a
     prompts file of 3 prompts in each of two domains, and a model cache of its own."""
-    root = tmp_path_factory.mktemp("scripts")
-    tok = helpers.word_tokenizer(["[UNK]", "<s>", "</s>", *WORDS], eos="</s>", bos="<s>", split_punctuation=True)
-    target = helpers.save_tiny(root / "target", tok, 0, eos_id=2, bos_id=1, layers=4, head_scale=4.0)
-    rows = [(d, " ".join(WORDS[(5 * i + j) % len(WORDS)] for j in range(2 + i % 3)))
-            for i in range(3) for d in ("code", "chat")]
-    prompts = root / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": p, "domain": d}) + "\n" for d, p in rows))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-           "DRAFTSMITH_CACHE": str(root / "cache")}
-    return {"root": root, "target": str(target), "prompts": str(prompts), "env": env}
+    return helpers.script_world(tmp_path_factory.mktemp("scripts"), layers=4, per_domain=3)
 
 
 def run_script(world: dict, name: str, *args: str) -> subprocess.CompletedProcess:
