@@ -25,7 +25,7 @@ from pathlib import Path
 from draftsmith.decode.batch import GEN_DTYPES
 from draftsmith.decode.runtime.errors import DraftsmithError
 from draftsmith.decode.runtime.io import atomic_write_json, read_json
-from draftsmith.decode.runtime.kernels import bf16_fast
+from draftsmith.decode.runtime.kernels import bf16_speedup
 from draftsmith.decode.runtime.loading import load
 from draftsmith.decode.prompts import load_prompts
 from draftsmith.distill.heads.data import HeadDataConfig, build_head_data, generation_seconds, load_head_data
@@ -100,14 +100,20 @@ def aux_layers_for(n_layers: int) -> tuple[int, int, int]:
     return 2, n_layers // 2, n_layers - 3
 
 
-def fast_dtype(requested: str, device: str, name: str = "dtype") -> str:
-    """`requested`, unless it is bfloat16 on a CPU without a fast bfloat16 path (AVX2 alone: several times slower
-    than float32, `decode.runtime.kernels.bf16_fast`): float32 there, said in one line."""
-    if requested == "bfloat16" and str(device).startswith("cpu") and not bf16_fast():
-        print(f"head: {name} bfloat16 -> float32: this CPU has no fast bfloat16 path (AVX-512 BF16 / AMX)",
-              file=sys.stderr)
-        return "float32"
-    return requested
+def fast_dtype(requested: str, device: str, name: str = "dtype",
+               shape: tuple[int, int, int] = (256, 1024, 4096)) -> str:
+    """`requested`, unless it is bfloat16 on a CPU where bfloat16 Linears are not faster than float32 at `shape`
+    (rows, in, out: `decode.runtime.kernels.bf16_speedup`, timed here; no oneDNN path at all, as with AVX2 alone,
+    counts as slower): float32 there, said in one line with the measured ratio. GPUs get what was asked."""
+    if requested != "bfloat16" or not str(device).startswith("cpu"):
+        return requested
+    speedup = bf16_speedup(*shape)
+    if speedup > 1.0:
+        return requested
+    why = (f"bfloat16 ran {speedup:.2f}x float32 at {shape[0]} x {shape[1]} x {shape[2]} here" if speedup
+           else "this CPU has no fast bfloat16 path (AVX-512 BF16 / AMX)")
+    print(f"head: {name} bfloat16 -> float32: {why}", file=sys.stderr)
+    return "float32"
 
 
 def _build_data(target, cfg: HeadRunConfig, out: Path, train_p: list, held_p: list, aux: tuple[int, ...],
@@ -155,8 +161,12 @@ def run_head(target_spec: str, out: Path, cfg: HeadRunConfig, *, prompts: str = 
 
     out = Path(out)
     target = load(target_spec, device=device)
-    cfg = dataclasses.replace(cfg, gen_dtype=fast_dtype(cfg.gen_dtype, device, "gen_dtype"),
-                              train_dtype=fast_dtype(cfg.train_dtype, device, "train_dtype"))
+    mc = target.model.config  # each dtype's Linears at the rows it runs: a step's rows, and a training batch's
+    hidden, inner = mc.hidden_size, getattr(mc, "intermediate_size", 4 * mc.hidden_size)
+    cfg = dataclasses.replace(
+        cfg, gen_dtype=fast_dtype(cfg.gen_dtype, device, "gen_dtype", (cfg.gen_batch_size, hidden, inner)),
+        train_dtype=fast_dtype(cfg.train_dtype, device, "train_dtype",
+                               (cfg.rows_per_step * cfg.max_new_tokens, hidden, inner)))
     aux = aux_layers_for(target.model.config.num_hidden_layers)
     train_p, held_p = split_prompts(load_prompts(prompts, limit_per_domain=limit_per_domain), eval_per_domain)
     t0 = time.perf_counter()

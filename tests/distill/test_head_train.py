@@ -343,16 +343,40 @@ def test_thin_rows_keeps_every_sth_prompt_and_at_most_n_rows_each() -> None:
         assert [t for t in kept if t[0] == p] == [r["tag"] for r in rows if r["tag"][0] == p][:2]
 
 
-def test_bfloat16_falls_back_to_float32_on_a_cpu_without_a_fast_path(monkeypatch, capsys) -> None:
-    """A recipe's gen_dtype / train_dtype bfloat16 runs in bfloat16 only where the CPU has a fast path (AVX-512
-    BF16, AMX): with AVX2 alone bfloat16 matmuls are several times slower than float32 (the quickstart's data
-    generation stalled), so float32 there, said in one line."""
+def test_bfloat16_falls_back_to_float32_on_a_cpu_where_it_is_not_faster(monkeypatch, capsys) -> None:
+    """A recipe's gen_dtype / train_dtype bfloat16 runs in bfloat16 only where the CPU's bfloat16 Linears are
+    faster than float32 at the rows they run, timed (`bf16_speedup`): with AVX2 alone there is no path (several
+    times slower; the quickstart's data generation stalled), and with AVX-512 BF16 but no AMX they ran slower than
+    float32. Float32 there, said in one line with the measured ratio; GPUs get what was asked."""
     from draftsmith.distill.heads import pipeline
 
-    monkeypatch.setattr(pipeline, "bf16_fast", lambda: False)
-    assert pipeline.fast_dtype("bfloat16", "cpu", "gen_dtype") == "float32"
-    assert "gen_dtype bfloat16 -> float32" in capsys.readouterr().err
+    asked = []
+    monkeypatch.setattr(pipeline, "bf16_speedup", lambda *shape: asked.append(shape) or 0.0)
+    assert pipeline.fast_dtype("bfloat16", "cpu", "gen_dtype", (16, 64, 256)) == "float32"
+    assert "gen_dtype bfloat16 -> float32: this CPU has no fast bfloat16 path" in capsys.readouterr().err
+    monkeypatch.setattr(pipeline, "bf16_speedup", lambda *shape: asked.append(shape) or 0.61)
+    assert pipeline.fast_dtype("bfloat16", "cpu", "train_dtype", (32, 64, 256)) == "float32"
+    assert "train_dtype bfloat16 -> float32: bfloat16 ran 0.61x float32 at 32 x 64 x 256" in capsys.readouterr().err
+    assert asked == [(16, 64, 256), (32, 64, 256)]
     assert pipeline.fast_dtype("float32", "cpu") == "float32"
     assert pipeline.fast_dtype("bfloat16", "cuda") == "bfloat16"  # GPUs: as asked
-    monkeypatch.setattr(pipeline, "bf16_fast", lambda: True)
+    monkeypatch.setattr(pipeline, "bf16_speedup", lambda *shape: 2.1)
     assert pipeline.fast_dtype("bfloat16", "cpu") == "bfloat16" and not capsys.readouterr().err
+    assert len(asked) == 2  # float32 asked, or a GPU: nothing timed
+
+
+def test_bf16_speedup_times_both_dtypes_once_per_shape(monkeypatch) -> None:
+    from draftsmith.decode.runtime import kernels
+
+    kernels.bf16_speedup.cache_clear()
+    monkeypatch.setattr(kernels, "bf16_fast", lambda: False)
+    assert kernels.bf16_speedup(8, 16, 32) == 0.0  # no oneDNN path: nothing timed
+    kernels.bf16_speedup.cache_clear()
+    monkeypatch.setattr(kernels, "bf16_fast", lambda: True)
+    calls = []
+    real = kernels.F.linear
+    monkeypatch.setattr(kernels.F, "linear", lambda a, b: calls.append(a.dtype) or real(a, b))
+    r = kernels.bf16_speedup(8, 16, 32)
+    assert r > 0 and calls == [torch.float32] * 7 + [torch.bfloat16] * 7
+    assert kernels.bf16_speedup(8, 16, 32) == r and len(calls) == 14  # cached
+    kernels.bf16_speedup.cache_clear()
