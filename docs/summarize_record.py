@@ -131,7 +131,10 @@ def summarize(v, keep=frozenset(), path=()):
                     out[k] = [summarize(y, keep, path + (k,)) for y in x[:cap]]
                     out[k + "_kept"] = f"first {cap} of {len(x)}"
                     continue
-            out[k] = summarize(x, keep, path + (k,))
+            y = summarize(x, keep, path + (k,))
+            if y == {} and x != {} and k not in keep:
+                continue  # everything in it was dropped: it goes too, as it would on a second pass
+            out[k] = y
         for k in [k for k in out if k not in keep and _redundant(out, k)]:
             out[k] = 3  # the count: the median and the range beside it hold the three values
         return out

@@ -59,3 +59,16 @@ def test_summarize_out_writes_beside_never_over_the_source(tmp_path):
     assert src.read_text() == raw
     written = out / src.relative_to(src.anchor)
     assert "stats" not in json.loads(written.read_text())
+
+
+def test_summarize_is_idempotent_when_drops_empty_a_dict(tmp_path):
+    """A dict whose every key is dropped goes in the same pass: the summary is a summary of itself at once."""
+    src = tmp_path / "distill.json"
+    src.write_text(json.dumps({"served": {"forms": {"groups": {"stats": {"a": 1}}}, "pick": "groups"}, "k": 1}))
+    run = subprocess.run([sys.executable, "docs/summarize_record.py", str(src)], cwd=ROOT, capture_output=True,
+                         text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert json.loads(src.read_text())["served"] == {"pick": "groups"}
+    check = subprocess.run([sys.executable, "docs/summarize_record.py", "--check", str(src)], cwd=ROOT,
+                           capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
