@@ -22,7 +22,9 @@ plus, for onpolicy, the scorer's. One untimed warm-up of each path first (row pl
 copy); then --repeats rounds in alternating order (A B C, C B A, ...) so drift hits every path alike. Prints a
 table and writes <out>/bench.json (atomically) with every run's raw seconds and tokens, tokens/s per path, the
 ratios of onpolicy to each target path and to the faster one (the goal: >= 5x), the scorer's tokens/s alone over the
-faster one (what onpolicy would reach with a writer of no cost), the machine, the versions and the command. `--from FILE` prints a bench.json again. Smoke run on tiny model folders:
+faster one (what onpolicy would reach with a writer of no cost), the machine, the versions and the command.
+`--device cuda` runs both models on a GPU (the writer is then the draft as loaded). `--from FILE` prints a
+bench.json again. Smoke run on tiny model folders:
 
     .venv/bin/python scripts/onpolicy_bench.py --target TINY --draft TINY --prompts prompts.jsonl --per-domain 1 \
         --max-new-tokens 4 --repeats 1 --out /tmp/opb
@@ -37,6 +39,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import torch
 
 from draftsmith.decode.runtime.io import atomic_write_json, read_json
 from draftsmith.decode.runtime.loading import load
@@ -68,6 +72,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--teacher-cache-dtype", default="float16", choices=["float16", "float32"])
     ap.add_argument("--score-batch-size", type=int, default=8, help="rows a prefill when the target scores")
     ap.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated, of {', '.join(PATHS)}")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where both models run (off the CPU the "
+                    "on-policy writer is the draft as loaded: the int4 / int8 copies are CPU kernels)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--progress", action="store_true", help="show the writers' and the scorer's bars")
     ap.add_argument("--out", type=Path, default=Path("docs/onpolicy-bench"))
@@ -155,7 +161,9 @@ def table(result: dict) -> str:
 def measure(args) -> dict:
     """Load, warm up, run the rounds -> the result (not yet written)."""
     t_start = time.perf_counter()
-    target, draft = load(args.target), load(args.draft)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no GPU here")
+    target, draft = load(args.target, device=args.device), load(args.draft, device=args.device)
     prompts = repeat_prompts(load_prompts(args.prompts, limit_per_domain=args.per_domain), args.samples)
     loaded = time.perf_counter() - t_start
     runs, warmup = [], []
@@ -175,7 +183,8 @@ def measure(args) -> dict:
             "per_domain": args.per_domain, "samples": args.samples, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
             "seed": args.seed, "batch_size": args.batch_size, "quant": args.quant, "writer": writer,
             "teacher_topk": args.teacher_topk, "teacher_cache_dtype": args.teacher_cache_dtype,
-            "score_batch_size": args.score_batch_size, "repeats": args.repeats, "paths": args.paths, "runs": runs,
+            "score_batch_size": args.score_batch_size, "device": args.device, "repeats": args.repeats,
+            "paths": args.paths, "runs": runs,
             "warmup": warmup, **summarize(runs, args.paths), "goal": GOAL, "load_seconds": loaded,
             "wall_seconds": time.perf_counter() - t_start, "machine": machine_info(), "versions": versions(),
             "command": shlex.join(["python", *sys.argv])}

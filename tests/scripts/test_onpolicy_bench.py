@@ -55,5 +55,6 @@ def test_onpolicy_bench(world: dict, tmp_path: Path) -> None:
         per["onpolicy"]["score_tokens_per_s"] / best)
     assert result["ratios"]["score_alone_over_best_target"] > result["ratios"]["onpolicy_over_best_target"]
     assert result["writer"] in ("int4", "int8", "as loaded") and result["goal"] == 5.0
+    assert result["device"] == "cpu"
     again = run(world, "--from", str(tmp_path / "bench.json"))
     assert "onpolicy_over_best_target" in again.stdout and "tokens/s" in again.stdout
