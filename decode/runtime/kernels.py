@@ -98,25 +98,15 @@ def bf16_fast() -> bool:
 @functools.lru_cache(maxsize=None)
 def bf16_speedup(rows: int, in_features: int, out_features: int) -> float:
     """How many times faster `F.linear` of (rows, in_features) by (out_features, in_features) runs in bfloat16
-    than in float32 on this CPU, timed (the best of 5 of each after 2 warm-ups; once per shape a process), 0.0
-    where oneDNN has no bfloat16 path (`bf16_fast`). A fast path is not a faster one: with AMX bfloat16 runs
-    about 2x float32, with AVX-512 BF16 alone it ran 0.25-0.98x of it at a SmolLM2's shapes (Intel Xeon)."""
+    than in float32 on this CPU, timed (`best_time` of each; once per shape a process), 0.0 where oneDNN has no
+    bfloat16 path (`bf16_fast`). A fast path is not a faster one: with AMX bfloat16 runs about 2x float32, with
+    AVX-512 BF16 alone it ran 0.25-0.98x of it at a SmolLM2's shapes (Intel Xeon)."""
     if not bf16_fast():
         return 0.0
     x, w = torch.randn(rows, in_features), torch.randn(out_features, in_features)
-
-    def best(a: Tensor, b: Tensor) -> float:
-        for _ in range(2):
-            F.linear(a, b)
-        times = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            F.linear(a, b)
-            times.append(time.perf_counter() - t0)
-        return min(times)
-
+    xb, wb = x.bfloat16(), w.bfloat16()
     with torch.inference_mode():
-        return best(x, w) / max(best(x.bfloat16(), w.bfloat16()), 1e-9)
+        return best_time(lambda: F.linear(x, w)) / max(best_time(lambda: F.linear(xb, wb)), 1e-9)
 
 
 def _packed(weight: Tensor) -> Tensor:

@@ -377,6 +377,6 @@ def test_bf16_speedup_times_both_dtypes_once_per_shape(monkeypatch) -> None:
     real = kernels.F.linear
     monkeypatch.setattr(kernels.F, "linear", lambda a, b: calls.append(a.dtype) or real(a, b))
     r = kernels.bf16_speedup(8, 16, 32)
-    assert r > 0 and calls == [torch.float32] * 7 + [torch.bfloat16] * 7
-    assert kernels.bf16_speedup(8, 16, 32) == r and len(calls) == 14  # cached
+    assert r > 0 and calls == [torch.float32] * 6 + [torch.bfloat16] * 6  # best_time: a warm-up, the best of 5
+    assert kernels.bf16_speedup(8, 16, 32) == r and len(calls) == 12  # cached
     kernels.bf16_speedup.cache_clear()
