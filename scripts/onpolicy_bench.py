@@ -40,8 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
+from draftsmith.decode.runtime.errors import DraftsmithError
 from draftsmith.decode.runtime.io import atomic_write_json, read_json
 from draftsmith.decode.runtime.loading import load
 from draftsmith.decode.runtime.machine import machine_info, versions
@@ -161,8 +160,6 @@ def table(result: dict) -> str:
 def measure(args) -> dict:
     """Load, warm up, run the rounds -> the result (not yet written)."""
     t_start = time.perf_counter()
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: torch sees no GPU here")
     target, draft = load(args.target, device=args.device), load(args.draft, device=args.device)
     prompts = repeat_prompts(load_prompts(args.prompts, limit_per_domain=args.per_domain), args.samples)
     loaded = time.perf_counter() - t_start
@@ -195,7 +192,10 @@ def main() -> None:
     if args.from_file is not None:
         print(table(read_json(args.from_file, what="bench result")))
         return
-    result = measure(args)
+    try:
+        result = measure(args)
+    except DraftsmithError as e:  # an unknown model, a GPU torch does not see: one line
+        raise SystemExit(f"error: {e}") from None
     args.out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(args.out / "bench.json", result)
     print(table(result))

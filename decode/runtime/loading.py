@@ -91,9 +91,12 @@ def _display_name(spec: str) -> str:
 
 
 def load(spec: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Loaded:
-    """Load model and tokenizer named by `spec` (see `resolve`) in eval mode on `device`."""
+    """Load model and tokenizer named by `spec` (see `resolve`) in eval mode on `device` (a GPU that torch does not
+    see is one line, before anything loads)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise DraftsmithError(f"device {device}: torch sees no GPU here (torch {torch.__version__})")
     path = resolve(spec)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)

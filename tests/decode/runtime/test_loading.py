@@ -18,7 +18,7 @@ import torch
 from draftsmith.decode.runtime import loading, zoo
 from draftsmith.decode.runtime.errors import DraftsmithError
 from draftsmith.decode.runtime.gguf_check import check_gguf, gguf_chat_template
-from draftsmith.decode.runtime.loading import eos_ids
+from draftsmith.decode.runtime.loading import eos_ids, load
 from tests import helpers
 
 CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
@@ -222,3 +222,10 @@ def test_eos_ids_join_the_tokenizer_and_the_generation_config(tmp_path: Path) ->
     assert eos_ids(loaded) == [2, 6]
     loaded.model.generation_config.eos_token_id = None
     assert eos_ids(loaded) == [6]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: device cuda loads")
+def test_load_on_a_gpu_torch_does_not_see_is_one_line() -> None:
+    with pytest.raises(DraftsmithError, match="device cuda: torch sees no GPU here") as e:
+        load("smollm2-135m-instruct", device="cuda")
+    assert "\n" not in str(e.value)
